@@ -1,0 +1,233 @@
+"""TokenSelect and ReAttention: agreement with full attention, what they select, where they place it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenselect import LLM, SamplingParams
+from tokenselect.kernels import get_kernels
+from tokenselect.kv_cache import KVCache
+from tokenselect.policies import SeqView, make_policy
+from tokenselect.policies.reattention import ReAttention
+from tokenselect.policies.tokenselect import TokenSelect
+
+TORCH = get_kernels("torch")
+
+
+def cache_with_keys(keys: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
+    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T])."""
+    t, n_kv, d = keys.shape
+    cache = KVCache(1, t + 8, n_kv, d, torch.float32, torch.device("cpu"))
+    cache.allocate(8)  # so slots and token indices differ
+    slots = cache.allocate(t)[torch.randperm(t)]
+    cache.write(0, slots, keys, torch.randn_like(keys))
+    return cache, slots
+
+
+# ---- agreement with full attention ----------------------------------------------------------------
+
+@pytest.mark.parametrize("attention,settings", [
+    ("tokenselect", dict(k=4096, n_init=4, n_local=32)),
+    ("reattention", dict(n_init=4, n_local=64, span=8, n_spans=40)),
+])
+def test_budget_covering_context_equals_full(tiny_llama, attention, settings):
+    ids = torch.randint(2, 300, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = LLM(tiny_llama, chunk_size=32).prompt_logits(ids)
+    sparse = LLM(tiny_llama, attention, chunk_size=32, **settings).prompt_logits(ids)
+    torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
+
+
+# ---- what the selectors choose ---------------------------------------------------------------------
+
+def loud_head_cache():
+    """Heads 0-2 agree on tokens 3 and 7 (logit 6); head 3 shouts for token 12 (logit 50)."""
+    d, t = 8, 20
+    q = torch.zeros(4, d)
+    q[:, 0] = 1.0
+    q[3, 0] = 10.0
+    keys = torch.zeros(t, 4, d)
+    keys[:, :, 1] = torch.randn(t, 4)  # orthogonal to q: noise that scores 0
+    keys[[3, 7], :3, 0] = 6.0
+    keys[12, 3, 0] = 5.0  # head 3: logit 50 for token 12
+    keys[[3, 7], 3, 0] = 0.5  # ... and 5 for tokens 3, 7
+    return q, keys
+
+
+def test_soft_vote_gives_each_head_one_vote():
+    q, keys = loud_head_cache()
+    cache, slots = cache_with_keys(keys)
+    soft = TokenSelect(cache, TORCH, k=2, selector="soft_vote")
+    assert soft.choose(q, cache.k[0], slots).tolist() == [3, 7]
+
+
+def test_plain_topk_is_dominated_by_the_loud_head():
+    q, keys = loud_head_cache()
+    cache, slots = cache_with_keys(keys)
+    plain = TokenSelect(cache, TORCH, k=1, selector="topk")
+    assert plain.choose(q, cache.k[0], slots).tolist() == [12]
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4])
+def test_hard_vote_matches_brute_force_count(n_kv):
+    torch.manual_seed(n_kv)
+    n_heads, d, t, k = 4, 16, 60, 5
+    q, keys = torch.randn(n_heads, d), torch.randn(t, n_kv, d)
+    cache, slots = cache_with_keys(keys)
+    policy = TokenSelect(cache, TORCH, k=k, selector="hard_vote")
+    chosen = policy.choose(q, cache.k[0], slots)
+    counts = torch.zeros(t)
+    for h in range(n_heads):
+        kv = h // (n_heads // n_kv)
+        scores = torch.stack([q[h] @ keys[i, kv] for i in range(t)])
+        for i in torch.topk(scores, k).indices:
+            counts[i] += 1
+    others = torch.ones(t, dtype=torch.bool)
+    others[chosen] = False
+    assert chosen.numel() == k
+    assert counts[chosen].min() >= counts[others].max()
+    assert counts[chosen].sum() == torch.topk(counts, k).values.sum()
+
+
+def test_chunk_selects_with_its_mean_query():
+    """Prefill selects once per chunk with the mean query: a token aligned with the mean wins even
+    though no single query of the chunk points at it."""
+    d, t = 4, 40
+    keys = torch.zeros(t, 1, d)
+    keys[:, 0, 3] = torch.linspace(-1, 1, t)
+    keys[10, 0] = torch.tensor([1.0, 1.0, 0.0, 0.0])  # mean of the two queries points here
+    keys[20, 0] = torch.tensor([1.6, -1.0, 0.0, 0.0])
+    keys[30, 0] = torch.tensor([-1.0, 1.6, 0.0, 0.0])
+    cache, slots = cache_with_keys(keys)
+    q = torch.tensor([[[1.0, 0.0, 0.0, 0.0]], [[0.0, 1.0, 0.0, 0.0]]])  # [c=2, H=1, d]
+    policy = TokenSelect(cache, TORCH, k=1, n_init=0, n_local=0, selector="topk")
+    plan = policy.plan(0, SeqView(0, slots, decode=False), q)
+    assert plan.slots.tolist() == [slots[10].item()]
+
+
+# ---- placement -------------------------------------------------------------------------------------
+
+def plan_for(positions: str, t: int = 500, c: int = 3):
+    torch.manual_seed(0)
+    cache, slots = cache_with_keys(torch.randn(t, 2, 16))
+    policy = TokenSelect(cache, TORCH, k=40, n_init=8, n_local=16, positions=positions)
+    return policy.plan(0, SeqView(1, slots, decode=False), torch.randn(c, 4, 16)), slots, policy
+
+
+def test_reindexed_positions_stay_inside_the_window():
+    plan, slots, policy = plan_for("reindex")
+    n = policy.n_init + policy.k + policy.n_local
+    assert plan.slots.numel() == n
+    assert plan.positions.tolist() == list(range(n))
+    assert plan.q_positions.tolist() == [n, n + 1, n + 2]
+    # sinks first, then the selection in original order, then the local window
+    order = [int((slots == s).nonzero()) for s in plan.slots]
+    assert order[:8] == list(range(8)) and order[-16:] == list(range(484, 500))
+    assert order == sorted(order) and len(set(order)) == n
+
+
+def test_original_positions_are_cache_positions():
+    plan, slots, _ = plan_for("original")
+    order = torch.tensor([int((slots == s).nonzero()) for s in plan.slots])
+    assert torch.equal(plan.positions, order)
+    assert plan.q_positions.tolist() == [500, 501, 502]
+
+
+def test_positions_never_exceed_the_window_during_generation(tiny_llama):
+    """A prompt 4x the model window (256): every plan of every layer stays inside the window."""
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=64, n_init=4, n_local=32)
+    seen = []
+    plan = llm.policy.plan
+    llm.policy.plan = lambda *a: seen.append(plan(*a)) or seen[-1]
+    ids = torch.randint(2, 300, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
+    llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert max(int(torch.cat([p.positions, p.q_positions]).max()) for p in seen) < llm.window
+    assert min(p.slots.numel() for p in seen[-4:]) == 4 + 64 + 32
+
+
+# ---- Selection Cache --------------------------------------------------------------------------------
+
+def decode_with(tiny_llama, theta, n_new=6):
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=32, n_init=4, n_local=16, theta=theta)
+    ids = torch.randint(2, 300, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))
+    return out[0].token_ids, llm.stats()
+
+
+def test_selection_cache_theta_one_never_hits_and_matches_cache_off(tiny_llama):
+    tokens, stats = decode_with(tiny_llama, theta=1.0)
+    off_tokens, off_stats = decode_with(tiny_llama, theta=None)
+    n_layers, decode_steps = 2, 5  # the first new token comes from the prefill
+    assert stats["selection_cache_hits"] == 0
+    assert stats["selection_cache_misses"] == n_layers * decode_steps
+    assert off_stats["selection_cache_hits"] == off_stats["selection_cache_misses"] == 0
+    assert tokens == off_tokens
+
+
+def test_selection_cache_theta_minus_one_always_hits_after_first(tiny_llama):
+    _, stats = decode_with(tiny_llama, theta=-1.0)
+    n_layers, decode_steps = 2, 5
+    assert stats["selection_cache_misses"] == n_layers
+    assert stats["selection_cache_hits"] == n_layers * (decode_steps - 1)
+    assert stats["selection_cache_hit_rate"] == pytest.approx(4 / 5)
+
+
+def test_selection_cache_reuses_the_stored_selection():
+    torch.manual_seed(0)
+    cache, slots = cache_with_keys(torch.randn(300, 2, 16))
+    policy = TokenSelect(cache, TORCH, k=16, n_init=4, n_local=8, theta=0.5)
+    q = torch.randn(1, 4, 16)
+    first = policy.plan(0, SeqView(7, slots, decode=True), q)
+    near = policy.plan(0, SeqView(7, slots, decode=True), q + 0.01 * torch.randn_like(q))
+    far = policy.plan(0, SeqView(7, slots, decode=True), -q)
+    assert torch.equal(first.slots, near.slots)
+    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 2)
+    assert not torch.equal(first.slots, far.slots)
+    policy.release(7)
+    policy.plan(0, SeqView(7, slots, decode=True), q)
+    assert policy.selection_cache.misses == 3
+
+
+# ---- ReAttention ------------------------------------------------------------------------------------
+
+def test_reattention_widens_winners_into_spans():
+    torch.manual_seed(0)
+    t, d = 400, 16
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(2, 4, d)  # chunk of 2 queries
+    keys[150] = 5 * q[0].view(2, 2, d).mean(1)  # every head of query 0 votes for token 150
+    keys[300] = 5 * q[1].view(2, 2, d).mean(1)  # ... and of query 1 for token 300
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=8, n_spans=2, chunk=2)
+    plan = policy.plan(0, SeqView(0, slots, decode=False), q)
+    order = [int((slots == s).nonzero()) for s in plan.slots]
+    assert order == list(range(4)) + list(range(146, 154)) + list(range(296, 304)) + list(range(380, 400))
+    assert plan.positions.tolist() == list(range(len(order)))
+
+
+def test_reattention_caps_spans_to_the_window():
+    cache = KVCache(1, 10, 1, 4, torch.float32, torch.device("cpu"))
+    policy = ReAttention(cache, TORCH, window=1024, n_init=32, n_local=512, span=32, n_spans=127, chunk=256)
+    assert policy.n_spans == (1024 - 32 - 512 - 256) // 32
+    with pytest.raises(ValueError, match="window"):
+        ReAttention(cache, TORCH, window=256, n_init=32, n_local=512, chunk=64)
+
+
+# ---- end to end --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["full", "tokenselect", "reattention"])
+def test_prompt_four_times_the_window_generates(tiny_llama, attention):
+    llm = LLM(tiny_llama, attention, chunk_size=64)
+    ids = torch.randint(2, 300, (1024,), generator=torch.Generator().manual_seed(9)).tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5 and out[0].finish_reason == "length"
+    assert llm.cache.num_free == llm.cache.n_slots  # everything released
+
+
+def test_defaults_fit_small_windows(tiny_llama):
+    llm = LLM(tiny_llama, "tokenselect")  # window 256: paper sizes scaled by 256/8192
+    p = llm.policy
+    assert (p.n_init, p.k, p.n_local) == (4, 64, 16)
+    assert p.n_init + p.k + p.n_local + llm.chunk_size <= llm.window
+    with pytest.raises(ValueError, match="takes no setting"):
+        make_policy("full", llm.cache, TORCH, 256, 64, {"k": 3})

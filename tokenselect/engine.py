@@ -1,0 +1,195 @@
+"""The engine: ``LLM(model_path, attention=...)`` and ``generate``.
+
+One step = schedule a batch (decode tokens + prefill chunks), allocate their KV slots, run the
+model once over the flat batch, then sample a token for every sequence that reached the end of
+what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server drives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .attention import BatchAttention, Chunk, RopeFrequencies
+from .config import ModelConfig
+from .errors import ContextTooLong
+from .kernels import get_kernels
+from .kv_cache import KVCache
+from .models import load_model, load_tokenizer
+from .models.loader import resolve_dtype
+from .policies import default_chunk, make_policy
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence
+
+CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
+GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
+
+
+class LLM:
+    """A model from a local Hugging Face checkpoint folder, served with an attention policy.
+
+    attention: full | tokenselect | reattention (and the baselines). Policy settings
+    (k, n_init, n_local, theta, selector, ...) go as keyword arguments; unset ones take the paper's
+    defaults fitted to the model's window. ``model=None`` loads the model that ships with the package.
+    """
+
+    def __init__(self, model: str | Path | None = None, attention: str = "full", *, dtype: str = "auto",
+                 device: str | None = None, kernels: str | None = None, chunk_size: int | None = None,
+                 kv_cache_tokens: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
+                 rope_scaling: str | None = None, **policy_settings):
+        if model is None:
+            from .data import default_model_path
+
+            model = default_model_path()
+        self.path = Path(model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.config = cfg = ModelConfig.from_folder(self.path)
+        self.tokenizer = load_tokenizer(self.path)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_model(self.path, self.dtype, self.device)
+        self.window = cfg.window
+        rope = cfg.rope
+        if rope_scaling:
+            kind, _, factor = rope_scaling.partition(":")
+            rope = rope.with_scaling(kind, float(factor or 2))
+        self.rope = RopeFrequencies(rope, self.device)
+        self.kernels = get_kernels(kernels or ("triton" if self.device.type == "cuda" else "torch"))
+        self.chunk_size = chunk_size or default_chunk(self.window)
+        n_slots = kv_cache_tokens or self._default_pool_tokens()
+        self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.max_model_len = min(max_model_len or n_slots, n_slots)
+        self.attention = attention
+        self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
+        self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
+        self.eos_ids = set(cfg.eos_token_ids) or ({self.tokenizer.eos_token_id} - {None})
+
+    def _default_pool_tokens(self) -> int:
+        cfg = self.config
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * GPU_MEMORY_FRACTION) // per_token
+        return min(131072, CPU_POOL_BYTES // per_token)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Queue a request (text or token ids). Raises ContextTooLong if it can never fit."""
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        need = len(ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ContextTooLong(
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {need} exceeds the context "
+                f"limit of {self.max_model_len} tokens (raise kv_cache_tokens / --kv-cache-tokens)")
+        seq = Sequence(ids, params, self.device)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request and free its KV slots (a client went away)."""
+        if not seq.finished:
+            seq.finish_reason = "abort"
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.policy.release(seq.id)
+
+    # ---- one engine step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one forward pass. Returns the sequences that got a new token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        chunks, ids, new_slots, row = [], [], [], 0
+        for seq, n in batch:
+            slots = self.cache.allocate(n)
+            seq.slots[seq.n_cached:seq.n_cached + n] = slots
+            new_slots.append(slots)
+            ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
+            chunks.append(Chunk(seq, row, n, seq.n_cached))
+            row += n
+        ctx = BatchAttention(self.cache, self.policy, self.kernels, self.rope, chunks, torch.cat(new_slots))
+        # Rows that need logits: every row of a sequence recording them, else the last row of a
+        # sequence that reached the end of its known tokens (it samples next).
+        wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
+                  else [ch.start + ch.length - 1] if ch.past + ch.length == len(ch.seq.tokens) else []
+                  for ch in chunks]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
+        logits = self.model(input_ids, ctx, logit_rows).split([len(w) for w in wanted])
+        stepped = []
+        for ch, row_logits in zip(chunks, logits):
+            seq = ch.seq
+            seq.n_cached += ch.length
+            if seq.logits is not None:
+                seq.logits.append(row_logits)
+            if seq.n_cached == len(seq.tokens):
+                self._append(seq, sample(row_logits[-1], seq.params, seq.generator))
+                stepped.append(seq)
+        return stepped
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        p = seq.params
+        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+            seq.finish_reason = "stop"
+        elif token in self.eos_ids and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finished:
+            self._release(seq)
+
+    # ---- batch API ----------------------------------------------------------------------------
+
+    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids). Returns one output per prompt, in order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        seqs = [self.add_request(p, params) for p in prompts]
+        total = sum(len(s.prompt_ids) for s in seqs)
+        bar = tqdm(total=total, unit="tok", desc="prefill", disable=not use_tqdm or total <= 4 * self.chunk_size)
+        try:
+            while not all(s.finished for s in seqs):
+                before = sum(min(s.n_cached, len(s.prompt_ids)) for s in seqs)
+                self.step()
+                bar.update(sum(min(s.n_cached, len(s.prompt_ids)) for s in seqs) - before)
+        except BaseException:
+            for s in seqs:
+                self.abort(s)
+            raise
+        finally:
+            bar.close()
+        return [s.output() for s in seqs]
+
+    def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
+        """Logits ``[T, vocab]`` (fp32) at every prompt position, from the same chunked prefill and
+        attention policy that ``generate`` uses."""
+        seq = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+        seq.logits = []
+        while not seq.finished:
+            self.step()
+        return torch.cat(seq.logits)
+
+    def stats(self) -> dict:
+        """Policy counters (e.g. the Selection Cache's hits and misses) and pool occupancy."""
+        return {"attention": self.attention, "kv_slots_free": self.cache.num_free,
+                "kv_slots": self.cache.n_slots, **self.policy.stats()}

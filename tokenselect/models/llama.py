@@ -1,0 +1,113 @@
+"""One decoder for the Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm).
+
+Module names match Hugging Face checkpoints so weights load by name. The model never computes
+attention itself: each layer hands its un-rotated q, k, v to ``ctx.attention`` (the engine's
+forward context), which writes k/v into the paged cache and runs whatever policy is configured.
+
+Tokens of several sequences are flattened into one batch: ``x: [n_tokens, hidden]``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class AttentionContext(Protocol):
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [n_tokens, n_heads, head_dim], k, v: [n_tokens, n_kv_heads, head_dim] (no RoPE yet)
+        -> [n_tokens, n_heads, head_dim]."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = ctx.attention(self.layer, q, k, v)
+        return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [n_tokens] -> logits [len(logit_rows) or n_tokens, vocab] (fp32).
+
+        ``logit_rows`` picks the rows that need logits (the last token of each sequence), so a
+        512-token prefill chunk does not pay for 512 rows of the vocabulary projection."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        x = self.model.norm(x)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self.lm_head(x).float()

@@ -1,0 +1,81 @@
+"""Load a Hugging Face checkpoint folder: safetensors weights (single file or sharded) and tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from .llama import CausalLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto``/None: fp32 on CPU (bf16 matmuls are slow there), bf16 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Build the model from config.json and fill it from the safetensors files by parameter name."""
+    path = Path(path)
+    cfg = ModelConfig.from_folder(path)
+    files = _weight_files(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in expected:
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if cfg.tie_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise CheckpointError(f"{path}: weights missing from the checkpoint: {shown}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, config says {tuple(expected[name].shape)}")
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's own tokenizer (and chat template) through transformers, offline."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a broken tokenizer folder
+        raise CheckpointError(f"{path}: could not load the tokenizer: {e}") from None

@@ -1,0 +1,119 @@
+"""Attention policies, chosen by name, and the settings users pass to them.
+
+Settings a user leaves out take the paper's defaults. Those defaults were chosen for models with an
+8K window; for a smaller window the size settings (``SIZE_SETTINGS`` of each policy) shrink in
+proportion, so that the attended list still fits the window the model was trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+from ..kernels import Kernels
+from ..kv_cache import KVCache
+from .base import AttentionPolicy, Plan, SelectivePolicy, SeqView
+from .full import FullAttention
+from .reattention import ReAttention
+from .tokenselect import TokenSelect
+
+POLICIES: dict[str, type[AttentionPolicy]] = {
+    cls.name: cls for cls in (FullAttention, TokenSelect, ReAttention)
+}
+PAPER_WINDOW = 8192  # the window the papers' defaults were set for (Llama-3-8B)
+SIZE_SETTINGS = ("n_init", "k", "n_local", "span")
+
+
+def policy_settings(name: str) -> dict[str, object]:
+    """The settings a policy takes, with their defaults."""
+    params = inspect.signature(POLICIES[name].__init__).parameters
+    return {p: v.default for p, v in params.items()
+            if p not in ("self", "cache", "kernels", "window", "chunk")}
+
+
+def make_policy(name: str, cache: KVCache, kernels: Kernels, window: int, chunk: int,
+                settings: dict | None = None) -> AttentionPolicy:
+    """Build policy ``name``. Unknown settings raise; defaulted size settings fit the window."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown attention {name!r}; choose from {', '.join(POLICIES)}")
+    settings = dict(settings or {})
+    accepted = policy_settings(name)
+    unknown = sorted(set(settings) - set(accepted))
+    if unknown:
+        raise ValueError(f"attention {name!r} takes no setting {', '.join(unknown)} "
+                         f"(it takes: {', '.join(accepted) or 'none'})")
+    shrink = min(1.0, window / PAPER_WINDOW)
+    for key in SIZE_SETTINGS:
+        if key in accepted and key not in settings:
+            settings[key] = max(1, int(accepted[key] * shrink))
+    params = inspect.signature(POLICIES[name].__init__).parameters
+    extra = {key: value for key, value in (("window", window), ("chunk", chunk)) if key in params}
+    return POLICIES[name](cache, kernels, **extra, **settings)
+
+
+def default_chunk(window: int) -> int:
+    """Prefill chunk: the papers' 512, or a quarter of a small window."""
+    return min(512, max(16, window // 4))
+
+
+# ---- command-line flags shared by generate / eval / serve / bench ---------------------------------
+
+def add_policy_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("attention policy settings (unset: the paper's defaults, fitted to the model window)")
+    g.add_argument("--k", type=int, help="tokens (tokenselect) selected from the middle of the cache")
+    g.add_argument("--n-init", type=int, help="sink tokens kept at the start (reattention: global tokens)")
+    g.add_argument("--n-local", type=int, help="most recent tokens always attended")
+    g.add_argument("--theta", type=float, help="Selection Cache threshold on cos(q, q_cached); 1.0 never reuses")
+    g.add_argument("--selector", choices=["soft_vote", "hard_vote", "topk"], help="tokenselect head vote (default soft_vote)")
+    g.add_argument("--score-scale", help="per-head softmax scale for the vote: raw (default), sqrt_d or a number")
+    g.add_argument("--span", type=int, help="reattention: neighbours attended around each selected token")
+    g.add_argument("--n-spans", type=int, help="reattention: number of selected spans (k')")
+    g.add_argument("--positions", choices=["reindex", "original"],
+                   help="RoPE by index within the attended list (default) or at original positions")
+    g.add_argument("--config", type=Path, help="JSON or YAML file of settings (flags override it)")
+    e = parser.add_argument_group("engine settings")
+    e.add_argument("--kernels", choices=["triton", "torch"], help="default: triton on CUDA, torch on CPU")
+    e.add_argument("--rope-scaling", help="override RoPE scaling, e.g. dynamic:4, ntk:8, yarn:4, linear:2")
+    e.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (default 512, or window/4 if smaller)")
+    e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    e.add_argument("--kv-cache-tokens", type=int, help="size of the KV pool in tokens")
+
+
+POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions")
+ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens")
+
+
+def load_config_file(path: Path) -> dict:
+    """Settings from a JSON or YAML file (keys as in the Python API: k, n_init, theta, ...)."""
+    text = Path(path).read_text()
+    if Path(path).suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings")
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def policy_kwargs(args: argparse.Namespace, attention: str | None = None) -> dict:
+    """``LLM(...)`` keyword arguments from parsed flags: engine settings plus the policy settings the
+    user gave. With ``attention``, only the settings that policy takes are kept (so one set of flags
+    can drive several policies side by side)."""
+    settings = load_config_file(args.config) if getattr(args, "config", None) else {}
+    for key in POLICY_FLAGS + ENGINE_FLAGS:
+        value = getattr(args, key, None)
+        if value is not None:
+            settings[key] = value
+    if attention is not None:
+        accepted = set(policy_settings(attention)) | set(ENGINE_FLAGS)
+        settings = {key: value for key, value in settings.items() if key in accepted}
+    return settings
+
+
+__all__ = ["AttentionPolicy", "Plan", "SelectivePolicy", "SeqView", "POLICIES", "make_policy",
+           "policy_settings", "default_chunk", "add_policy_args", "policy_kwargs"]

@@ -1,0 +1,126 @@
+"""The attention policy interface and the selection plumbing every sparse policy shares.
+
+A policy answers one question: for these queries of this layer, which cache slots are attended,
+and at which RoPE positions? The engine then runs sparse attention over
+``[plan.slots..., the chunk's own slots...]`` with causality inside the chunk.
+
+Selective policies attend ``[n_init sink tokens | chosen middle tokens, in original order |
+n_local most recent tokens]``. They differ only in how they choose from the middle
+(``SelectivePolicy.select``); splitting the context, assembling the list and placing it at
+positions is done here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import Kernels
+from ..kv_cache import KVCache
+
+
+@dataclass
+class Plan:
+    """What one sequence's chunk attends in one layer.
+
+    slots: [n] context slots (tokens before the chunk), in attention order.
+    positions: [n] RoPE positions of those keys.
+    q_positions: [c] RoPE positions of the chunk's queries (and of its own keys).
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    q_positions: torch.Tensor
+
+
+@dataclass
+class SeqView:
+    """What a policy sees of a sequence for one chunk.
+
+    id: the sequence id (keys the policy's per-sequence state).
+    past: [T] slots of the tokens already in the cache before this chunk, in order.
+    decode: True for a generation step (one new token after the prompt).
+    """
+
+    id: int
+    past: torch.Tensor
+    decode: bool
+
+
+class AttentionPolicy:
+    """Base class. Subclasses set ``name`` and implement ``plan``."""
+
+    name = "base"
+
+    def __init__(self, cache: KVCache, kernels: Kernels):
+        self.cache, self.kernels = cache, kernels
+
+    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
+        """q: [c, n_heads, head_dim], un-rotated queries of the chunk."""
+        raise NotImplementedError
+
+    def release(self, seq_id: int) -> None:
+        """Forget the per-sequence state of a finished sequence."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+def contiguous_plan(seq: SeqView, c: int) -> Plan:
+    """Attend every past token at its original position (full attention)."""
+    t = seq.past.numel()
+    dev = seq.past.device
+    return Plan(seq.past, torch.arange(t, device=dev), torch.arange(t, t + c, device=dev))
+
+
+class SelectivePolicy(AttentionPolicy):
+    """Sinks + chosen middle tokens + local window, re-indexed to contiguous positions.
+
+    n_init: sink tokens at the start; n_local: most recent tokens; budget: at most this many
+    middle tokens are chosen. positions: "reindex" (RoPE by index within the attended list, so
+    positions never exceed n_init + budget + n_local + chunk) or "original" (cache positions).
+    """
+
+    def __init__(self, cache: KVCache, kernels: Kernels, n_init: int, n_local: int, budget: int,
+                 positions: str = "reindex"):
+        super().__init__(cache, kernels)
+        if positions not in ("reindex", "original"):
+            raise ValueError(f"positions must be 'reindex' or 'original', not {positions!r}")
+        if min(n_init, n_local, budget) < 0:
+            raise ValueError("n_init, n_local and the selection budget must be >= 0")
+        self.n_init, self.n_local, self.budget, self.positions = n_init, n_local, budget, positions
+
+    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+        """Choose from the middle of the cache. q: [c, n_heads, head_dim]; middle: [M] slots.
+        Returns indices into ``middle`` (sorted, unique, at most ``budget``)."""
+        raise NotImplementedError
+
+    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
+        t, c = seq.past.numel(), q.shape[0]
+        if t <= self.n_init + self.budget + self.n_local:
+            return contiguous_plan(seq, c)
+        dev = seq.past.device
+        middle_end = t - self.n_local
+        chosen = self.select(layer, seq, q, seq.past[self.n_init:middle_end])
+        order = torch.cat([
+            torch.arange(self.n_init, device=dev),
+            chosen.to(dev) + self.n_init,
+            torch.arange(middle_end, t, device=dev),
+        ])
+        positions, q_positions = self.place(order, t, c)
+        return Plan(seq.past[order], positions, q_positions)
+
+    def place(self, order: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE positions for the attended tokens ``order: [n]`` (token indices) and the chunk."""
+        dev = order.device
+        if self.positions == "original":
+            return order, torch.arange(t, t + c, device=dev)
+        n = order.numel()
+        return torch.arange(n, device=dev), torch.arange(n, n + c, device=dev)
+
+
+def selection_query(q: torch.Tensor) -> torch.Tensor:
+    """The query a chunk selects with: the mean of its un-rotated queries (TokenSelect 5.2).
+    q: [c, n_heads, head_dim] -> [n_heads, head_dim]."""
+    return q.float().mean(dim=0)

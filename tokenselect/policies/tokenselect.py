@@ -1,0 +1,86 @@
+"""TokenSelect: token-level, per-head query-key criticality with a head vote (Wu et al., 2024).
+
+For a chunk the middle of the cache is scored against the chunk-mean un-rotated query; every
+kv head is read in place through the slot list (paged dot product), the per-head scores are
+combined by one of three selectors, and the top ``k`` tokens are attended together with the
+sinks and the local window. Decode steps go through the Selection Cache.
+
+Selectors (paper eqs. 5-7), over scores s[h, t] = scale * <q_h, K[t, h // group]>:
+    topk       sum_h s[h, t]                       (one loud head dominates)
+    hard_vote  sum_h [t in top-k of head h]        (one vote per head, counted)
+    soft_vote  sum_h softmax_t(s[h, :])[t]         (one normalised vote per head; default)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import Kernels
+from ..kv_cache import KVCache
+from .base import SelectivePolicy, SeqView, selection_query
+from .selection_cache import SelectionCache
+
+SELECTORS = ("soft_vote", "hard_vote", "topk")
+
+
+class TokenSelect(SelectivePolicy):
+    name = "tokenselect"
+
+    def __init__(self, cache: KVCache, kernels: Kernels, k: int = 2048, n_init: int = 128, n_local: int = 512,
+                 theta: float | None = 0.9, selector: str = "soft_vote", score_scale: str | float = "raw",
+                 positions: str = "reindex"):
+        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k, positions=positions)
+        if selector not in SELECTORS:
+            raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
+        self.k, self.selector = k, selector
+        self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
+        self.selection_cache = SelectionCache(theta)
+
+    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+        query = selection_query(q)
+        if seq.decode:
+            cached = self.selection_cache.lookup(seq.id, layer, query)
+            if cached is not None:
+                return cached
+        chosen = self.choose(query, self.cache.k[layer], middle)
+        if seq.decode:
+            self.selection_cache.store(seq.id, layer, query, chosen)
+        return chosen
+
+    def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+        """query: [n_heads, head_dim], k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32."""
+        kern = self.kernels
+        if self.selector == "soft_vote":
+            return kern.head_soft_vote(query.to(k_pool.dtype), k_pool, middle, self.scale)
+        scores = kern.paged_dot(query.to(k_pool.dtype), k_pool, middle) * self.scale  # [H, M]
+        if self.selector == "topk":
+            return scores.sum(dim=0)
+        per_head = torch.topk(scores, min(self.k, scores.shape[1]), dim=1).indices  # [H, k]
+        return torch.zeros(scores.shape[1], device=scores.device).scatter_add_(
+            0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
+
+    def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote."""
+        return self.kernels.topk(self.votes(query, k_pool, middle), self.k).sort().values
+
+    def release(self, seq_id: int) -> None:
+        self.selection_cache.release(seq_id)
+
+    def stats(self) -> dict:
+        sc = self.selection_cache
+        return {"selection_cache_hits": sc.hits, "selection_cache_misses": sc.misses,
+                "selection_cache_hit_rate": sc.hit_rate()}
+
+
+def resolve_score_scale(score_scale: str | float, head_dim: int) -> float:
+    """'raw' -> 1 (the official code's raw dot products), 'sqrt_d' -> 1/sqrt(head_dim), or a number."""
+    if score_scale == "raw":
+        return 1.0
+    if score_scale == "sqrt_d":
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        return float(score_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"score_scale must be 'raw', 'sqrt_d' or a number, not {score_scale!r}") from None

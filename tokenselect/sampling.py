@@ -1,0 +1,52 @@
+"""Sampling settings and the sampler: greedy, temperature, top-k, top-p, seeded per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """max_tokens: new tokens at most. temperature 0 is greedy (deterministic). top_k 0 and top_p 1
+    disable those filters. stop: strings that end generation (not included in the text).
+    seed: makes a sampled request reproducible. ignore_eos: keep going past end-of-sequence."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [vocab] fp32 -> the next token id."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the first token)
+        drop = torch.cumsum(sorted_probs, dim=0) - sorted_probs >= params.top_p
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

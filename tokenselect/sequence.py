@@ -1,0 +1,62 @@
+"""A request's state as it moves through the engine, and what the user gets back."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class RequestOutput:
+    """text: the generated text; token_ids: the new tokens; finish_reason: 'stop' or 'length'."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class Sequence:
+    """One request: prompt and generated tokens, its slot table in the KV pool, its sampler."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, device: torch.device):
+        self.id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        # Slot table: slot of token i of the sequence, filled as tokens enter the cache.
+        self.slots = torch.empty(len(prompt_ids) + params.max_tokens, dtype=torch.int64, device=device)
+        self.n_cached = 0  # tokens whose K/V are in the cache
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.logits: list[torch.Tensor] | None = None  # a list to record every row's logits
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def reserved(self) -> int:
+        """KV slots this request may need in all: prompt plus every token it may generate."""
+        return self.slots.numel()
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_cached < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason)
