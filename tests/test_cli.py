@@ -1,0 +1,58 @@
+"""The tokenselect command as a user runs it: a real subprocess, real files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints import CORPUS
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenselect.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_prints_text_and_selection_cache_hit_rate(tiny_llama, tmp_path):
+    prompt_file = tmp_path / "long.txt"
+    prompt_file.write_text("".join(CORPUS) * 25)  # ~4x the tiny model's window
+    res = run("generate", "--model", str(tiny_llama), "--prompt-file", str(prompt_file), "--attention", "tokenselect",
+              "--k", "32", "--n-init", "4", "--n-local", "16", "--theta", "0.5", "--max-tokens", "8", "--chunk-size", "64")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+    assert "Selection Cache hit rate" in res.stderr
+    assert "[tokenselect] prompt" in res.stderr
+
+
+def test_generate_reads_settings_from_a_config_file(tiny_llama, tmp_path):
+    cfg = tmp_path / "ts.yaml"
+    cfg.write_text("k: 16\nn_init: 2\nn_local: 8\nselector: hard_vote\n")
+    res = run("generate", "--model", str(tiny_llama), "--prompt", "The quick brown fox", "--attention", "tokenselect",
+              "--config", str(cfg), "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent/model"], "error: model folder not found: /nonexistent/model"),
+    (["--k", "0", "--attention", "full"], "error: attention 'full' takes no setting k"),
+    (["--kv-cache-tokens", "8"], "exceeds the context limit of 8 tokens"),
+])
+def test_bad_input_is_one_clear_line(tiny_llama, args, message):
+    if "--model" not in args:
+        args = ["--model", str(tiny_llama), *args]
+    res = run("generate", "--prompt", "The quick brown fox jumps", *args)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_missing_prompt_file_is_an_error_not_a_traceback(tiny_llama, tmp_path):
+    res = run("generate", "--model", str(tiny_llama), "--prompt-file", str(tmp_path / "missing.txt"))
+    assert res.returncode == 2 and "missing.txt" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["generate"]])
+def test_help(command):
+    res = run(*command, "--help")
+    assert res.returncode == 0 and "usage: tokenselect" in res.stdout

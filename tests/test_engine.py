@@ -1,0 +1,159 @@
+"""Engine behaviour: the KV pool, batching, sampling, stop conditions, and errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tokenselect import LLM, CheckpointError, ContextTooLong, KVPoolFull, SamplingParams
+from tokenselect.kv_cache import KVCache
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_allocator_hands_out_distinct_slots_and_takes_them_back():
+    cache = KVCache(1, 10, 1, 4, torch.float32, torch.device("cpu"))
+    a, b = cache.allocate(6), cache.allocate(3)
+    assert len(set(a.tolist()) | set(b.tolist())) == 9 and cache.num_free == 1
+    with pytest.raises(KVPoolFull, match="2 slots requested, 1 of 10 free"):
+        cache.allocate(2)
+    assert cache.num_free == 1  # the failed request took nothing
+    cache.free(a)
+    c = cache.allocate(7)
+    assert set(c.tolist()).isdisjoint(b.tolist())
+
+
+def test_keys_are_cached_before_rope(tiny_llama):
+    """What sits in the cache is k_proj(x) itself: no position has been applied to it."""
+    llm = LLM(tiny_llama)
+    ids = prompt(20, 0)
+    llm.prompt_logits(ids)
+    layer0 = llm.model.model.layers[0]
+    x = layer0.input_layernorm(llm.model.model.embed_tokens(torch.tensor(ids)))
+    k = layer0.self_attn.k_proj(x).view(20, 2, -1)
+    slots = torch.arange(20)  # a fresh pool hands out slots 0.. in order
+    torch.testing.assert_close(llm.cache.k[0, slots], k)
+
+
+def test_several_prompts_in_one_call_equal_one_at_a_time(tiny_llama):
+    llm = LLM(tiny_llama, chunk_size=32)
+    prompts = [prompt(n, n) for n in (5, 70, 33, 130)]
+    together = llm.generate(prompts, GREEDY)
+    alone = [LLM(tiny_llama, chunk_size=32).generate([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert llm.cache.num_free == llm.cache.n_slots
+
+
+def test_full_pool_queues_requests_and_never_touches_running_ones(tiny_llama):
+    # room for one request at a time: the second waits until the first is done
+    small = LLM(tiny_llama, chunk_size=32, kv_cache_tokens=160)
+    outs = small.generate([prompt(100, 1), prompt(100, 2)], GREEDY)
+    big = LLM(tiny_llama, chunk_size=32)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in big.generate([prompt(100, 1), prompt(100, 2)], GREEDY)]
+
+
+def test_prompt_longer_than_the_pool_is_rejected_cleanly(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_tokens=128)
+    with pytest.raises(ContextTooLong, match="120 tokens \\+ max_tokens 12 = 132 exceeds the context limit of 128"):
+        llm.generate([prompt(120, 0)], GREEDY)
+    assert not llm.scheduler.has_work() and llm.cache.num_free == 128
+    assert len(llm.generate([prompt(100, 0)], GREEDY)[0].token_ids) == 12  # still serving
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(tiny_llama):
+    llm = LLM(tiny_llama)
+    p = prompt(40, 3)
+    sampled = SamplingParams(max_tokens=16, temperature=1.5, top_p=0.9, seed=7, ignore_eos=True)
+    a, b = llm.generate([p], sampled)[0], llm.generate([p], sampled)[0]
+    other = llm.generate([p], SamplingParams(max_tokens=16, temperature=1.5, top_p=0.9, seed=8, ignore_eos=True))[0]
+    assert a.token_ids == b.token_ids != other.token_ids
+    top1 = SamplingParams(max_tokens=16, temperature=1.0, top_k=1, seed=1, ignore_eos=True)
+    assert llm.generate([p], top1)[0].token_ids == llm.generate([p], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def test_stop_string_and_eos_end_generation(tiny_llama):
+    llm = LLM(tiny_llama)
+    p = prompt(30, 4)
+    free = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 2]
+    cut = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and free.text.startswith(cut.text)
+    llm.eos_ids = {free.token_ids[3]}
+    ended = llm.generate([p], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert ended.finish_reason == "stop" and ended.token_ids == free.token_ids[:ended.token_ids.__len__()]
+    assert len(ended.token_ids) <= 4
+
+
+def test_text_prompts_are_tokenized_with_bos(tiny_llama):
+    llm = LLM(tiny_llama)
+    out = llm.generate("The pass key is", SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.prompt_token_ids[0] == llm.tokenizer.bos_token_id
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("no_folder", "model folder not found"),
+    ("no_config", "no config.json"),
+    ("bad_arch", "unsupported architecture"),
+    ("no_tokenizer", "no tokenizer files"),
+    ("no_weights", "no model.safetensors"),
+    ("missing_shard", "shard(s) listed in the index are missing"),
+    ("missing_tensor", "weights missing from the checkpoint"),
+])
+def test_broken_checkpoints_are_named(tiny_llama, tmp_path, bad, message):
+    path = tmp_path / "m"
+    shutil.copytree(tiny_llama, path)
+    if bad == "no_folder":
+        path = tmp_path / "nowhere"
+    elif bad == "no_config":
+        (path / "config.json").unlink()
+    elif bad == "bad_arch":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["architectures"] = ["GPT2LMHeadModel"]
+        (path / "config.json").write_text(json.dumps(cfg))
+    elif bad == "no_tokenizer":
+        (path / "tokenizer.json").unlink()
+    elif bad == "no_weights":
+        (path / "model.safetensors").unlink()
+    elif bad == "missing_shard":
+        (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+        index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif bad == "missing_tensor":
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(path / "model.safetensors")
+        del state["model.layers.1.mlp.up_proj.weight"]
+        save_file(state, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        LLM(path)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "sharded"
+    shutil.copytree(tiny_llama, path)
+    state = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: state[k] for k in keys}, path / file)
+    index = {"weight_map": {k: f for f, keys in halves.items() for k in keys}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = prompt(50, 5)
+    torch.testing.assert_close(LLM(path).prompt_logits(ids), LLM(tiny_llama).prompt_logits(ids), atol=0, rtol=0)
+
+
+def test_bad_sampling_settings_are_rejected():
+    for kwargs in (dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-1), dict(top_p=0), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
