@@ -40,8 +40,13 @@ class RopeFrequencies:
         inv_freq, self.scale = spec.inv_freq()
         self._static = inv_freq.to(device)
 
-    def __call__(self, length: int) -> tuple[torch.Tensor, float]:
-        if self.spec.kind != "dynamic" or length <= self.spec.max_position:
+    def __call__(self, q_positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Frequencies for a chunk whose last query sits at ``q_positions[-1]``. Only dynamic NTK
+        reads the position (a host sync), the other kinds never depend on it."""
+        if self.spec.kind != "dynamic":
+            return self._static, self.scale
+        length = int(q_positions[-1]) + 1
+        if length <= self.spec.max_position:
             return self._static, self.scale
         inv_freq, scale = self.spec.inv_freq(length)
         return inv_freq.to(self.device), scale
@@ -65,7 +70,7 @@ class BatchAttention:
             plan = self.policy.plan(layer, SeqView(ch.seq.id, seq_slots[:ch.past], ch.decode), q[rows])
             slots = torch.cat([plan.slots, seq_slots[ch.past:ch.past + ch.length]])
             positions = torch.cat([plan.positions, plan.q_positions])
-            inv_freq, scale = self.rope(int(plan.q_positions[-1]) + 1)
+            inv_freq, scale = self.rope(plan.q_positions)
             out[rows] = self.kernels.sparse_attention(
                 q[rows], self.cache.k[layer], self.cache.v[layer], slots, positions, plan.q_positions,
                 inv_freq, scale)

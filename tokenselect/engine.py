@@ -18,7 +18,7 @@ from .errors import ContextTooLong
 from .kernels import get_kernels
 from .kv_cache import KVCache
 from .models import load_model, load_tokenizer
-from .models.loader import resolve_dtype
+from .models.loader import random_model, resolve_dtype
 from .policies import default_chunk, make_policy
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -26,6 +26,7 @@ from .sequence import RequestOutput, Sequence
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class LLM:
@@ -37,19 +38,39 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, attention: str = "full", *, dtype: str = "auto",
-                 device: str | None = None, kernels: str | None = None, chunk_size: int | None = None,
-                 kv_cache_tokens: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 rope_scaling: str | None = None, **policy_settings):
+                 device: str | None = None, **settings):
+        """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, max_model_len, max_num_seqs,
+        rope_scaling (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
 
             model = default_model_path()
         self.path = Path(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.config = cfg = ModelConfig.from_folder(self.path)
+        self.config = ModelConfig.from_folder(self.path)
         self.tokenizer = load_tokenizer(self.path)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_model(self.path, self.dtype, self.device)
+        self._start(attention, **settings)
+
+    @classmethod
+    def random(cls, config: dict, attention: str = "full", *, dtype: str = "auto", device: str | None = None,
+               seed: int = 0, **settings) -> "LLM":
+        """An engine over random weights for a HF-style config dict, with no tokenizer (prompts are
+        token ids). Speed does not depend on weight values: this is what the benchmarks run."""
+        llm = cls.__new__(cls)
+        llm.path, llm.tokenizer = None, None
+        llm.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        llm.config = ModelConfig.from_dict(config)
+        llm.dtype = resolve_dtype(dtype, llm.device)
+        llm.model = random_model(llm.config, llm.dtype, llm.device, seed)
+        llm._start(attention, **settings)
+        return llm
+
+    def _start(self, attention: str, kernels: str | None = None, chunk_size: int | None = None,
+               kv_cache_tokens: int | None = None, kv_dtype: str = "auto", max_model_len: int | None = None,
+               max_num_seqs: int = 64, rope_scaling: str | None = None, **policy_settings) -> None:
+        cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
         if rope_scaling:
@@ -58,17 +79,21 @@ class LLM:
         self.rope = RopeFrequencies(rope, self.device)
         self.kernels = get_kernels(kernels or ("triton" if self.device.type == "cuda" else "torch"))
         self.chunk_size = chunk_size or default_chunk(self.window)
+        self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
         n_slots = kv_cache_tokens or self._default_pool_tokens()
-        self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         self.max_model_len = min(max_model_len or n_slots, n_slots)
         self.attention = attention
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
-        self.eos_ids = set(cfg.eos_token_ids) or ({self.tokenizer.eos_token_id} - {None})
+        eos = set(cfg.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = {self.tokenizer.eos_token_id}
+        self.eos_ids = eos
 
     def _default_pool_tokens(self) -> int:
         cfg = self.config
-        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * GPU_MEMORY_FRACTION) // per_token
@@ -78,6 +103,8 @@ class LLM:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
             return self.tokenizer(prompt)["input_ids"]
         return list(prompt)
 
@@ -118,14 +145,14 @@ class LLM:
             slots = self.cache.allocate(n)
             seq.slots[seq.n_cached:seq.n_cached + n] = slots
             new_slots.append(slots)
-            ids.extend(seq.tokens[seq.n_cached:seq.n_cached + n])
+            ids.extend(seq.token_slice(seq.n_cached, n))
             chunks.append(Chunk(seq, row, n, seq.n_cached))
             row += n
         ctx = BatchAttention(self.cache, self.policy, self.kernels, self.rope, chunks, torch.cat(new_slots))
         # Rows that need logits: every row of a sequence recording them, else the last row of a
         # sequence that reached the end of its known tokens (it samples next).
         wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
-                  else [ch.start + ch.length - 1] if ch.past + ch.length == len(ch.seq.tokens) else []
+                  else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                   for ch in chunks]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
@@ -136,7 +163,7 @@ class LLM:
             seq.n_cached += ch.length
             if seq.logits is not None:
                 seq.logits.append(row_logits)
-            if seq.n_cached == len(seq.tokens):
+            if seq.n_cached == seq.n_tokens:
                 self._append(seq, sample(row_logits[-1], seq.params, seq.generator))
                 stepped.append(seq)
         return stepped
@@ -144,7 +171,8 @@ class LLM:
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
         p = seq.params
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
         if hits:
             seq.text = seq.text[:min(hits)]

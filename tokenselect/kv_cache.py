@@ -42,6 +42,7 @@ class KVCache:
         self._top += n
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store un-rotated ``k, v: [n, n_kv_heads, head_dim]`` at ``slots: [n]``."""
-        self.k[layer, slots] = k
-        self.v[layer, slots] = v
+        """Store un-rotated ``k, v: [n, n_kv_heads, head_dim]`` at ``slots: [n]`` (cast to the pool's
+        dtype, e.g. fp8 storage)."""
+        self.k[layer, slots] = k.to(self.k.dtype)
+        self.v[layer, slots] = v.to(self.v.dtype)

@@ -42,8 +42,13 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens start..start+n-1 of prompt + output, without copying a long prompt."""
+        p = len(self.prompt_ids)
+        return self.prompt_ids[start:min(start + n, p)] + self.output_ids[max(start - p, 0):start + n - p]
 
     @property
     def reserved(self) -> int:

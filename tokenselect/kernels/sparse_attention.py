@@ -28,8 +28,8 @@ def sparse_attention_ref(
     """q: [c, n_heads, d] un-rotated; k_pool, v_pool: [n_slots, n_kv_heads, d]; slots, key_pos: [n];
     q_pos: [c]; inv_freq: [d // 2] fp32. Returns [c, n_heads, d] in q's dtype."""
     c, n = q.shape[0], slots.shape[0]
-    k = rotate(k_pool[slots], key_pos, inv_freq, rope_scale)  # [n, n_kv, d]
-    v = v_pool[slots]
+    k = rotate(k_pool[slots].to(q.dtype), key_pos, inv_freq, rope_scale)  # [n, n_kv, d]; fp8 pools upcast
+    v = v_pool[slots].to(q.dtype)
     qr = rotate(q, q_pos, inv_freq, rope_scale)
     visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(c, device=q.device)[:, None] + (n - c)
     out = F.scaled_dot_product_attention(

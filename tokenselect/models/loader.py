@@ -68,6 +68,20 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ca
     return model.eval().requires_grad_(False)
 
 
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+    """A model of ``cfg``'s shape with random weights (std 0.02, norms at 1), built on ``device``."""
+    with torch.device(device):
+        model = CausalLM(cfg).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval().requires_grad_(False)
+
+
 def load_tokenizer(path: str | Path):
     """The checkpoint's own tokenizer (and chat template) through transformers, offline."""
     path = Path(path)

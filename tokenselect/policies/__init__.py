@@ -80,10 +80,12 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     e.add_argument("--kv-cache-tokens", type=int, help="size of the KV pool in tokens")
+    e.add_argument("--kv-dtype", choices=["auto", "fp8", "bf16", "fp16", "fp32"],
+                   help="KV storage dtype (default auto: the model's dtype; fp8 halves the pool)")
 
 
 POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions")
-ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens")
+ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype")
 
 
 def load_config_file(path: Path) -> dict:
