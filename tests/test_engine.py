@@ -157,3 +157,36 @@ def test_bad_sampling_settings_are_rejected():
     for kwargs in (dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-1), dict(top_p=0), dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
+
+
+def test_fp8_kv_storage_halves_the_pool_and_stays_close(tiny_llama):
+    ids = prompt(120, 6)
+    exact = LLM(tiny_llama, kv_cache_tokens=512)
+    fp8 = LLM(tiny_llama, kv_cache_tokens=512, kv_dtype="fp8")
+    assert fp8.cache.k.dtype == torch.float8_e4m3fn
+    assert fp8.cache.k.nbytes * 4 == exact.cache.k.nbytes  # fp32 model: 4 bytes -> 1 byte
+    a, b = exact.prompt_logits(ids), fp8.prompt_logits(ids)
+    assert (a - b).abs().max() < 0.1 * a.abs().max()  # e4m3 keeps ~2 significant digits
+
+
+def test_set_attention_switches_policy_on_a_loaded_model(tiny_llama):
+    llm = LLM(tiny_llama, chunk_size=32)
+    ids = prompt(400, 7)
+    full = llm.generate([ids], GREEDY)[0].token_ids
+    llm.set_attention("tokenselect", k=16, n_init=2, n_local=8)
+    assert llm.policy.name == "tokenselect"
+    sparse = llm.generate([ids], GREEDY)[0].token_ids
+    llm.set_attention("full")
+    assert llm.generate([ids], GREEDY)[0].token_ids == full
+    assert len(sparse) == len(full)
+
+
+def test_random_engine_runs_on_token_ids():
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "max_position_embeddings": 128}
+    llm = LLM.random(config, "tokenselect", k=8, n_init=2, n_local=4, chunk_size=16, kv_cache_tokens=256)
+    out = llm.generate([list(range(1, 60))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text", GREEDY)

@@ -83,13 +83,20 @@ class LLM:
         n_slots = kv_cache_tokens or self._default_pool_tokens()
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         self.max_model_len = min(max_model_len or n_slots, n_slots)
-        self.attention = attention
-        self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
+        self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_ids = eos
+
+    def set_attention(self, attention: str, **policy_settings) -> None:
+        """Switch the attention policy (e.g. to compare methods on one loaded model). Only between
+        requests: running sequences would lose their policy state."""
+        if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
+            raise RuntimeError("set_attention while requests are running")
+        self.attention = attention
+        self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
 
     def _default_pool_tokens(self) -> int:
         cfg = self.config
