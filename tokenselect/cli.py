@@ -68,6 +68,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A passkey hidden in a prompt ``--multiple`` times the model's window: TokenSelect finds it,
+    full attention (positions past the window) does not."""
+    import random
+
+    from .eval.metrics import score
+    from .eval.tasks import make_sample
+    from .sampling import SamplingParams
+
+    llm = build_llm(args)
+    length = args.multiple * llm.window
+    count = lambda text: len(llm.tokenizer(text)["input_ids"])  # noqa: E731
+    sample = make_sample("passkey", length, args.depth, random.Random(args.seed), count)
+    print(f"model {llm.path} (window {llm.window} tokens); passkey {sample.answers[0]} hidden at depth "
+          f"{args.depth:.0%} of a {count(sample.input)}-token prompt ({args.multiple}x the window)", file=sys.stderr)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    correct = {}
+    for attention in [args.attention, *args.compare]:
+        if attention != llm.attention:
+            llm.set_attention(attention, **policy_kwargs(args, attention, engine=False))
+        start = time.perf_counter()
+        text = llm.generate([sample.input], params, use_tqdm=True)[0].text
+        correct[attention] = score("passkey", text, sample.answers) == 1.0
+        verdict = "correct" if correct[attention] else "wrong"
+        print(f"{attention:>12}: {text.strip()!r:40} {verdict} ({time.perf_counter() - start:.1f}s)")
+    return 0 if correct[args.attention] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenselect",
@@ -85,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="passkey retrieval far past the model window, TokenSelect vs full",
+                          description="Hide a passkey in a prompt MULTIPLE times the model's trained window "
+                                      "and ask for it, with TokenSelect and then with full attention. "
+                                      "Exit status 0 when the TokenSelect answer is correct.")
+    demo.add_argument("--multiple", type=int, default=32, help="prompt length in model windows (default 32)")
+    demo.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1 (default 0.5)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the passkey and its placement")
+    demo.add_argument("--compare", nargs="*", default=["full"], help="policies to run after it (default: full)")
+    demo.add_argument("--max-tokens", type=int, default=12)
+    add_model_args(demo, attention_default="tokenselect")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

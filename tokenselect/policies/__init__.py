@@ -102,10 +102,11 @@ def load_config_file(path: Path) -> dict:
     return {key.replace("-", "_"): value for key, value in data.items()}
 
 
-def policy_kwargs(args: argparse.Namespace, attention: str | None = None) -> dict:
+def policy_kwargs(args: argparse.Namespace, attention: str | None = None, engine: bool = True) -> dict:
     """``LLM(...)`` keyword arguments from parsed flags: engine settings plus the policy settings the
     user gave. With ``attention``, only the settings that policy takes are kept (so one set of flags
-    can drive several policies side by side)."""
+    can drive several policies side by side). ``engine=False`` leaves out the engine settings
+    (for ``LLM.set_attention``)."""
     settings = load_config_file(args.config) if getattr(args, "config", None) else {}
     for key in POLICY_FLAGS + ENGINE_FLAGS:
         value = getattr(args, key, None)
@@ -114,6 +115,8 @@ def policy_kwargs(args: argparse.Namespace, attention: str | None = None) -> dic
     if attention is not None:
         accepted = set(policy_settings(attention)) | set(ENGINE_FLAGS)
         settings = {key: value for key, value in settings.items() if key in accepted}
+    if not engine:
+        settings = {key: value for key, value in settings.items() if key not in ENGINE_FLAGS}
     return settings
 
 
