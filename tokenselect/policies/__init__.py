@@ -16,14 +16,17 @@ from ..kernels import Kernels
 from ..kv_cache import KVCache
 from .base import AttentionPolicy, Plan, SelectivePolicy, SeqView
 from .full import FullAttention
+from .infllm import InfLLM
+from .quest import Quest
 from .reattention import ReAttention
+from .streaming import StreamingLLM
 from .tokenselect import TokenSelect
 
 POLICIES: dict[str, type[AttentionPolicy]] = {
-    cls.name: cls for cls in (FullAttention, TokenSelect, ReAttention)
+    cls.name: cls for cls in (FullAttention, TokenSelect, ReAttention, StreamingLLM, InfLLM, Quest)
 }
 PAPER_WINDOW = 8192  # the window the papers' defaults were set for (Llama-3-8B)
-SIZE_SETTINGS = ("n_init", "k", "n_local", "span")
+SIZE_SETTINGS = ("n_init", "k", "n_local", "span", "block_size")
 
 
 def policy_settings(name: str) -> dict[str, object]:
@@ -47,7 +50,7 @@ def make_policy(name: str, cache: KVCache, kernels: Kernels, window: int, chunk:
     shrink = min(1.0, window / PAPER_WINDOW)
     for key in SIZE_SETTINGS:
         if key in accepted and key not in settings:
-            settings[key] = max(1, int(accepted[key] * shrink))
+            settings[key] = max(1, int(accepted[key] * shrink)) if accepted[key] else 0
     params = inspect.signature(POLICIES[name].__init__).parameters
     extra = {key: value for key, value in (("window", window), ("chunk", chunk)) if key in params}
     return POLICIES[name](cache, kernels, **extra, **settings)
@@ -62,7 +65,7 @@ def default_chunk(window: int) -> int:
 
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("attention policy settings (unset: the paper's defaults, fitted to the model window)")
-    g.add_argument("--k", type=int, help="tokens (tokenselect) selected from the middle of the cache")
+    g.add_argument("--k", type=int, help="tokens (tokenselect, infllm, quest) selected from the middle of the cache")
     g.add_argument("--n-init", type=int, help="sink tokens kept at the start (reattention: global tokens)")
     g.add_argument("--n-local", type=int, help="most recent tokens always attended")
     g.add_argument("--theta", type=float, help="Selection Cache threshold on cos(q, q_cached); 1.0 never reuses")
@@ -70,8 +73,12 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--score-scale", help="per-head softmax scale for the vote: raw (default), sqrt_d or a number")
     g.add_argument("--span", type=int, help="reattention: neighbours attended around each selected token")
     g.add_argument("--n-spans", type=int, help="reattention: number of selected spans (k')")
-    g.add_argument("--positions", choices=["reindex", "original"],
-                   help="RoPE by index within the attended list (default) or at original positions")
+    g.add_argument("--block-size", type=int, help="infllm: tokens per memory block (default 128)")
+    g.add_argument("--repr-keys", type=int, help="infllm: representative keys per block (default 4)")
+    g.add_argument("--page-size", type=int, help="quest: tokens per page (default 16)")
+    g.add_argument("--positions", choices=["reindex", "original", "fixed"],
+                   help="RoPE by index within the attended list (default), at original positions, or "
+                        "(infllm's default) fixed: the memory at distance n_local from the chunk")
     g.add_argument("--config", type=Path, help="JSON or YAML file of settings (flags override it)")
     e = parser.add_argument_group("engine settings")
     e.add_argument("--kernels", choices=["triton", "torch"], help="default: triton on CUDA, torch on CPU")
@@ -84,7 +91,8 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                    help="KV storage dtype (default auto: the model's dtype; fp8 halves the pool)")
 
 
-POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions")
+POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions",
+                "block_size", "repr_keys", "page_size")
 ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype")
 
 

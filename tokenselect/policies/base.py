@@ -82,11 +82,13 @@ class SelectivePolicy(AttentionPolicy):
     positions never exceed n_init + budget + n_local + chunk) or "original" (cache positions).
     """
 
+    POSITIONS = ("reindex", "original")  # the schemes ``place`` knows; subclasses may add their own
+
     def __init__(self, cache: KVCache, kernels: Kernels, n_init: int, n_local: int, budget: int,
                  positions: str = "reindex"):
         super().__init__(cache, kernels)
-        if positions not in ("reindex", "original"):
-            raise ValueError(f"positions must be 'reindex' or 'original', not {positions!r}")
+        if positions not in self.POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(self.POSITIONS)}, not {positions!r}")
         if min(n_init, n_local, budget) < 0:
             raise ValueError("n_init, n_local and the selection budget must be >= 0")
         self.n_init, self.n_local, self.budget, self.positions = n_init, n_local, budget, positions

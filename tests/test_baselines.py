@@ -1,0 +1,293 @@
+"""The baselines: StreamingLLM, InfLLM, QUEST and full attention with RoPE scaling overrides.
+
+Agreement with full attention when the budget covers the context, what each scoring rule selects on
+hand-built caches (recomputed here from its definition), where the attended tokens are placed, and
+end-to-end generation far past the model window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters, _compute_yarn_parameters
+
+from tokenselect import LLM, SamplingParams
+from tokenselect.kernels import get_kernels
+from tokenselect.kv_cache import KVCache
+from tokenselect.policies import SeqView, add_policy_args, policy_kwargs
+from tokenselect.policies.infllm import InfLLM
+from tokenselect.policies.quest import Quest
+from tokenselect.policies.streaming import StreamingLLM
+
+TORCH = get_kernels("torch")
+
+
+def cache_with_keys(keys: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
+    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T])."""
+    t, n_kv, d = keys.shape
+    cache = KVCache(1, t + 8, n_kv, d, torch.float32, torch.device("cpu"))
+    cache.allocate(8)  # so slots and token indices differ
+    slots = cache.allocate(t)[torch.randperm(t)]
+    cache.write(0, slots, keys, torch.randn_like(keys))
+    return cache, slots
+
+
+def token_order(plan, slots: torch.Tensor) -> list[int]:
+    """Token indices of the plan's context slots, in attention order."""
+    index = {int(s): i for i, s in enumerate(slots)}
+    return [index[int(s)] for s in plan.slots]
+
+
+# ---- agreement with full attention ----------------------------------------------------------------
+
+@pytest.mark.parametrize("attention,settings", [
+    ("streaming", dict(n_init=4, n_local=256)),
+    ("infllm", dict(k=4096, n_init=4, n_local=32, block_size=16, repr_keys=2)),
+    ("quest", dict(k=4096, n_init=4, n_local=16, page_size=16)),
+])
+def test_budget_covering_context_equals_full(tiny_llama, attention, settings):
+    ids = torch.randint(2, 300, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = LLM(tiny_llama, chunk_size=32).prompt_logits(ids)
+    sparse = LLM(tiny_llama, attention, chunk_size=32, **settings).prompt_logits(ids)
+    torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
+
+
+# ---- StreamingLLM -----------------------------------------------------------------------------------
+
+def test_streaming_attends_exactly_sinks_and_window():
+    torch.manual_seed(0)
+    cache, slots = cache_with_keys(torch.randn(300, 2, 8))
+    policy = StreamingLLM(cache, TORCH, n_init=4, n_local=20)
+    plan = policy.plan(0, SeqView(0, slots, decode=False), torch.randn(3, 4, 8))
+    assert token_order(plan, slots) == list(range(4)) + list(range(280, 300))
+    assert plan.positions.tolist() == list(range(24))
+    assert plan.q_positions.tolist() == [24, 25, 26]
+    short = policy.plan(0, SeqView(0, slots[:24], decode=True), torch.randn(1, 4, 8))
+    assert token_order(short, slots) == list(range(24)) and short.q_positions.tolist() == [24]
+
+
+# ---- QUEST -------------------------------------------------------------------------------------------
+
+def quest_expected(q: torch.Tensor, keys: torch.Tensor, middle: range, page_size: int, n_pages: int) -> list[int]:
+    """The pages QUEST's rule picks, from its definition: per page, per head h (kv head h // group),
+    sum_c max(q_c * min_c, q_c * max_c) with the chunk-mean query; the best head's bound ranks the page."""
+    query = q.mean(dim=0)
+    n_heads, n_kv = query.shape[0], keys.shape[1]
+    pages = [list(middle[i:i + page_size]) for i in range(0, len(middle), page_size)]
+    scores = []
+    for page in pages:
+        bounds = []
+        for h in range(n_heads):
+            k = keys[page, h // (n_heads // n_kv)]  # [tokens, d]
+            lo, hi = k.min(dim=0).values, k.max(dim=0).values
+            bounds.append(sum(max(query[h, c] * lo[c], query[h, c] * hi[c]) for c in range(k.shape[1])))
+            assert bounds[-1] >= (k @ query[h]).max() - 1e-5  # it is an upper bound
+        scores.append(max(bounds))
+    best = sorted(range(len(pages)), key=lambda p: -scores[p])[:n_pages]
+    return [token for p in sorted(best) for token in pages[p]]
+
+
+def test_quest_selects_the_pages_with_the_highest_bound():
+    torch.manual_seed(1)
+    t, n_init, n_local, ps = 301, 4, 8, 16  # middle 4..292: 18 full pages and one of a single token
+    keys = torch.randn(t, 2, 8)
+    cache, slots = cache_with_keys(keys)
+    q = torch.randn(3, 4, 8)
+    policy = Quest(cache, TORCH, k=3 * ps, page_size=ps, n_init=n_init, n_local=n_local)
+    plan = policy.plan(0, SeqView(0, slots, decode=False), q)
+    chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 3)
+    assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t))
+    assert plan.positions.tolist() == list(range(plan.slots.numel()))
+
+
+def test_quest_one_loud_head_is_enough_for_a_page():
+    """Heads 0-2 mildly like pages 0 and 1, head 3 strongly likes page 2 only: with one page of budget
+    the max over heads keeps head 3's page (a sum over heads would pick page 0)."""
+    d, ps = 4, 4
+    keys = torch.zeros(12, 4, d)
+    keys[0:8, :3, 0] = 1.0  # pages 0 and 1: bound 1 for heads 0-2
+    keys[8:12, 3, 1] = 2.0  # page 2: bound 2 for head 3 only
+    cache, slots = cache_with_keys(keys)
+    q = torch.zeros(1, 4, d)
+    q[0, :3, 0] = 1.0
+    q[0, 3, 1] = 1.0
+    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=0, n_local=0)
+    plan = policy.plan(0, SeqView(0, slots, decode=True), q)
+    assert token_order(plan, slots) == [8, 9, 10, 11]
+
+
+def test_quest_bounds_are_kept_and_extended():
+    """Bounds cached from an earlier selection give the same plan as a fresh policy."""
+    torch.manual_seed(2)
+    keys = torch.randn(400, 2, 8)
+    cache, slots = cache_with_keys(keys)
+    kept = Quest(cache, TORCH, k=64, page_size=16, n_init=4, n_local=8)
+    kept.plan(0, SeqView(3, slots[:250], decode=False), torch.randn(4, 4, 8))
+    q = torch.randn(1, 4, 8)
+    later = kept.plan(0, SeqView(3, slots[:399], decode=True), q)
+    fresh = Quest(cache, TORCH, k=64, page_size=16, n_init=4, n_local=8)
+    assert torch.equal(later.slots, fresh.plan(0, SeqView(3, slots[:399], decode=True), q).slots)
+    assert kept._bounds[3][0][0].shape == ((399 - 8 - 4) // 16, 2, 8)
+    kept.release(3)
+    assert 3 not in kept._bounds
+
+
+# ---- InfLLM ------------------------------------------------------------------------------------------
+
+def local_attention_received(chunks, keys: torch.Tensor, slots: torch.Tensor, n_local: int, t: int) -> torch.Tensor:
+    """InfLLM's local score from its definition: for every query i and key j with 0 <= i - j < n_local,
+    the key's share of the query's softmax over everything the query attended (the plan's context,
+    then the chunk itself up to the query). -> [t, H]."""
+    index = {int(s): i for i, s in enumerate(slots)}
+    n_heads = chunks[0][1].shape[1]
+    group = n_heads // keys.shape[1]
+    received = torch.zeros(t, n_heads)
+    for t0, q, plan in chunks:
+        context = [index[int(s)] for s in plan.slots]
+        for r in range(q.shape[0]):
+            i = t0 + r
+            attended = context + list(range(t0, i + 1))
+            for h in range(n_heads):
+                logits = keys[attended, h // group] @ q[r, h] / math.sqrt(q.shape[-1])
+                p = torch.softmax(logits, dim=0)
+                for j, pj in zip(attended, p):
+                    if 0 <= i - j < n_local:
+                        received[j, h] += pj
+    return received
+
+
+def test_infllm_representatives_and_block_choice():
+    torch.manual_seed(3)
+    t, n_heads, d = 120, 4, 8
+    n_init, n_local, bs, r = 4, 16, 8, 2
+    keys = torch.randn(t, 2, d)
+    cache, slots = cache_with_keys(keys)
+    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=r)
+    chunks = []
+    for t0 in range(0, t, 5):
+        q = torch.randn(5, n_heads, d)
+        chunks.append((t0, q, policy.plan(0, SeqView(0, slots[:t0], decode=False), q)))
+    query = torch.randn(1, n_heads, d)
+    plan = policy.plan(0, SeqView(0, slots, decode=True), query)  # counts the last chunk, closes blocks
+
+    received = local_attention_received(chunks, keys, slots, n_local, t)
+    n_blocks = (t - n_local - n_init) // bs
+    reprs = torch.zeros(n_blocks, n_heads, d)
+    for b in range(n_blocks):
+        block = range(n_init + b * bs, n_init + (b + 1) * bs)
+        for h in range(n_heads):
+            top = sorted(block, key=lambda j: -received[j, h])[:r]
+            reprs[b, h] = keys[top, h // 2].mean(dim=0)
+    torch.testing.assert_close(policy._memory[0][0].reprs, reprs, atol=1e-5, rtol=1e-5)
+
+    block_scores = [sum(query[0, h] @ reprs[b, h] for h in range(n_heads)) for b in range(n_blocks)]
+    best = sorted(sorted(range(n_blocks), key=lambda b: -block_scores[b])[:2])
+    chosen = [n_init + b * bs + i for b in best for i in range(bs)]
+    remainder = list(range(n_init + n_blocks * bs, t - n_local))
+    assert token_order(plan, slots) == list(range(n_init)) + chosen + remainder + list(range(t - n_local, t))
+    # InfLLM's positions: the memory at one position, n_local before the query; the window as it is
+    n_memory = n_init + len(chosen) + len(remainder)
+    assert plan.positions.tolist() == [0] * n_memory + list(range(n_local))
+    assert plan.q_positions.tolist() == [n_local]
+    policy.release(0)
+    assert policy._memory == {}
+
+
+def test_infllm_whole_context_is_full_attention_inside_the_window_only():
+    torch.manual_seed(5)
+    cache, slots = cache_with_keys(torch.randn(100, 2, 8))
+    policy = InfLLM(cache, TORCH, window=64, k=4096, n_init=4, n_local=16, block_size=8)
+    inside = policy.plan(0, SeqView(0, slots[:60], decode=False), torch.randn(4, 4, 8))
+    assert token_order(inside, slots) == list(range(60)) and inside.positions.tolist() == list(range(60))
+    past = policy.plan(0, SeqView(0, slots, decode=False), torch.randn(4, 4, 8))
+    assert token_order(past, slots) == list(range(100))
+    assert past.positions.tolist() == [0] * 84 + list(range(16))
+    assert past.q_positions.tolist() == [16, 17, 18, 19]
+
+
+@pytest.mark.parametrize("positions", ["reindex", "original"])
+def test_infllm_other_position_schemes(positions):
+    torch.manual_seed(4)
+    cache, slots = cache_with_keys(torch.randn(200, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, positions=positions)
+    plan = policy.plan(0, SeqView(0, slots, decode=False), torch.randn(2, 4, 8))
+    order = token_order(plan, slots)
+    if positions == "reindex":
+        assert plan.positions.tolist() == list(range(len(order)))
+        assert plan.q_positions.tolist() == [len(order), len(order) + 1]
+    else:
+        assert plan.positions.tolist() == order and plan.q_positions.tolist() == [200, 201]
+
+
+# ---- RoPE scaling overrides ----------------------------------------------------------------------------
+
+def hf_config(rope_type: str, factor: float) -> LlamaConfig:
+    params = {"rope_type": rope_type, "factor": factor, "rope_theta": 10000.0}
+    if rope_type == "yarn":
+        params["original_max_position_embeddings"] = 256
+    return LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_parameters=params)
+
+
+def test_ntk_override_stretches_the_base(tiny_llama):
+    spec = LLM(tiny_llama, rope_scaling="ntk:4").rope.spec
+    d = 16
+    expected = 1.0 / (10000.0 * 4 ** (d / (d - 2))) ** (torch.arange(0, d, 2).float() / d)
+    inv_freq, scale = spec.inv_freq()
+    torch.testing.assert_close(inv_freq, expected)
+    assert scale == 1.0
+
+
+def test_dynamic_and_yarn_overrides_match_transformers(tiny_llama):
+    dynamic = LLM(tiny_llama, rope_scaling="dynamic:4").rope.spec
+    for length in (100, 256, 257, 1024):
+        expected, _ = _compute_dynamic_ntk_parameters(hf_config("dynamic", 4.0), seq_len=length)
+        torch.testing.assert_close(dynamic.inv_freq(length)[0], expected)
+    yarn = LLM(tiny_llama, rope_scaling="yarn:4").rope.spec
+    expected, attention_factor = _compute_yarn_parameters(hf_config("yarn", 4.0))
+    inv_freq, scale = yarn.inv_freq()
+    torch.testing.assert_close(inv_freq, expected)
+    assert scale == pytest.approx(attention_factor)
+
+
+def test_dynamic_ntk_changes_logits_only_past_the_window(tiny_llama):
+    ids = torch.randint(2, 300, (320,), generator=torch.Generator().manual_seed(6)).tolist()
+    plain = LLM(tiny_llama, chunk_size=32).prompt_logits(ids)
+    dynamic = LLM(tiny_llama, chunk_size=32, rope_scaling="dynamic:4").prompt_logits(ids)
+    torch.testing.assert_close(dynamic[:256], plain[:256], atol=1e-5, rtol=1e-5)
+    assert (dynamic[256:] - plain[256:]).abs().amax(dim=-1).min() > 1e-3
+
+
+# ---- settings and end to end ----------------------------------------------------------------------------
+
+def test_flags_reach_only_the_policy_that_takes_them():
+    parser = argparse.ArgumentParser()
+    add_policy_args(parser)
+    args = parser.parse_args(["--block-size", "64", "--repr-keys", "2", "--page-size", "8", "--positions", "fixed"])
+    infllm, quest = policy_kwargs(args, "infllm"), policy_kwargs(args, "quest")
+    assert (infllm["block_size"], infllm["repr_keys"], infllm["positions"]) == (64, 2, "fixed")
+    assert "page_size" not in infllm and quest["page_size"] == 8
+    assert "block_size" not in quest and "repr_keys" not in quest
+
+
+@pytest.mark.parametrize("attention", ["streaming", "infllm", "quest"])
+def test_prompts_four_times_the_window_generate(tiny_llama, attention):
+    """Defaults fitted to the window: every plan stays inside it; two sequences in one batch keep
+    their own state (same tokens as run alone); everything is released at the end."""
+    llm = LLM(tiny_llama, attention, chunk_size=64)
+    seen = []
+    plan = llm.policy.plan
+    llm.policy.plan = lambda *a: seen.append(plan(*a)) or seen[-1]
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (1024, 700)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    assert all(len(out.token_ids) == 5 and out.finish_reason == "length" for out in together)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [out.token_ids for out in together] == alone
+    assert max(int(torch.cat([p.positions, p.q_positions]).max()) for p in seen) < llm.window
+    assert llm.cache.num_free == llm.cache.n_slots
+    assert not getattr(llm.policy, "_memory", None) and not getattr(llm.policy, "_bounds", None)

@@ -1,0 +1,29 @@
+"""StreamingLLM: attention sinks plus a sliding window (Xiao et al., 2023, "Efficient Streaming
+Language Models with Attention Sinks").
+
+Every chunk attends the first ``n_init`` tokens (the sinks) and the ``n_local`` most recent ones;
+nothing is chosen from the middle. Positions are re-indexed inside that cache, as StreamingLLM does
+(sinks at 0..n_init-1, the window right after them), so they never exceed n_init + n_local + chunk.
+Defaults follow the TokenSelect paper's baseline setup: 128 sinks (StreamingLLM itself uses 4) and
+a 4096-token window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import Kernels
+from ..kv_cache import KVCache
+from .base import SelectivePolicy, SeqView
+
+
+class StreamingLLM(SelectivePolicy):
+    name = "streaming"
+
+    def __init__(self, cache: KVCache, kernels: Kernels, n_init: int = 128, n_local: int = 4096,
+                 positions: str = "reindex"):
+        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=0, positions=positions)
+
+    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+        """The middle is evicted: nothing is chosen from it."""
+        return torch.empty(0, dtype=torch.int64, device=middle.device)
