@@ -7,6 +7,7 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -77,7 +78,11 @@ class LLM:
             kind, _, factor = rope_scaling.partition(":")
             rope = rope.with_scaling(kind, float(factor or 2))
         self.rope = RopeFrequencies(rope, self.device)
-        self.kernels = get_kernels(kernels or ("triton" if self.device.type == "cuda" else "torch"))
+        kernels = kernels or ("triton" if self.device.type == "cuda" else "torch")
+        if kernels == "triton" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("triton kernels on the CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                             "before starting (slow; meant for tests), or use kernels='torch'")
+        self.kernels = get_kernels(kernels)
         self.chunk_size = chunk_size or default_chunk(self.window)
         self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
         n_slots = kv_cache_tokens or self._default_pool_tokens()

@@ -3,12 +3,17 @@ read in place through a slot list.
 
     scores[h, t] = <q[h], k_pool[slots[t], h // group]>,   group = n_heads // n_kv_heads
 
-Keys are the un-rotated (pre-RoPE) keys of the cache, so the scores are position-agnostic.
+Keys are the un-rotated (pre-RoPE) keys of the cache, so the scores are position-agnostic. The
+Triton kernel never gathers the keys into a new tensor: each program reads one block of slots of
+one kv head (every key row once) and scores it against the whole query group of that head. The
+same kernel optionally writes per-block softmax statistics, which the head soft vote builds on.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -17,3 +22,66 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
     keys = k_pool[slots].float()  # [N, n_kv, d]
     qg = q.float().view(n_kv, n_heads // n_kv, -1)  # [n_kv, group, d]
     return torch.einsum("kgd,nkd->kgn", qg, keys).reshape(n_heads, -1)
+
+
+@triton.jit
+def dot_fp32(a, b, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] with fp32 accumulation. 16-bit and fp8 values are exact in tf32, so tf32
+    tensor cores lose nothing for them; fp32 data (IEEE) gets full-precision products."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
+def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_blocks, scale, stride_slot, stride_kvh,
+                   D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   STATS: tl.constexpr):
+    """Program (block b of slots, kv head kvh): out[h, t] = scale * <q[h], K[slots[t], kvh]> for the
+    group's heads h. With STATS also m[h, b] = max_t out[h, t] and l[h, b] = sum_t exp(out[h, t] - m)."""
+    pid, kvh = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_G)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, D)
+    row_ok, col_ok = rows < G, cols < N
+    heads = kvh * G + rows
+    q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    slots = tl.load(slot_ptr + cols, mask=col_ok, other=0).to(tl.int64)
+    k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None], mask=col_ok[None, :], other=0.0)
+    s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
+    tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
+    if STATS:
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m = tl.max(s, axis=1)
+        l = tl.sum(tl.exp(s - m[:, None]), axis=1)
+        tl.store(m_ptr + heads * n_blocks + pid, m, mask=row_ok)
+        tl.store(l_ptr + heads * n_blocks + pid, l, mask=row_ok)
+
+
+def _block_n(d: int) -> int:
+    return 128 if d <= 128 else 64
+
+
+def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool):
+    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None)."""
+    n_heads, d = q.shape
+    n_kv, n = k_pool.shape[1], slots.numel()
+    group = n_heads // n_kv
+    out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
+    block_n = _block_n(d)
+    n_blocks = triton.cdiv(n, block_n)
+    m = torch.empty(n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
+    l = torch.empty_like(m) if stats else None
+    if n == 0:
+        return out, m, l
+    _scores_kernel[(n_blocks, n_kv)](
+        q.contiguous(), k_pool, slots.contiguous(), out, m, l, n, group, n_blocks, float(scale),
+        k_pool.stride(0), k_pool.stride(1), D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, IEEE=torch.float32 in (q.dtype, k_pool.dtype), STATS=stats,
+    )
+    return out, m, l
+
+
+def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`paged_dot_ref` (same arguments, same result up to rounding)."""
+    return scores_with_stats(q, k_pool, slots, 1.0, stats=False)[0]
