@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=12)
     add_model_args(demo, attention_default="tokenselect")
     demo.set_defaults(func=cmd_demo)
+
+    from . import bench
+
+    bench.add_parser(sub)
     return parser
 
 
