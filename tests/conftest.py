@@ -35,3 +35,24 @@ def checkpoint_factory(tmp_path_factory):
 def tiny_llama(checkpoint_factory):
     """A 2-layer Llama with GQA 2, head_dim 16, window 256."""
     return checkpoint_factory("llama")
+
+
+@pytest.fixture
+def batch_invariant_matmuls(monkeypatch):
+    """Make every linear layer compute row by row, so a row's result does not depend on the batch.
+
+    A CPU BLAS rounds a row of ``x @ W.T`` differently for different numbers of rows (1e-6 in fp32).
+    Full attention shrugs that off, but a selection policy's discrete choice (top-k over close
+    votes, a cosine threshold) can flip on it, so a sequence batched with others may then pick a
+    different token than alone. Tests of the per-sequence batching logic pin the rounding with this.
+    """
+    linear = torch.nn.functional.linear
+
+    def rowwise(x, weight, bias=None):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < 2:
+            return linear(x, weight, bias)
+        out = torch.cat([linear(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    monkeypatch.setattr(torch.nn.functional, "linear", rowwise)

@@ -42,11 +42,14 @@ def test_keys_are_cached_before_rope(tiny_llama):
     torch.testing.assert_close(llm.cache.k[0, slots], k)
 
 
-def test_several_prompts_in_one_call_equal_one_at_a_time(tiny_llama):
-    llm = LLM(tiny_llama, chunk_size=32)
-    prompts = [prompt(n, n) for n in (5, 70, 33, 130)]
+@pytest.mark.parametrize("attention", ["full", "tokenselect", "reattention", "quest"])
+def test_several_prompts_in_one_call_equal_one_at_a_time(tiny_llama, batch_invariant_matmuls, attention):
+    """Each sequence's chunks, selections and Selection Cache are its own: batching changes nothing.
+    (Selection kicks in past 84 tokens for this window-256 model: 4 sinks + 64 chosen + 16 local.)"""
+    llm = LLM(tiny_llama, attention, chunk_size=32)
+    prompts = [prompt(n, n) for n in (5, 70, 33, 130, 200)]
     together = llm.generate(prompts, GREEDY)
-    alone = [LLM(tiny_llama, chunk_size=32).generate([p], GREEDY)[0] for p in prompts]
+    alone = [LLM(tiny_llama, attention, chunk_size=32).generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert llm.cache.num_free == llm.cache.n_slots
 

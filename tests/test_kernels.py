@@ -1,5 +1,10 @@
-"""Every Triton kernel against its PyTorch reference on fresh random inputs (the Triton
-interpreter on a CPU, the real compiler on CUDA), and the references against naive loops."""
+"""Every Triton kernel against its PyTorch reference on fresh random inputs, and the sparse-attention
+reference itself against a naive per-query loop.
+
+Without CUDA the Triton kernels run in Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1);
+with CUDA the same tests run on the GPU. Lengths are ragged (1, 7, 1000: not multiples of any block),
+slot lists are unsorted subsets of a larger pool, and GQA groups are 1, 4 and 8.
+"""
 
 from __future__ import annotations
 
@@ -10,109 +15,179 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
-from tokenselect.kernels.head_vote import head_soft_vote, head_soft_vote_ref
-from tokenselect.kernels.paged_dot import paged_dot, paged_dot_ref
+from tokenselect.kernels.paged_dot import paged_dot_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from tokenselect.rope import RopeSpec
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-# (n_heads, n_kv_heads, head_dim, N): GQA 1/4/8, ragged lengths 1, 7, 1000, head_dim 64/128/256
-SHAPES = [(4, 4, 64, 1), (8, 2, 64, 7), (32, 8, 128, 1000), (8, 1, 128, 333), (8, 8, 256, 70), (16, 2, 64, 129)]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
+N_KV = 2
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
-def random_pool(n_heads, n_kv, d, n, dtype, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    size = n + 37
-    q = torch.randn(n_heads, d, generator=g).to(device, dtype)
-    k_pool = torch.randn(size, n_kv, d, generator=g).to(device, dtype)
-    slots = torch.randperm(size, generator=g)[:n].to(device)  # unsorted, no duplicates
-    return q, k_pool, slots
+def pool(n_slots: int, d: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A random cache pool [n_slots, N_KV, d]."""
+    return torch.randn(n_slots, N_KV, d, generator=gen).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def slot_list(n: int, n_slots: int, gen: torch.Generator) -> torch.Tensor:
+    """n distinct slots in random (unsorted) order."""
+    return torch.randperm(n_slots, generator=gen)[:n].to(DEVICE)
+
+
+def query(shape: tuple, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_paged_dot_matches_reference(device, dtype, shape):
-    q, k_pool, slots = random_pool(*shape, dtype, device, seed=hash(shape) % 1000)
-    out = paged_dot(q, k_pool, slots)
-    assert out.shape == (shape[0], shape[3]) and out.dtype == torch.float32
-    torch.testing.assert_close(out, paged_dot_ref(q, k_pool, slots), **TOL[dtype])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_paged_dot_matches_reference(n, group, dtype, d):
+    gen = torch.Generator().manual_seed(n * 1000 + group * 10 + d)
+    q, k_pool = query((N_KV * group, d), dtype, gen), pool(n + 300, d, dtype, gen)
+    slots = slot_list(n, n + 300, gen)
+    got = TRITON.paged_dot(q, k_pool, slots)
+    assert got.shape == (N_KV * group, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, TORCH.paged_dot(q, k_pool, slots), atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_head_soft_vote_matches_reference(device, dtype, shape):
-    q, k_pool, slots = random_pool(*shape, dtype, device, seed=1 + hash(shape) % 1000)
-    scale = 1 / math.sqrt(shape[2])
-    vote = head_soft_vote(q, k_pool, slots, scale)
-    ref = head_soft_vote_ref(q, k_pool, slots, scale)
-    torch.testing.assert_close(vote, ref, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=1e-3)
-    assert vote.sum().item() == pytest.approx(shape[0], rel=1e-4)  # one unit of vote per head
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_head_soft_vote_matches_reference(n, group, dtype, d):
+    gen = torch.Generator().manual_seed(n * 1000 + group * 10 + d + 1)
+    q, k_pool = query((N_KV * group, d), dtype, gen), pool(n + 300, d, dtype, gen)
+    slots = slot_list(n, n + 300, gen)
+    scale = 1.0 if d == 128 else d ** -0.5  # raw scores (the paper's default) and scaled ones
+    got = TRITON.head_soft_vote(q, k_pool, slots, scale)
+    want = TORCH.head_soft_vote(q, k_pool, slots, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert got.sum().item() == pytest.approx(N_KV * group, rel=1e-4)  # one vote per head
+
+
+def test_head_soft_vote_reads_fp8_keys():
+    gen = torch.Generator().manual_seed(5)
+    k_pool = pool(3000, 128, torch.float32, gen).to(torch.float8_e4m3fn)
+    q, slots = query((8, 128), torch.bfloat16, gen), slot_list(2500, 3000, gen)
+    torch.testing.assert_close(TRITON.head_soft_vote(q, k_pool, slots, 0.1),
+                               TORCH.head_soft_vote(q, k_pool, slots, 0.1), atol=1e-5, rtol=1e-4)
 
 
 def test_paged_dot_reference_is_the_definition():
-    q, k_pool, slots = random_pool(8, 2, 16, 9, torch.float32, "cpu", seed=3)
+    gen = torch.Generator().manual_seed(3)
+    q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]
     ref = paged_dot_ref(q, k_pool, slots)
     for h in range(8):
         for t in range(9):
             assert ref[h, t].item() == pytest.approx((q[h] @ k_pool[slots[t], h // 4]).item(), abs=1e-5)
 
 
-# (c, n_heads, n_kv_heads, head_dim, n): decode (c=1) and chunks, ragged n
-ATTN_SHAPES = [(1, 4, 4, 64, 1), (1, 32, 8, 128, 1000), (7, 8, 2, 64, 7), (16, 8, 1, 128, 300),
-               (33, 4, 4, 256, 100), (1, 16, 2, 64, 513)]
+def test_topk_returns_the_largest():
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randn(1000, generator=gen).to(DEVICE)
+    for kernels in (TRITON, TORCH):
+        got = kernels.topk(scores, 50)
+        assert set(got.tolist()) == set(scores.argsort(descending=True)[:50].tolist())
+        assert kernels.topk(scores[:7], 50).numel() == 7
 
 
-def attention_inputs(c, n_heads, n_kv, d, n, dtype, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    size = n + 40
-    q = torch.randn(c, n_heads, d, generator=g).to(device, dtype)
-    k_pool = torch.randn(size, n_kv, d, generator=g).to(device, dtype)
-    v_pool = torch.randn(size, n_kv, d, generator=g).to(device, dtype)
-    slots = torch.randperm(size, generator=g)[:n].to(device)
-    key_pos = torch.randperm(2 * n, generator=g)[:n].to(device)  # any positions, not sorted
-    q_pos = torch.arange(2 * n, 2 * n + c, device=device)
-    inv_freq, _ = RopeSpec(d, theta=10000.0).inv_freq()
-    return q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq
+def rope_inputs(c: int, n: int, d: int, gen: torch.Generator):
+    """Key positions: any distinct values up to 100K, unsorted (causality follows the list order, not
+    the positions); the chunk's own queries sit at the positions of the last c keys."""
+    key_pos = torch.randperm(100_000, generator=gen)[:n].to(DEVICE)
+    inv_freq, scale = RopeSpec(d, theta=500_000.0, kind="yarn", factor=4.0, max_position=8192).inv_freq()
+    return key_pos, key_pos[-c:], inv_freq.to(DEVICE), scale
 
 
-@pytest.mark.parametrize("device", DEVICES)
+ATTENTION_SHAPES = [(1, 1), (1, 7), (1, 1000), (7, 7), (7, 1000), (100, 300)]  # (chunk c, list length n)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", ATTN_SHAPES)
-def test_sparse_attention_matches_reference(device, dtype, shape):
-    args = attention_inputs(*shape, dtype, device, seed=hash(shape) % 1000)
-    out = sparse_attention(*args, rope_scale=1.2)
-    assert out.shape == args[0].shape and out.dtype == dtype
-    torch.testing.assert_close(out, sparse_attention_ref(*args, rope_scale=1.2), **TOL[dtype])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("c,n", ATTENTION_SHAPES)
+def test_sparse_attention_matches_reference(c, n, group, dtype, d):
+    gen = torch.Generator().manual_seed(c * 100_000 + n * 100 + group * 10 + d)
+    q = query((c, N_KV * group, d), dtype, gen)
+    k_pool, v_pool = pool(n + 300, d, dtype, gen), pool(n + 300, d, dtype, gen)
+    slots = slot_list(n, n + 300, gen)
+    key_pos, q_pos, inv_freq, scale = rope_inputs(c, n, d, gen)
+    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale)
+    got = TRITON.sparse_attention(*args)
+    assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got, TORCH.sparse_attention(*args), **TOL[dtype])
 
 
-def test_sparse_attention_reference_is_the_definition():
-    """Rotate-half RoPE at the given positions, GQA, bottom-right causal mask, softmax(q.k / sqrt(d)) v."""
-    c, n_heads, n_kv, d, n = 3, 4, 2, 8, 6
-    q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq = attention_inputs(c, n_heads, n_kv, d, n, torch.float32, "cpu", 5)
+@pytest.mark.parametrize("d", [16, 80])  # tiny test models; a head_dim that is no power of two
+def test_small_and_odd_head_dims(d):
+    gen = torch.Generator().manual_seed(d)
+    q = query((3, 8, d), torch.float32, gen)
+    k_pool, v_pool = pool(400, d, torch.float32, gen), pool(400, d, torch.float32, gen)
+    slots = slot_list(300, 400, gen)
+    key_pos, q_pos, inv_freq, scale = rope_inputs(3, 300, d, gen)
+    torch.testing.assert_close(TRITON.paged_dot(q[0], k_pool, slots), TORCH.paged_dot(q[0], k_pool, slots),
+                               atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(TRITON.head_soft_vote(q[0], k_pool, slots, 0.3),
+                               TORCH.head_soft_vote(q[0], k_pool, slots, 0.3), atol=1e-5, rtol=1e-4)
+    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale)
+    torch.testing.assert_close(TRITON.sparse_attention(*args), TORCH.sparse_attention(*args), **TOL[torch.float32])
 
-    def rope(x, pos):
-        angle = pos * inv_freq
+
+def test_sparse_attention_explicit_softmax_scale_and_fp8_pool():
+    gen = torch.Generator().manual_seed(7)
+    q = query((5, 8, 128), torch.bfloat16, gen)
+    k_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e4m3fn)
+    v_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e4m3fn)
+    slots = slot_list(800, 900, gen)
+    key_pos, q_pos, inv_freq, _ = rope_inputs(5, 800, 128, gen)
+    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, 1.0, 0.05)
+    torch.testing.assert_close(TRITON.sparse_attention(*args), TORCH.sparse_attention(*args), **TOL[torch.bfloat16])
+
+
+def naive_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, rope_scale, sm_scale):
+    """Query by query and head by head in fp64: rotate each (x_i, x_{i+d/2}) pair by angle
+    pos * inv_freq[i] (the angle rounded to fp32, as every RoPE implementation computes it), score the
+    visible keys, softmax, average the values."""
+    c, n_heads, d = q.shape
+    n, group = len(slots), n_heads // k_pool.shape[1]
+
+    def rot(x, pos):  # x: [d] -> [d]
+        angle = (pos * inv_freq.float()).double()
         x1, x2 = x[: d // 2], x[d // 2:]
-        return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()])
+        return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()]) * rope_scale
 
-    out = sparse_attention_ref(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq)
+    out = torch.zeros(c, n_heads, d, dtype=torch.float64)
     for i in range(c):
+        visible = n - c + i + 1
         for h in range(n_heads):
-            kv = h // (n_heads // n_kv)
-            qi = rope(q[i, h], q_pos[i])
-            visible = [j for j in range(n) if j <= i + n - c]
-            logits = torch.stack([qi @ rope(k_pool[slots[j], kv], key_pos[j]) / math.sqrt(d) for j in visible])
-            want = (torch.softmax(logits, 0)[:, None] * v_pool[slots[visible], kv]).sum(0)
-            torch.testing.assert_close(out[i, h], want, atol=1e-5, rtol=1e-5)
+            qi = rot(q[i, h].double(), q_pos[i].float())
+            keys = torch.stack([rot(k_pool[slots[j], h // group].double(), key_pos[j].float()) for j in range(visible)])
+            p = torch.softmax(keys @ qi * sm_scale, dim=0)
+            out[i, h] = p @ v_pool[slots[:visible], h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("c,n,group", [(1, 1, 1), (1, 9, 4), (4, 13, 2)])
+def test_sparse_attention_reference_equals_naive_loop(c, n, group):
+    gen = torch.Generator().manual_seed(c + n + group)
+    d = 32
+    q = torch.randn(c, 2 * group, d, generator=gen)
+    k_pool, v_pool = torch.randn(20, 2, d, generator=gen), torch.randn(20, 2, d, generator=gen)
+    slots = torch.randperm(20, generator=gen)[:n]
+    key_pos = torch.randperm(5000, generator=gen)[:n]
+    inv_freq, scale = RopeSpec(d, theta=10_000.0, kind="yarn", factor=8.0, max_position=1024).inv_freq()
+    args = (q, k_pool, v_pool, slots, key_pos, key_pos[-c:], inv_freq, scale)
+    want = naive_attention(*args, sm_scale=1 / math.sqrt(d))
+    torch.testing.assert_close(sparse_attention_ref(*args).double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_triton_policy_equals_torch_policy(tiny_llama):
-    """The whole TokenSelect path with kernels='triton' (selection and attention) matches 'torch'."""
+    """The whole TokenSelect path (selection and attention, prefill chunks and decode with the
+    Selection Cache) gives the same logits and tokens with either kernel set."""
     ids = torch.randint(2, 300, (160,), generator=torch.Generator().manual_seed(4)).tolist()
-    settings = dict(chunk_size=32, k=24, n_init=4, n_local=16, theta=0.8)
+    settings = dict(chunk_size=32, k=24, n_init=4, n_local=16, theta=0.8, device=DEVICE, dtype=torch.float32)
     ours = LLM(tiny_llama, "tokenselect", kernels="triton", **settings)
     ref = LLM(tiny_llama, "tokenselect", kernels="torch", **settings)
     torch.testing.assert_close(ours.prompt_logits(ids), ref.prompt_logits(ids), atol=1e-4, rtol=1e-4)
@@ -123,6 +198,6 @@ def test_triton_policy_equals_torch_policy(tiny_llama):
 
 def test_registry():
     assert get_kernels("triton").sparse_attention is sparse_attention
-    assert get_kernels("torch").head_soft_vote is head_soft_vote_ref
-    with pytest.raises(ValueError, match="unknown kernels"):
+    assert get_kernels("torch").sparse_attention is sparse_attention_ref
+    with pytest.raises(ValueError, match="torch or triton"):
         get_kernels("cuda")

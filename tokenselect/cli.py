@@ -126,8 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(demo, attention_default="tokenselect")
     demo.set_defaults(func=cmd_demo)
 
-    from . import bench
+    from . import bench, server
+    from .eval import cli as eval_cli
 
+    server.add_parser(sub)
+    eval_cli.add_parser(sub)
     bench.add_parser(sub)
     return parser
 

@@ -1,174 +1,268 @@
-"""``tokenselect bench attention``: one attention layer, our kernels against dense SDPA.
+"""``tokenselect bench attention``: one attention layer, dense against TokenSelect, per KV length.
 
-Llama-3-8B attention shape (32 q heads, 8 kv heads, d=128, bf16). For each KV length it times, in
-the same run and on the same cache:
+Shape: Llama-3-8B (32 query heads, 8 kv heads, head_dim 128, bf16) unless told otherwise. For each
+KV length L, in one run on one GPU:
 
-- dense chunk / decode: SDPA (flash backend on CUDA) over the whole cache, keys already rotated,
-  for a 512-query prefill chunk (causal inside it) and for one decode query;
-- ours chunk: head soft vote of the chunk-mean query over the middle of the cache, top-k, and
-  sparse attention over [n_init + k + n_local + chunk] slots with RoPE on the fly;
-- ours decode miss: the same for one query (vote, top-k, sparse attention);
-- ours decode hit: the Selection Cache check (cosine) and sparse attention over the cached list;
-- the read-K floor: the bytes of K over the copy bandwidth measured in this run, the least a
-  selection that reads every key once can cost.
+- dense chunk: SDPA (flash backend, forced) of a 512-query chunk over all L RoPE'd keys, causal
+  bottom-right (the chunk is the last 512 of the L tokens), GQA without copying K/V;
+- dense decode: the same for 1 query;
+- ours chunk: chunk-mean query -> head soft vote over the whole middle of the cache -> top-k ->
+  sorted selection -> slot list [n_init, k selected, n_local, chunk] -> sparse attention with RoPE
+  applied on the fly (every step of the policy's chunk path, nothing precomputed);
+- ours decode miss: Selection Cache check (cosine with the cached query, read back to the host as
+  the engine does) -> vote -> top-k -> list -> sparse attention;
+- ours decode hit: cosine check -> sparse attention over the cached list;
+- read-K floor: bytes of K the vote must read over the copy bandwidth measured in the same run.
+
+With ``--fp8-select`` the selection also runs over an fp8 (e4m3) copy of the keys, the "read fewer
+bytes" variant: rows marked fp8 read that copy for the vote, bf16 K/V for attention.
+Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs).
+``--device cpu --tiny`` runs tiny sizes with wall-clock timing: a smoke test of the code path, not a benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
-from ..kernels import get_kernels
 from ..rope import RopeSpec, rotate
 from .e2e import parse_length
 
+DEFAULT_LENGTHS = "32k,128k,512k,1m"
+TINY = {"lengths": "2k,4k", "heads": 4, "kv_heads": 2, "head_dim": 32,
+        "chunk": 64, "k": 128, "n_init": 16, "n_local": 64}
+
 
 def timer(device: torch.device):
-    """-> time(fn) giving the median milliseconds of fn()."""
+    """ms(fn) -> median milliseconds of fn()."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        import triton.testing
 
-        return lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median")
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    import time
-
-    def cpu_time(fn, reps=3):
+    def wall(fn, reps: int = 5) -> float:
         fn()
         times = []
         for _ in range(reps):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times)[reps // 2]
+        return statistics.median(times)
 
-    return cpu_time
+    return wall
 
 
-def copy_bandwidth(device: torch.device, time) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+def copy_bandwidth(device: torch.device, ms) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written over the time)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = time(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms / 1e3)
+    t = ms(lambda: dst.copy_(src))
+    return 2 * n / (t * 1e-3)
 
 
-def dense(q, k, v, causal_chunk: bool):
-    """SDPA over the whole (rotated) cache. q, k, v: [1, H, c or N, d] (kv heads already expanded)."""
-    if not causal_chunk:
-        return F.scaled_dot_product_attention(q, k, v)
-    from torch.nn.attention.bias import causal_lower_right
+class Layer:
+    """One layer's cache of L tokens and a chunk at its end, laid out both ways.
 
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
+    Ours: pre-RoPE k_pool, v_pool [L, n_kv, d] addressed through a shuffled page table (page = 1
+    token), as the engine's paged pool is. Dense: RoPE'd keys in sequence order, [1, n_kv, L, d]."""
+
+    def __init__(self, L: int, args, device: torch.device):
+        h, kv, d = args.heads, args.kv_heads, args.head_dim
+        gen = torch.Generator(device=device).manual_seed(L)
+        self.args, self.L = args, L
+        self.k_pool = torch.randn(L, kv, d, device=device, dtype=torch.bfloat16, generator=gen)
+        self.v_pool = torch.randn(L, kv, d, device=device, dtype=torch.bfloat16, generator=gen)
+        self.page_table = torch.randperm(L, device=device, generator=gen)  # position -> slot
+        self.inv_freq = RopeSpec(d, theta=500_000.0).inv_freq()[0].to(device)
+        positions = torch.arange(L, device=device)
+        k_seq = rotate(self.k_pool[self.page_table], positions, self.inv_freq)  # [L, kv, d] in sequence order
+        self.k_dense = k_seq.permute(1, 0, 2).unsqueeze(0)
+        self.v_dense = self.v_pool[self.page_table].permute(1, 0, 2).unsqueeze(0)
+        del k_seq
+        self.q = {c: torch.randn(c, h, d, device=device, dtype=torch.bfloat16, generator=gen) for c in (1, args.chunk)}
+        self.k_select = self.k_pool.to(torch.float8_e4m3fn) if args.fp8_select else None
+
+    def dense(self, c: int):
+        """fn() running dense attention of the last c tokens' queries over all L keys."""
+        q = rotate(self.q[c], torch.arange(self.L - c, self.L, device=self.q[c].device), self.inv_freq)
+        q = q.permute(1, 0, 2).unsqueeze(0)  # [1, h, c, d]
+        mask = causal_lower_right(c, self.L)
+        if q.is_cuda:
+            params = torch.backends.cuda.SDPAParams(q, self.k_dense, self.v_dense, None, 0.0, False, True)
+            if not torch.backends.cuda.can_use_flash_attention(params, debug=True):
+                raise RuntimeError("the flash SDPA backend cannot run this shape; refusing to time another backend")
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, self.k_dense, self.v_dense, attn_mask=mask, enable_gqa=True)
+
+        return run
+
+    def lists(self, c: int):
+        """Slots of the sinks, the middle (selection candidates) and the local window plus the chunk."""
+        a, t = self.args, self.page_table
+        return t[: a.n_init], t[a.n_init: self.L - c - a.n_local], t[self.L - c - a.n_local:]
+
+    def selection(self, kern, query: torch.Tensor, middle: torch.Tensor, fp8: bool) -> torch.Tensor:
+        """query [h, d] (fp32) -> the selected slots, in cache order."""
+        k_pool = self.k_select if fp8 else self.k_pool
+        vote = kern.head_soft_vote(query.to(torch.bfloat16), k_pool, middle, 1.0)
+        return middle[kern.topk(vote, self.args.k).sort().values]
+
+    def attend(self, kern, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """q [c, h, d] over the slot list, positions re-indexed 0..n-1 (the chunk at the end)."""
+        n, c = slots.numel(), q.shape[0]
+        pos = torch.arange(n, device=q.device)
+        return kern.sparse_attention(q, self.k_pool, self.v_pool, slots, pos, pos[n - c:], self.inv_freq)
+
+    def ours_chunk(self, kern, fp8: bool = False):
+        q = self.q[self.args.chunk]
+        init, middle, recent = self.lists(q.shape[0])
+
+        def run():
+            chosen = self.selection(kern, q.float().mean(dim=0), middle, fp8)
+            return self.attend(kern, q, torch.cat([init, chosen, recent]))
+
+        return run
+
+    def ours_decode(self, kern, hit: bool, fp8: bool = False):
+        q = self.q[1]
+        init, middle, recent = self.lists(1)
+        # the previous step's query: close to q (cosine ~0.99) for a hit, opposite (cosine ~-0.99) for a miss
+        cached_q = (1 if hit else -1) * (q[0].float() + 0.1 * torch.randn_like(q[0].float())).flatten()
+        cached_slots = torch.cat([init, self.selection(kern, cached_q.view_as(q[0]), middle, fp8), recent])
+
+        def run():
+            query = q[0].float()
+            is_hit = F.cosine_similarity(query.flatten(), cached_q, dim=0).item() >= 0.9  # host read, as the engine
+            slots = cached_slots if is_hit else torch.cat([init, self.selection(kern, query, middle, fp8), recent])
+            return self.attend(kern, q, slots)
+
+        return run
+
+    def parts(self, kern, fp8: bool = False) -> dict:
+        """The chunk step's parts, timed alone: vote, top-k, sparse attention."""
+        q = self.q[self.args.chunk]
+        init, middle, recent = self.lists(q.shape[0])
+        query = q.float().mean(dim=0).to(torch.bfloat16)
+        k_pool = self.k_select if fp8 else self.k_pool
+        vote = kern.head_soft_vote(query, k_pool, middle, 1.0)
+        slots = torch.cat([init, middle[kern.topk(vote, self.args.k).sort().values], recent])
+        return {"vote": lambda: kern.head_soft_vote(query, k_pool, middle, 1.0),
+                "topk": lambda: kern.topk(vote, self.args.k),
+                "attention": lambda: self.attend(kern, q, slots)}
+
+    def middle_key_bytes(self, fp8: bool = False) -> int:
+        m = self.lists(self.args.chunk)[1].numel()
+        return m * self.args.kv_heads * self.args.head_dim * (1 if fp8 else 2)
+
+    def check_dense_equals_full_list(self, kern) -> float:
+        """Max |dense - sparse attention over every slot| for the chunk: both compute the same function,
+        so this proves the dense baseline's mask, GQA and RoPE are the real ones."""
+        c = self.args.chunk
+        dense = self.dense(c)()[0].transpose(0, 1)
+        ours = self.attend(kern, self.q[c], self.page_table)
+        return (dense.float() - ours.float()).abs().max().item()
 
 
-def bench_length(n: int, args, kern, time, bandwidth: float) -> dict:
-    dev, dt = torch.device(args.device), torch.bfloat16
-    h, h_kv, d, chunk = args.heads, args.kv_heads, args.head_dim, args.chunk
-    k_pool = torch.randn(n, h_kv, d, device=dev, dtype=dt)
-    v_pool = torch.randn(n, h_kv, d, device=dev, dtype=dt)
-    slots = torch.arange(n, device=dev)
-    inv_freq, _ = RopeSpec(d, theta=500000.0).inv_freq()
-    inv_freq = inv_freq.to(dev)
-    q_chunk = torch.randn(chunk, h, d, device=dev, dtype=dt)
-    q_one = q_chunk[-1:]
-    scale = 1.0
+def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: bool) -> dict:
+    from ..kernels import get_kernels
 
-    # dense: the cache rotated once, as a dense engine caches it, kv heads expanded outside the timing
-    group = h // h_kv
-    k_rot = rotate(k_pool, torch.arange(n, device=dev), inv_freq).repeat_interleave(group, 1).transpose(0, 1)[None]
-    v_dense = v_pool.repeat_interleave(group, 1).transpose(0, 1)[None]
-    q_rot = rotate(q_chunk, torch.arange(n - chunk, n, device=dev), inv_freq).transpose(0, 1)[None]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = [SDPBackend.FLASH_ATTENTION] if dev.type == "cuda" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(backends):
-        dense_chunk = time(lambda: dense(q_rot, k_rot, v_dense, True))
-        dense_decode = time(lambda: dense(q_rot[:, :, -1:], k_rot, v_dense, False))
-    del k_rot, v_dense
-
-    n_init, n_local, k = args.n_init, args.n_local, args.k
-    middle = slots[n_init:n - n_local - chunk]
-    past_local = slots[n - n_local - chunk:n - chunk]
-    own = slots[n - chunk:]
-
-    def select(query):
-        vote = kern.head_soft_vote(query, k_pool, middle, scale)
-        return middle[kern.topk(vote, k).sort().values]
-
-    def attend(q, chosen, own_slots):
-        listed = torch.cat([slots[:n_init], chosen, past_local, own_slots])
-        m = listed.numel()
-        return kern.sparse_attention(q, k_pool, v_pool, listed, torch.arange(m, device=dev),
-                                     torch.arange(m - q.shape[0], m, device=dev), inv_freq)
-
-    chosen = select(q_chunk.float().mean(0).to(dt))
-    ours_chunk = time(lambda: attend(q_chunk, select(q_chunk.float().mean(0).to(dt)), own))
-    ours_miss = time(lambda: attend(q_one, select(q_one[0]), own[-1:]))
-    cached_q = q_one.flatten().float()
-    ours_hit = time(lambda: (F.cosine_similarity(q_one.flatten().float(), cached_q, dim=0) >= 0.9,
-                             attend(q_one, chosen, own[-1:])))
-    vote_only = time(lambda: kern.head_soft_vote(q_one[0], k_pool, middle, scale))
-    votes = kern.head_soft_vote(q_one[0], k_pool, middle, scale)
-    topk_only = time(lambda: kern.topk(votes, k))
-    floor = k_pool.numel() * k_pool.element_size() / bandwidth * 1e3
-    return {
-        "kv_tokens": n, "dense_chunk_ms": dense_chunk, "ours_chunk_ms": ours_chunk,
-        "dense_decode_ms": dense_decode, "ours_decode_miss_ms": ours_miss, "ours_decode_hit_ms": ours_hit,
-        "vote_ms": vote_only, "topk_ms": topk_only, "read_k_floor_ms": floor,
-    }
+    kern = get_kernels(args.kernels)
+    layer = Layer(L, args, device)
+    row = {"length": L}
+    if check:
+        diff = row["max_abs_diff_dense_vs_full_list"] = layer.check_dense_equals_full_list(kern)
+        if diff > 0.05:
+            raise RuntimeError(f"dense SDPA and sparse attention over the full list differ by {diff}")
+    row["dense_chunk_ms"] = ms(layer.dense(args.chunk))
+    row["dense_decode_ms"] = ms(layer.dense(1))
+    row["chunk_ms"] = ms(layer.ours_chunk(kern))
+    row["miss_ms"] = ms(layer.ours_decode(kern, hit=False))
+    row["hit_ms"] = ms(layer.ours_decode(kern, hit=True))
+    row.update({f"chunk_{k}_ms": ms(fn) for k, fn in layer.parts(kern).items()})
+    row["floor_ms"] = layer.middle_key_bytes() / bandwidth * 1e3
+    if args.fp8_select:
+        row["fp8_chunk_ms"] = ms(layer.ours_chunk(kern, fp8=True))
+        row["fp8_miss_ms"] = ms(layer.ours_decode(kern, hit=False, fp8=True))
+        row["fp8_vote_ms"] = ms(layer.parts(kern, fp8=True)["vote"])
+        row["fp8_floor_ms"] = layer.middle_key_bytes(fp8=True) / bandwidth * 1e3
+    del layer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| KV tokens | dense chunk ms | ours chunk ms | chunk speedup | dense decode ms | miss ms | miss / floor "
-             "| hit ms | hit / dense | vote ms | top-k ms | read-K floor ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], fp8: bool) -> str:
+    """Markdown: milliseconds and ratios, every ratio from numbers of the same run."""
+    head = ["KV", "dense chunk", "ours chunk", "chunk speedup", "vote / topk / attn",
+            "dense decode", "miss", "miss / floor", "hit", "hit / dense", "read-K floor"]
+    if fp8:
+        head += ["fp8 chunk", "fp8 chunk speedup", "fp8 miss", "fp8 miss / bf16 floor"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(
-            f"| {r['kv_tokens'] // 1024}K | {r['dense_chunk_ms']:.3f} | {r['ours_chunk_ms']:.3f} "
-            f"| {r['dense_chunk_ms'] / r['ours_chunk_ms']:.1f}x | {r['dense_decode_ms']:.3f} "
-            f"| {r['ours_decode_miss_ms']:.3f} | {r['ours_decode_miss_ms'] / r['read_k_floor_ms']:.2f}x "
-            f"| {r['ours_decode_hit_ms']:.3f} | {r['ours_decode_hit_ms'] / r['dense_decode_ms']:.3f}x "
-            f"| {r['vote_ms']:.3f} | {r['topk_ms']:.3f} | {r['read_k_floor_ms']:.3f} |")
+        n = r["length"]
+        kv = f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
+        cells = [kv, f"{r['dense_chunk_ms']:.3f}", f"{r['chunk_ms']:.3f}",
+                 f"{r['dense_chunk_ms'] / r['chunk_ms']:.1f}x",
+                 f"{r['chunk_vote_ms']:.3f} / {r['chunk_topk_ms']:.3f} / {r['chunk_attention_ms']:.3f}",
+                 f"{r['dense_decode_ms']:.3f}", f"{r['miss_ms']:.3f}", f"{r['miss_ms'] / r['floor_ms']:.2f}x",
+                 f"{r['hit_ms']:.3f}", f"{r['hit_ms'] / r['dense_decode_ms']:.3f}x", f"{r['floor_ms']:.3f}"]
+        if fp8:
+            cells += [f"{r['fp8_chunk_ms']:.3f}", f"{r['dense_chunk_ms'] / r['fp8_chunk_ms']:.1f}x",
+                      f"{r['fp8_miss_ms']:.3f}", f"{r['fp8_miss_ms'] / r['floor_ms']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    args.device = str(device)
-    kern = get_kernels(args.kernels or ("triton" if device.type == "cuda" else "torch"))
-    time = timer(device)
-    bandwidth = copy_bandwidth(device, time)
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("bench attention times GPU kernels: run it on a CUDA device, or pass --device cpu --tiny "
+                         "for a smoke test at tiny sizes")
+    if args.tiny:
+        args = argparse.Namespace(**{**vars(args), **TINY, "lengths": args.lengths or TINY["lengths"]})
+    ms = timer(device)
+    bandwidth = copy_bandwidth(device, ms)
     rows = []
-    for n in [parse_length(x) for x in args.lengths.split(",")]:
-        if n < args.n_init + args.k + args.n_local + args.chunk:
-            raise ValueError(f"KV length {n} is shorter than n_init + k + n_local + chunk")
-        rows.append(bench_length(n, args, kern, time, bandwidth))
+    for i, length in enumerate(parse_length(x) for x in (args.lengths or DEFAULT_LENGTHS).split(",")):
+        rows.append(measure(length, args, device, ms, bandwidth, check=i == 0 and not args.no_check))
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = (f"# Attention layer: {args.heads} q heads / {args.kv_heads} kv heads / d={args.head_dim}, bf16, "
-              f"k={args.k}, n_init={args.n_init}, n_local={args.n_local}, chunk {args.chunk}, "
-              f"{kern.name} kernels, on {name} (copy bandwidth {bandwidth / 1e12:.2f} TB/s)\n\n{table(rows)}\n")
+    report = (f"# Attention, one layer: {args.heads} q heads, {args.kv_heads} kv heads, d={args.head_dim}, bf16, "
+              f"{args.kernels} kernels, on {name} (torch {torch.__version__})\n\n"
+              f"Chunk = {args.chunk} queries; ours selects k={args.k} with n_init={args.n_init}, "
+              f"n_local={args.n_local}. Milliseconds (median); copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+              f"read-K floor = bytes of the middle's keys / copy bandwidth.\n\n{table(rows, args.fp8_select)}\n")
     print(report)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"attention_{args.tag}" if args.tag else "attention"
-    (out / f"{stem}.json").write_text(json.dumps({"device": name, "kernels": kern.name,
-                                                  "bandwidth_Bps": bandwidth, "rows": rows}, indent=1))
+    meta = {k: v for k, v in vars(args).items() if k != "func"}
+    result = {"device": name, "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "args": meta, "rows": rows}
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(report)
     return 0
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "attention", help="one attention layer: selection + sparse attention vs dense SDPA",
-        description="Time one Llama-3-8B-shaped attention layer at several KV lengths: dense SDPA against "
-                    "TokenSelect (prefill chunk, decode with Selection Cache miss and hit), with the read-K floor.")
-    p.add_argument("--lengths", default="32k,128k,512k,1m")
+        "attention", help="one attention layer: dense SDPA against TokenSelect's kernels, per KV length",
+        description="Time one Llama-3-8B-shaped attention layer: dense flash SDPA against TokenSelect "
+                    "(prefill chunk, decode Selection-Cache miss and hit) and the read-K floor.")
+    p.add_argument("--lengths", help=f"KV lengths (default {DEFAULT_LENGTHS}; with --tiny {TINY['lengths']})")
+    p.add_argument("--kernels", default="triton", choices=["triton", "torch"])
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test, not a benchmark)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -176,8 +270,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--n-init", type=int, default=128)
     p.add_argument("--n-local", type=int, default=512)
-    p.add_argument("--kernels", choices=["triton", "torch"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--fp8-select", action="store_true", help="also time selection over an fp8 copy of the keys")
+    p.add_argument("--no-check", action="store_true", help="skip the dense == full-list correctness check")
     p.add_argument("--output", default="benchmarks/results")
-    p.add_argument("--tag", default="", help="suffix for the output files")
+    p.add_argument("--tag", default="", help="suffix for the output files, e.g. h100")
     p.set_defaults(func=run)

@@ -1,26 +1,36 @@
 """Kernels behind the attention policies, each with a plain-PyTorch reference of the same function.
 
-``get_kernels("torch")`` returns the references; ``get_kernels("triton")`` the Triton kernels,
-which run on CUDA, or on the CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` was set
-before they were imported (tests do this).
+``get_kernels("torch")`` returns the references; ``get_kernels("triton")`` the Triton kernels.
+
+Triton compiles for GPUs only; on a machine without CUDA its kernels can run only in Triton's
+interpreter, which is chosen when ``@triton.jit`` decorates them, i.e. when the kernel modules are
+first imported. So this package turns the interpreter on (unless ``TRITON_INTERPRET`` is already
+set) before importing them when CUDA is absent.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .head_vote import head_soft_vote, head_soft_vote_ref
-from .paged_dot import paged_dot, paged_dot_ref
-from .sparse_attention import sparse_attention, sparse_attention_ref
-from .topk import topk_ref
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .head_vote import head_soft_vote, head_soft_vote_ref  # noqa: E402
+from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref  # noqa: E402
+from .sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
+from .topk import topk_ref  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """paged_dot(q [H,d], k_pool, slots [N]) -> [H,N] fp32; head_soft_vote(q, k_pool, slots, scale) -> [N];
-    topk(scores [N], k) -> indices; sparse_attention(q [c,H,d], k_pool, v_pool, slots, key_pos, q_pos,
-    inv_freq, rope_scale, sm_scale) -> [c,H,d]."""
+    """paged_dot(q [H, d], k_pool [S, H_kv, d], slots [N]) -> [H, N] fp32;
+    head_soft_vote(q, k_pool, slots, scale) -> [N] fp32; topk(scores [N], k) -> indices [min(k, N)];
+    sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
+    rope_scale, sm_scale) -> [c, H, d]."""
 
     name: str
     paged_dot: Callable
@@ -35,7 +45,17 @@ KERNELS = {
 }
 
 
+def triton_interpreted() -> bool:
+    """True when the Triton kernels were built for the CPU interpreter."""
+    return type(_scores_kernel).__name__ == "InterpretedFunction"
+
+
 def get_kernels(name: str) -> Kernels:
+    """name: "torch" | "triton"."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernels {name!r}; use torch or triton")
+    if name == "triton" and not torch.cuda.is_available() and not triton_interpreted():
+        raise RuntimeError("Triton kernels on the CPU run only in Triton's interpreter, and TRITON_INTERPRET was "
+                           "off when tokenselect.kernels was imported: set TRITON_INTERPRET=1 before starting "
+                           "(slow; meant for tests), or use kernels='torch'")
     return KERNELS[name]

@@ -4,8 +4,8 @@ candidate tokens, then summed over heads, so each head has one vote of equal wei
     vote[t] = sum_h softmax_t(scale * <q[h], k_pool[slots[t], h // group]>)
 
 The Triton version reads every key exactly once. Pass 1 is the paged dot product, which also keeps
-per head and key block the running max and sum of exponentials; the per-head totals are combined
-(a few KB); pass 2 turns the scores into normalised probabilities and sums them over heads. Pass 2
+per head and key block the max and sum of exponentials; a small kernel combines them into per-head
+totals; pass 2 turns the scores into normalised probabilities and sums them over heads. Pass 2
 reads the fp32 scores (n_heads * 4 = 128 bytes per token for 32 heads) instead of re-reading the
 keys (n_kv * head_dim * 2 = 2 KB per token for Llama-3-8B in bf16): recomputing the scores would
 double the bytes of the whole selection step, storing them adds about 1/8.
@@ -24,6 +24,26 @@ def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tenso
     """q: [n_heads, head_dim], k_pool: [n_slots, n_kv_heads, head_dim], slots: [N] -> vote [N] fp32."""
     scores = paged_dot_ref(q, k_pool, slots) * scale
     return torch.softmax(scores, dim=-1).sum(dim=0)
+
+
+@triton.jit
+def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_blocks, BLOCK: tl.constexpr):
+    """Program = head h: combine the per-block (max, sum of exp) into the head's max M[h] and
+    1 / sum_t exp(s[h, t] - M[h])."""
+    h = tl.program_id(0)
+    row = h.to(tl.int64) * n_blocks
+    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for start in range(0, n_blocks, BLOCK):
+        b = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(m_ptr + row + b, mask=b < n_blocks, other=float("-inf")))
+    m_head = tl.max(top, axis=0)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_blocks, BLOCK):
+        b = start + tl.arange(0, BLOCK)
+        m = tl.load(m_ptr + row + b, mask=b < n_blocks, other=float("-inf"))
+        total += tl.load(l_ptr + row + b, mask=b < n_blocks, other=0.0) * tl.exp(m - m_head)
+    tl.store(m_out_ptr + h, m_head)
+    tl.store(inv_l_out_ptr + h, 1.0 / tl.sum(total, axis=0))
 
 
 @triton.jit
@@ -47,8 +67,9 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
     if n == 0:
         return out
     scores, m, l = scores_with_stats(q, k_pool, slots, scale, stats=True)
-    m_head = m.max(dim=1).values  # [n_heads]
-    inv_l = 1.0 / (l * torch.exp(m - m_head[:, None])).sum(dim=1)
+    m_head = torch.empty(n_heads, dtype=torch.float32, device=q.device)
+    inv_l = torch.empty_like(m_head)
+    _head_totals_kernel[(n_heads,)](m, l, m_head, inv_l, m.shape[1], BLOCK=1024)
     block_h = triton.next_power_of_2(n_heads)
     block_n = max(16, 4096 // block_h)
     _vote_kernel[(triton.cdiv(n, block_n),)](scores, m_head, inv_l, out, n_heads, n, BLOCK_H=block_h, BLOCK_N=block_n)

@@ -35,19 +35,20 @@ def dot_fp32(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_blocks, scale, stride_slot, stride_kvh,
-                   D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                    STATS: tl.constexpr):
     """Program (block b of slots, kv head kvh): out[h, t] = scale * <q[h], K[slots[t], kvh]> for the
     group's heads h. With STATS also m[h, b] = max_t out[h, t] and l[h, b] = sum_t exp(out[h, t] - m)."""
     pid, kvh = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_G)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, D)
-    row_ok, col_ok = rows < G, cols < N
+    dims = tl.arange(0, D_P)  # D padded to a power of two
+    row_ok, col_ok, dim_ok = rows < G, cols < N, dims < D
     heads = kvh * G + rows
-    q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     slots = tl.load(slot_ptr + cols, mask=col_ok, other=0).to(tl.int64)
-    k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None], mask=col_ok[None, :], other=0.0)
+    k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
+                mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
     s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
     tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
     if STATS:
@@ -58,8 +59,7 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_blocks
         tl.store(l_ptr + heads * n_blocks + pid, l, mask=row_ok)
 
 
-def _block_n(d: int) -> int:
-    return 128 if d <= 128 else 64
+SCORES_TILE = (128, 8)  # (keys per program, warps) at head_dim <= 128, half the keys at 256 (H100 sweep)
 
 
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool):
@@ -68,7 +68,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
     out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
-    block_n = _block_n(d)
+    block_n, warps = SCORES_TILE[0] if d <= 128 else SCORES_TILE[0] // 2, SCORES_TILE[1]
     n_blocks = triton.cdiv(n, block_n)
     m = torch.empty(n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
     l = torch.empty_like(m) if stats else None
@@ -76,8 +76,9 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
         return out, m, l
     _scores_kernel[(n_blocks, n_kv)](
         q.contiguous(), k_pool, slots.contiguous(), out, m, l, n, group, n_blocks, float(scale),
-        k_pool.stride(0), k_pool.stride(1), D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, IEEE=torch.float32 in (q.dtype, k_pool.dtype), STATS=stats,
+        k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        IEEE=torch.float32 in (q.dtype, k_pool.dtype), STATS=stats, num_warps=warps,
     )
     return out, m, l
 

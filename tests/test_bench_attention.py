@@ -1,0 +1,39 @@
+"""``tokenselect bench attention`` end to end at tiny sizes on the CPU (a smoke test of every timed path)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from tokenselect.bench import attention
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    attention.add_parser(parser.add_subparsers())
+    return parser.parse_args(["attention", *argv])
+
+
+def test_tiny_cpu_run_writes_table_and_json(tmp_path):
+    args = parse("--device", "cpu", "--tiny", "--kernels", "torch", "--lengths", "1k,2k", "--fp8-select",
+                 "--output", str(tmp_path), "--tag", "smoke")
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "attention_smoke.json").read_text())
+    rows = result["rows"]
+    assert [r["length"] for r in rows] == [1024, 2048]
+    assert rows[0]["max_abs_diff_dense_vs_full_list"] < 0.05  # dense and full-list sparse attention agree
+    for r in rows:
+        for key in ("dense_chunk_ms", "dense_decode_ms", "chunk_ms", "miss_ms", "hit_ms", "floor_ms", "fp8_chunk_ms"):
+            assert r[key] > 0
+    table = (tmp_path / "attention_smoke.md").read_text()
+    assert "| 1K |" in table and "| 2K |" in table and "chunk speedup" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_full_size_on_cpu_is_refused(tmp_path):
+    args = parse("--device", "cpu", "--output", str(tmp_path))
+    with pytest.raises(SystemExit, match="--tiny"):
+        args.func(args)

@@ -1,0 +1,72 @@
+"""``tokenselect eval`` end to end on a tiny random Llama (conftest's ``tiny_llama``, window 256)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+
+from tokenselect.eval.cli import add_parser
+from tokenselect.eval.metrics import score
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tokenselect")
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["eval", *argv])
+
+
+def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_llama), "--task", "passkey", "--lengths", "1x,512", "--samples", "2",
+            "--k", "64", "--n-local", "64", "--n-init", "8", "--kernels", "torch", "--device", "cpu", "--seed", "3"]
+    args = parse([*argv, "--attention", "full,full@dynamic:2,tokenselect", "--output", str(out)])
+    assert args.func(args) == 0
+
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 1 * 2 * 2
+    assert {r["policy"] for r in records} == {"full", "full@dynamic:2", "tokenselect"}
+    assert sorted({r["depth"] for r in records}) == [0.0, 1.0]
+    for r in records:
+        assert r["score"] == score(r["task"], r["prediction"], r["answers"])
+        assert 0.8 * r["target_tokens"] <= r["prompt_tokens"] <= r["target_tokens"] + 2  # + BOS/EOS
+    # every policy answered the very same prompts
+    by_policy = {}
+    for r in records:
+        by_policy.setdefault(r["policy"], []).append((r["task"], r["length"], r["sample"], tuple(r["answers"]),
+                                                      r["prompt_tokens"]))
+    assert len({tuple(v) for v in by_policy.values()}) == 1
+
+    with open(out / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["prediction"] for row in rows] == [r["prediction"] for r in records]
+    summary = json.loads((out / "summary.json").read_text())
+    for policy, tasks in summary["scores"].items():
+        for task, by_length in tasks.items():
+            for length, value in by_length.items():
+                cell = [r["score"] for r in records if (r["policy"], r["task"], r["length"]) == (policy, task, length)]
+                assert value == pytest.approx(100 * sum(cell) / len(cell))
+    pngs = sorted(p.name for p in out.rglob("*.png"))
+    assert sum("heatmap" in name for name in pngs) == 3 and sum("score_vs_length" in name for name in pngs) == 1
+    assert all(p.stat().st_size > 1000 for p in out.rglob("*.png"))
+
+    # the same command line gives the same predictions
+    again = parse([*argv, "--attention", "tokenselect", "--output", str(tmp_path / "again")])
+    again.func(again)
+    rerun = [json.loads(line) for line in (tmp_path / "again" / "predictions.jsonl").read_text().splitlines()]
+    assert rerun == [r for r in records if r["policy"] == "tokenselect"]
+
+
+def test_eval_help_and_bad_names(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    text = capsys.readouterr().out
+    assert "niah_multiquery" in text and "4x" in text and "--attention" in text and "--k" in text
+    with pytest.raises(ValueError, match="nope"):
+        args = parse(["--task", "passkey,nope"])
+        args.func(args)
+    with pytest.raises(ValueError, match="magic"):
+        args = parse(["--attention", "full,magic"])
+        args.func(args)

@@ -1,0 +1,49 @@
+"""``tokenselect eval``: long-context tasks x lengths x attention policies on one model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..policies import POLICIES, add_policy_args
+from .runner import run
+from .tasks import TASKS
+
+DESCRIPTION = """\
+Run a model over long-context tasks generated offline from --seed (InfiniteBench passkey,
+number_string, kv_retrieval; RULER niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
+niah_multiquery, vt, cwe, fwe), with several attention policies side by side on the same prompts.
+Writes to --output: predictions.jsonl and predictions.csv (every sample and policy), summary.json
+(mean score x 100 per policy, task and length) and PNG plots (depth x length heatmaps for needle
+tasks, score vs length per task); prints the table in markdown.
+
+Lengths are in the model's tokens: 4k (4096), 1m, a plain number, or multiples of the model's
+trained window: 1x, 4x, 16x. Needle depths are spread evenly over the --samples of each cell.
+Chat models (tokenizer with a chat template) get it, with the answer prefix opening their turn;
+base models get the plain template. A policy written NAME@SCALING runs on its own engine with that
+RoPE scaling, e.g. full@dynamic:4 for full attention with dynamic NTK. Policy flags apply to every
+policy that takes them.
+
+example:
+  tokenselect eval --task passkey,kv_retrieval --lengths 1x,4x --samples 5 \\
+      --attention full,full@dynamic:4,streaming,tokenselect --output runs/eval
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` command to the ``tokenselect`` subparsers."""
+    p = subparsers.add_parser("eval", help="score attention policies on long-context tasks (InfiniteBench, RULER)",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None,
+                   help="Hugging Face checkpoint folder (default: the model that ships with tokenselect)")
+    p.add_argument("--task", default="passkey", help=f"comma list of tasks (default passkey): {', '.join(TASKS)}")
+    p.add_argument("--lengths", default="1x,4x", help="comma list of context lengths: 4k, 16k, 5000, 1x, 4x (default 1x,4x)")
+    p.add_argument("--samples", type=int, default=5, help="samples per task and length, depths spread evenly (default 5)")
+    p.add_argument("--attention", default="full,streaming,tokenselect",
+                   help=f"comma list of policies ({', '.join(sorted(POLICIES))}), each optionally @SCALING "
+                        "(default full,streaming,tokenselect)")
+    p.add_argument("--output", type=Path, default=Path("eval_results"), help="output folder (default eval_results)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every sample (default 0)")
+    add_policy_args(p)
+    p.set_defaults(func=run)
+    return p

@@ -1,0 +1,182 @@
+"""Run tasks x lengths x samples x attention policies on one model and write what every sample got.
+
+The model is loaded once per RoPE setting and the policies are switched on it with
+``LLM.set_attention``. A policy written ``NAME@SCALING`` (e.g. ``full@dynamic:4``) runs on its own
+engine with that RoPE scaling, so "full + dynamic NTK" sits in the same table as the others.
+
+Outputs in ``--output``: ``predictions.jsonl`` and ``predictions.csv`` (one row per sample and
+policy), ``summary.json`` (mean score x 100 per policy, task and length) and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+from .metrics import score
+from .tasks import TASKS, Sample, make_sample
+
+# new tokens per task, as the benchmarks set them (InfiniteBench ``src/eval_utils.py``, RULER ``synthetic.yaml``)
+MAX_TOKENS = {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "vt": 30, "cwe": 120, "fwe": 50}
+NIAH_MAX_TOKENS = 128
+
+
+def parse_length(text: str, window: int) -> int:
+    """``4k`` -> 4096, ``2x`` -> twice the model's window, ``5000`` -> 5000 tokens."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMxX]?)", text.strip())
+    if not match:
+        raise ValueError(f"bad length {text!r}: use tokens (5000), 4k / 1m, or window multiples (4x)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * {"": 1, "k": 1024, "m": 1024 ** 2, "x": window}[unit])
+
+
+def depths(n: int) -> list[float]:
+    """``n`` needle depths spread evenly over [0, 1] (0.5 for a single sample)."""
+    return [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
+
+
+def split_policy(spec: str) -> tuple[str, str | None]:
+    """``full@dynamic:4`` -> ("full", "dynamic:4"); ``tokenselect`` -> ("tokenselect", None)."""
+    name, _, rope = spec.partition("@")
+    return name, rope or None
+
+
+def format_prompt(tokenizer, sample) -> str:
+    """The plain prompt for a base model; with a chat template, the prompt without its answer prefix
+    as the user turn, and the answer prefix opening the assistant turn (as RULER does)."""
+    if tokenizer.chat_template is None:
+        return sample.input
+    question = sample.input[: len(sample.input) - len(sample.answer_prefix)]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return chat + sample.answer_prefix.lstrip()
+
+
+def make_samples(tasks: list[str], lengths: list[str], n_samples: int, llm, seed: int) -> list[dict]:
+    """Every (task, length, sample) cell: its sample drawn from a seed of its own, so adding a task or
+    a length leaves the others' samples unchanged. Lengths count the tokens the engine will see
+    (special tokens and the chat template's own tokens included)."""
+    tokenizer = llm.tokenizer
+    overhead = len(llm.encode(format_prompt(tokenizer, Sample("", [])))) - len(llm.encode(""))
+    count = lambda text: len(llm.encode(text)) + overhead  # noqa: E731
+    cells = []
+    for task in tasks:
+        for length in lengths:
+            tokens = parse_length(length, llm.window)
+            for i, depth in enumerate(depths(n_samples)):
+                sample = make_sample(task, tokens, depth, random.Random(f"{seed}/{task}/{tokens}/{i}"), count)
+                cells.append({"task": task, "length": length, "target_tokens": tokens, "sample": i,
+                              "depth": depth, "prompt": format_prompt(tokenizer, sample),
+                              "answers": sample.answers})
+    return cells
+
+
+def evaluate(args: argparse.Namespace) -> list[dict]:
+    """Generate with every policy on every cell; one record per (cell, policy)."""
+    from tqdm import tqdm
+
+    from ..engine import LLM
+    from ..policies import policy_kwargs
+    from ..sampling import SamplingParams
+
+    specs = [s.strip() for s in args.attention.split(",") if s.strip()]
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
+    by_rope: dict[str | None, list[str]] = {}
+    for spec in specs:
+        by_rope.setdefault(split_policy(spec)[1], []).append(spec)
+    records, cells = [], None
+    progress = tqdm(total=len(specs) * len(tasks) * len(lengths) * args.samples, desc="eval", unit="sample",
+                    file=sys.stderr)
+    for rope, group in by_rope.items():
+        first = split_policy(group[0])[0]
+        settings = policy_kwargs(args, first)
+        if rope:
+            settings["rope_scaling"] = rope
+        llm = LLM(args.model, first, **settings)
+        if cells is None:
+            cells = make_samples(tasks, lengths, args.samples, llm, args.seed)
+        for spec in group:
+            name = split_policy(spec)[0]
+            llm.set_attention(name, **policy_kwargs(args, name, engine=False))
+            for cell in cells:
+                progress.set_postfix_str(f"{spec} {cell['task']} {cell['length']}")
+                params = SamplingParams(max_tokens=MAX_TOKENS.get(cell["task"], NIAH_MAX_TOKENS), temperature=0)
+                out = llm.generate([cell["prompt"]], params)[0]
+                records.append({"policy": spec, "task": cell["task"], "length": cell["length"],
+                                "target_tokens": cell["target_tokens"], "prompt_tokens": len(out.prompt_token_ids),
+                                "sample": cell["sample"], "depth": cell["depth"], "answers": cell["answers"],
+                                "prediction": out.text, "score": score(cell["task"], out.text, cell["answers"])})
+                progress.update()
+    progress.close()
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    """Mean score x 100 as ``{policy: {task: {length: score}}}``, in the order first seen."""
+    sums: dict = {}
+    for r in records:
+        cell = sums.setdefault(r["policy"], {}).setdefault(r["task"], {}).setdefault(r["length"], [0.0, 0])
+        cell[0] += r["score"]
+        cell[1] += 1
+    return {p: {t: {n: round(100 * s / c, 2) for n, (s, c) in by_len.items()} for t, by_len in by_task.items()}
+            for p, by_task in sums.items()}
+
+
+def markdown_table(scores: dict) -> str:
+    """Rows task x length, one column per policy."""
+    policies = list(scores)
+    rows = dict.fromkeys((t, n) for by_task in scores.values() for t, by_len in by_task.items() for n in by_len)
+    lines = ["| task | length | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]
+    for task, length in rows:
+        cells = [scores[p].get(task, {}).get(length) for p in policies]
+        lines.append(f"| {task} | {length} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def write_outputs(records: list[dict], scores: dict, config: dict, out: Path) -> None:
+    """predictions.jsonl, predictions.csv and summary.json in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "predictions.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    with open(out / "predictions.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        for r in records:
+            writer.writerow({**r, "answers": json.dumps(r["answers"])})
+    (out / "summary.json").write_text(json.dumps({"config": config, "scores": scores}, indent=2) + "\n")
+
+
+def check_names(args: argparse.Namespace) -> None:
+    """ValueError for an unknown task or policy, or fewer than one sample."""
+    from ..policies import POLICIES
+
+    unknown = [t for t in args.task.split(",") if t.strip() not in TASKS]
+    unknown += [a for a in args.attention.split(",") if split_policy(a.strip())[0] not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown task or policy: {', '.join(unknown)}")
+    if args.samples < 1:
+        raise ValueError("--samples must be at least 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tokenselect eval``: check the names, evaluate, write the files and plots, print the table."""
+    from .plots import plot_all
+
+    check_names(args)
+    records = evaluate(args)
+    scores = summarize(records)
+    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
+              if key != "func"}
+    out = Path(args.output)
+    write_outputs(records, scores, config, out)
+    plot_all(records, out)
+    print(markdown_table(scores))
+    print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json and plots", file=sys.stderr)
+    return 0
