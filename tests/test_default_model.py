@@ -45,14 +45,25 @@ def test_checkpoint_is_a_small_gqa_llama():
     cfg = json.loads((MODEL / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["max_position_embeddings"] == 1024
-    assert cfg["num_attention_heads"] == 8 and cfg["num_key_value_heads"] == 2
+    assert cfg["num_hidden_layers"] == 8 and cfg["hidden_size"] == 384 and cfg["intermediate_size"] == 1024
+    assert cfg["num_attention_heads"] == 6 and cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 64
     assert cfg["tie_word_embeddings"] is True and cfg["vocab_size"] == 8192
+    assert cfg["eos_token_id"] == 1 and cfg["bos_token_id"] == 0
     index = json.loads((MODEL / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
+    assert sorted(p.name for p in MODEL.glob("*.safetensors")) == shards  # no stale shards left behind
     for name in shards:
-        assert (MODEL / name).stat().st_size < 16 * 2**20
-    assert sum((MODEL / n).stat().st_size for n in shards) < 60_000_000
+        assert (MODEL / name).stat().st_size < 16 * 2**20  # the device returns files of at most 16 MiB
+    assert sum((MODEL / n).stat().st_size for n in shards) < 33_000_000  # ~16M bf16 weights
     assert (MODEL / "MODEL_CARD.md").is_file()
+
+
+def test_checkpoint_weights(hf):
+    n_params = sum(p.numel() for p in hf.parameters())  # tied: the LM head is the embedding
+    assert 15_000_000 < n_params < 17_000_000, n_params
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    index = json.loads((MODEL / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 2 * n_params  # bf16 on disk
 
 
 def test_tokenizer_round_trips_text(tok):
@@ -88,12 +99,38 @@ def test_model_has_learned_its_text(tok, hf):
     assert loss < 2.0  # uniform over 8192 tokens is 9.0 nats
 
 
-def test_model_retrieves_a_passkey_within_its_window(tok, llm):
+def _eval_samples(task, tokens, n, tok):
+    """Samples of the evaluation's own generator, seeds outside both the eval's and training's."""
+    from tokenselect.eval.tasks import make_sample
+    count = lambda s: len(tok(s)["input_ids"])  # noqa: E731
+    return [make_sample(task, tokens, depth, random.Random(f"test/{task}/{tokens}/{i}"), count)
+            for i, depth in enumerate((0.1, 0.5, 0.9)[:n])]
+
+
+def test_model_retrieves_a_passkey_within_its_window_and_stops(tok, llm):
+    from tokenselect.eval.metrics import score
+    for s in _eval_samples("passkey", 700, 3, tok):
+        out = llm.generate([s.input], SamplingParams(max_tokens=12, temperature=0))[0]
+        assert score("passkey", out.text, s.answers) == 1.0, (s.meta["depth"], out.text)
+        # trained to write " 12345." then </s>: no extra digit, and it stops by itself
+        assert out.text.strip() == s.answers[0] + "." and out.finish_reason == "stop", out.text
+
+
+def test_model_answers_ruler_needle_prompts(tok, llm):
+    from tokenselect.eval.metrics import score
+    for s in _eval_samples("niah_single_2", 600, 2, tok):
+        out = llm.generate([s.input], SamplingParams(max_tokens=32, temperature=0))[0]
+        assert score("niah_single_2", out.text, s.answers) == 1.0, out.text
+        assert out.finish_reason == "stop", out.text
+
+
+def test_training_drills_come_from_the_eval_generators(tok):
     sys.path.insert(0, str(ROOT / "training"))
     import drills
-    rng = random.Random(11)
-    count = lambda s: len(tok(s)["input_ids"])
-    for depth in (0.1, 0.5, 0.9):
-        d = drills.passkey(700, depth, rng, count)
-        out = llm.generate([d.input], SamplingParams(max_tokens=8, temperature=0))
-        assert out[0].text.strip().startswith(d.answers[0].strip()), (depth, out[0].text)
+    count = lambda s: len(tok(s)["input_ids"])  # noqa: E731
+    for n in range(6):
+        d = drills.make_drill(n, count, 1024)
+        assert d.prompt.endswith(("is", "is: ", "are", "they are: ")), d.prompt[-40:]
+        assert d.meta["tokens"] <= 1024
+        assert all(a in d.completion for a in d.answers)
+        assert d == drills.make_drill(n, count, 1024)  # drill n is fixed by n

@@ -1,109 +1,113 @@
-"""Retrieval drills in the formats of the evaluation tasks, sized in tokens.
+"""Training drills made by the evaluation's own task generators, with the answer written out.
 
-Written here because `tokenselect/eval/tasks.py` did not exist when the default model was
-trained. Wording follows InfiniteBench (passkey, number_string, kv_retrieval) and RULER
-(niah single needle). Every generator takes a target length in tokens, a needle depth in
-[0, 1], a `random.Random`, and `count_tokens(str) -> int`, and returns a `Drill` whose
-prompt plus answer fits within the target length.
+A drill is one sample of ``tokenselect.eval.tasks.make_sample`` (the very prompts ``tokenselect
+eval`` scores, templates and haystacks included; nothing is copied here) followed by a completion:
+the answer as the evaluation reads it, then the end-of-sequence token, so that the model learns both
+what to answer and where to stop.
+
+Drill ``n`` is fully determined by ``n``: its task, length, depth and sample all come from
+``random.Random(f"train/{n}")``. The evaluation seeds its samples with
+``random.Random(f"{seed}/{task}/{tokens}/{i}")`` (``seed`` an integer), the training script's own
+validation with ``random.Random(f"val/...")``: the three seed spaces never meet.
 """
-import json
-import uuid
+from __future__ import annotations
+
+import random
 from dataclasses import dataclass, field
 
-TASKS = ("passkey", "number_string", "kv_retrieval", "needle")
+from tokenselect.eval.tasks import make_sample
 
-IB_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-IB_PREFIX = ("There is an important info hidden inside a lot of irrelevant text. "
-             "Find it and memorize them. I will quiz you about the important information there.")
+# task -> relative frequency among the drills. The six core retrieval tasks of the eval table, plus
+# three cheap RULER variants (several keys, several values, variable tracking).
+TASK_WEIGHTS = {
+    "passkey": 1.0,
+    "number_string": 1.0,
+    "kv_retrieval": 1.5,
+    "niah_single_1": 1.0,
+    "niah_single_2": 1.0,
+    "niah_single_3": 1.0,
+    "niah_multikey_1": 0.5,
+    "niah_multivalue": 0.5,
+    "vt": 0.5,
+}
+TASKS = tuple(TASK_WEIGHTS)
+MIN_TOKENS = 128          # shortest drill (prompt + completion + end of sequence), in tokens
+# tokens kept free for the completion and </s> when sizing the prompt (upper bounds, checked anyway)
+RESERVE = {"kv_retrieval": 40, "niah_single_3": 40, "niah_multivalue": 48, "vt": 40}
+DEFAULT_RESERVE = 16
 
 
 @dataclass
 class Drill:
-    input: str
+    task: str
+    prompt: str           # make_sample(...).input: ends with the task's answer prefix
+    completion: str       # what the model should write after the prompt, before </s>
     answers: list
     meta: dict = field(default_factory=dict)
 
-    def text(self) -> str:
-        return self.input + self.answers[0]
+
+def _in_order_of_appearance(text: str, values: list[str]) -> list[str]:
+    """``values`` sorted by where they first occur in ``text`` (the order the needles were read in)."""
+    return sorted(values, key=lambda v: (text.find(v) if v in text else len(text)))
 
 
-def _fill(head, units, needle, tail, target, depth, count_tokens, sep=" "):
-    """head + units[:k] with `needle` inserted at fraction `depth` + tail, as long as fits `target`."""
-    fixed = count_tokens(head + sep + needle + sep + tail)
-    budget = max(0, target - fixed)
-    per = [count_tokens(sep + u) for u in units[:4]] or [1]
-    unit_cost = max(1, sum(per) / len(per))
-    k = max(0, int(budget / unit_cost))
-    while True:
-        chosen = [units[i % len(units)] for i in range(k)]
-        pos = int(round(depth * k))
-        body = chosen[:pos] + [needle] + chosen[pos:]
-        text = head + sep + sep.join(body) + sep + tail
-        if k == 0 or count_tokens(text) <= target:
-            return text
-        k = max(0, k - max(1, k // 20))
+def _join_list(items: list[str]) -> str:
+    if len(items) == 1:
+        return items[0]
+    if len(items) == 2:
+        return f"{items[0]} and {items[1]}"
+    return ", ".join(items[:-1]) + ", and " + items[-1]
 
 
-def passkey(target, depth, rng, count_tokens):
-    key = str(rng.randint(10000, 99999))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    answer = " " + key
-    tail = "What is the pass key? The pass key is"
-    text = _fill(IB_PREFIX, [IB_NOISE], needle, tail, target - count_tokens(answer) - 1, depth, count_tokens)
-    return Drill(text, [answer], {"task": "passkey", "depth": depth})
+def completion(task: str, sample) -> str:
+    """The answer written the way the evaluation's scorer reads it (``tokenselect.eval.metrics``):
+
+    - passkey, number_string (InfiniteBench: the first run of digits must equal the answer): the
+      prompt ends "... is", so " 12345."; the full stop ends the digit run.
+    - kv_retrieval (InfiniteBench: the value must be a word once ``: " ' . , ? ! { }`` are spaces):
+      the prompt ends "is: ", so the bare UUID.
+    - niah_* (RULER string_match_all: every reference must appear in the prediction): " 1234567." or,
+      for several values, " A, B, C, and D." in the order the needles stand in the context.
+    - vt (RULER string_match_all): the chain's variables in chain order, after one more space, as the
+      one-shot example inside the prompt writes them.
+    """
+    answers = list(sample.answers)
+    if task in ("passkey", "number_string"):
+        return f" {answers[0]}."
+    if task == "kv_retrieval":
+        return answers[0]
+    if task == "vt":
+        return " " + " ".join(answers)
+    if task.startswith("niah_"):
+        if len(answers) > 1:
+            answers = _in_order_of_appearance(sample.question, answers)
+        return " " + _join_list(answers) + "."
+    raise ValueError(f"no completion format for task {task!r}")
 
 
-def number_string(target, depth, rng, count_tokens):
-    digits = "".join(str(rng.randint(0, 9)) for _ in range(10))
-    needle = f"The sequence of digits is {digits}. Remember it. {digits} is the sequence of digits."
-    answer = " " + digits
-    tail = "What is the sequence of digits? The sequence of digits is"
-    text = _fill(IB_PREFIX, [IB_NOISE], needle, tail, target - count_tokens(answer) - 1, depth, count_tokens)
-    return Drill(text, [answer], {"task": "number_string", "depth": depth})
-
-
-def _uuid(rng):
-    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-
-
-def kv_retrieval(target, depth, rng, count_tokens):
-    head = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n"
-    key, value = _uuid(rng), _uuid(rng)
-    answer = " " + value
-    pair_cost = count_tokens(json.dumps({_uuid(rng): _uuid(rng)})) - 1
-    budget = target - count_tokens(answer) - 1
-    n = max(1, int((budget - 60) / pair_cost))
-    while True:
-        pairs = [(_uuid(rng), _uuid(rng)) for _ in range(n - 1)]
-        pairs.insert(int(round(depth * (n - 1))), (key, value))
-        data = json.dumps(dict(pairs), indent=1)
-        text = (head + data + f"\n\nKey: \"{key}\"\n"
-                "The value associated with the specified key is:")
-        if n == 1 or count_tokens(text) <= budget:
-            return Drill(text, [answer], {"task": "kv_retrieval", "depth": depth, "pairs": n})
-        n -= max(1, n // 10)
-
-
-def needle(target, depth, rng, count_tokens, haystack_sentences=None):
-    """RULER niah_single style: a 7-digit magic number for a word key, in noise or real text."""
-    words = ["apple", "river", "lantern", "falcon", "marble", "violet", "harbor", "meadow",
-             "copper", "orchid", "thunder", "velvet", "glacier", "saffron", "compass", "ember"]
-    key = f"{rng.choice(words)}-{rng.choice(words)}"
-    value = str(rng.randint(1000000, 9999999))
-    head = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-            "I will quiz you about the numbers afterwards.\n")
-    nd = f"One of the special magic numbers for {key} is: {value}."
-    tail = (f"\nWhat is the special magic number for {key} mentioned in the provided text? "
-            f"The special magic number for {key} mentioned in the provided text is")
-    answer = " " + value
-    if haystack_sentences:
-        start = rng.randrange(len(haystack_sentences))
-        units = haystack_sentences[start:start + 400] or haystack_sentences[:400]
-    else:
-        units = [IB_NOISE]
-    text = _fill(head, units, nd, tail, target - count_tokens(answer) - 1, depth, count_tokens)
-    return Drill(text, [answer], {"task": "needle", "depth": depth})
-
-
-GENERATORS = {"passkey": passkey, "number_string": number_string,
-              "kv_retrieval": kv_retrieval, "needle": needle}
+def make_drill(n: int, count_tokens, window: int = 1024, tasks=None) -> Drill:
+    """Drill number ``n``: a task drawn by TASK_WEIGHTS (or uniformly from ``tasks``), a total length
+    uniform in [MIN_TOKENS, window] tokens (prompt + completion + </s>, as counted by
+    ``count_tokens``, which includes the tokenizer's <s>) and a needle depth uniform in [0, 1]."""
+    rng = random.Random(f"train/{n}")
+    names = list(tasks) if tasks else list(TASKS)
+    weights = [TASK_WEIGHTS.get(t, 1.0) for t in names]
+    task = rng.choices(names, weights)[0]
+    total = rng.randint(MIN_TOKENS, window)
+    depth = rng.random()
+    reserve = RESERVE.get(task, DEFAULT_RESERVE)
+    target = total - reserve
+    for _ in range(12):
+        try:
+            # make_sample draws one number from its rng: a fresh one per attempt keeps drill n fixed
+            sample = make_sample(task, target, depth, random.Random(f"train/{n}/sample"), count_tokens)
+        except ValueError:  # too short for this task's smallest haystack (vt needs a few hundred tokens)
+            target = min(window - reserve, target + 96)
+            continue
+        text = completion(task, sample)
+        used = count_tokens(sample.input) + count_tokens(text) - count_tokens("") + 1  # + </s>
+        if used <= window:
+            return Drill(task, sample.input, text, list(sample.answers),
+                         {"n": n, "depth": depth, "target_tokens": total, "tokens": used})
+        target -= used - window
+    raise RuntimeError(f"could not fit drill {n} ({task}) in {window} tokens")

@@ -1,19 +1,24 @@
 """Train tokenselect's default model (a small Llama) from scratch, time-boxed, in one command.
 
-    PYTHONUNBUFFERED=1 python training/train.py --out $OUT      # on the lent GPU
-    SMOKE=1 python training/train.py --out /tmp/smoke            # tiny CPU check
+    PYTHONUNBUFFERED=1 python training/train.py --out $OUT      # on the lent GPU (one H100)
+    SMOKE=1 python training/train.py --out /tmp/smoke            # tiny CPU check of the whole pipeline
 
-Steps: gather text (this machine's Python stdlib source + the vendored prose), train a
-byte-level BPE tokenizer on it, pre-generate retrieval drills, train LlamaForCausalLM with
-bf16 autocast for TRAIN_SECONDS, evaluate within-window retrieval, and write the bf16
-checkpoint shards plus `meta.tar` (config, tokenizer, index, metrics.json, train.log) to --out.
+Steps: start a process pool that writes retrieval drills with the evaluation's own generators
+(`drills.py`) for as long as training runs; gather text (this machine's Python stdlib source + the
+vendored prose) and tokenize it with the tokenizer already shipped in
+`tokenselect/data/default_model` (kept as it is); train LlamaForCausalLM with bf16 autocast for
+TRAIN_SECONDS on rows that are part text, part drills, with the drills' answers weighted up; score
+within-window retrieval on fresh samples of the same generators (other seeds); write the bf16
+checkpoint shards plus `meta.tar` (config, generation config, shard index, tokenizer,
+metrics.json, train.log) to --out, because the device returns at most 8 files of 16 MiB each.
 """
 import argparse
-import io
 import json
 import math
+import multiprocessing as mp
 import os
 import random
+import shutil
 import sys
 import sysconfig
 import tarfile
@@ -32,25 +37,31 @@ SMOKE = os.environ.get("SMOKE") == "1"
 
 # ---- settings -------------------------------------------------------------------------------
 SEED = 1234
+TOKENIZER_DIR = ROOT / "tokenselect" / "data" / "default_model"   # tokenizer kept from the first model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VOCAB = 8192
 WINDOW = 1024                      # trained window (tokens per row)
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 512, 8, 8, 2, 64, 1536
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 384, 8, 6, 2, 64, 1024
 ROPE_THETA = 10000.0
 BATCH = 64                         # rows of WINDOW tokens per step
-LR, WARMUP_S, WEIGHT_DECAY, MIN_LR_FRAC = 1e-3, 20.0, 0.1, 0.05
-DRILL_FRAC = 0.5                   # fraction of rows that start at a retrieval drill
-TOTAL_BUDGET_S = 555.0             # whole script, from start, to stay inside a 600 s call
-EVAL_RESERVE_S = 100.0              # kept back for evaluation + saving
-TRAIN_SECONDS = 420.0              # upper bound on the training loop itself (7 min)
+LR, WARMUP_S, WEIGHT_DECAY, MIN_LR_FRAC = 1.5e-3, 15.0, 0.1, 0.05
+DRILL_FRAC = 0.6                   # fraction of rows that start at a drill
+ANSWER_WEIGHT = 4.0                # loss weight of a drill's completion tokens and its </s> (others: 1)
+TOTAL_BUDGET_S = 550.0             # whole script, from start, to stay inside a 600 s call
+EVAL_RESERVE_S = 85.0              # kept back for evaluation + saving
+TRAIN_SECONDS = 430.0              # upper bound on the training loop itself
 STDLIB_MAX_CHARS = 24_000_000
-N_DRILLS = 48000
-EVAL_PER_TASK = 50
-EVAL_LENGTHS = (256, 512, 768, 1024)
+MAX_DRILLS = 1_000_000             # drill numbers handed to the pool (it is stopped when training ends)
+DRILL_CHUNK = 200                  # drills per pool task
+MIN_DRILLS_TO_START = 3000         # training waits for this many
+EVAL_PER_TASK = 24
+EVAL_LENGTHS = (256, 512, 768, 1024)   # whole context: prompt + the task's answer budget, as `tokenselect eval`
 SHARD = "12MB"
 if SMOKE:
     HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 128
-    BATCH, TRAIN_SECONDS, TOTAL_BUDGET_S, EVAL_RESERVE_S = 2, 15.0, 120.0, 30.0
-    STDLIB_MAX_CHARS, N_DRILLS, EVAL_PER_TASK, WARMUP_S = 2_000_000, 200, 4, 2.0
+    BATCH, TRAIN_SECONDS, TOTAL_BUDGET_S, EVAL_RESERVE_S = 2, 15.0, 150.0, 40.0
+    STDLIB_MAX_CHARS, MAX_DRILLS, DRILL_CHUNK, MIN_DRILLS_TO_START = 2_000_000, 2000, 50, 100
+    EVAL_PER_TASK, WARMUP_S = 2, 2.0
 
 T0 = time.time()
 LOG_LINES = []
@@ -90,27 +101,81 @@ def prose_docs():
     return [d.strip() for d in prose_text().split("\f") if d.strip()]
 
 
-# ---- tokenizer ------------------------------------------------------------------------------
-def train_tokenizer(docs, folder):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  min_frequency=2, show_progress=False)
-    tok.train_from_iterator(docs, trainer=trainer)
-    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>", unk_token=None, model_max_length=WINDOW)
-    fast.save_pretrained(folder)
-    return tok, bos, eos
+def load_tokenizer():
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    return tok, tok.token_to_id("<s>"), tok.token_to_id("</s>")
+
+
+# ---- drills (pool workers) ------------------------------------------------------------------
+_WTOK = None
+
+
+def _worker_init():
+    global _WTOK
+    from tokenizers import Tokenizer
+    from tokenselect.eval.tasks.haystack import prose_words
+    _WTOK = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    prose_words()  # load the essay haystack once per worker
+
+
+def _drill_worker(arg):
+    """Drills start..start+n-1 as (task, token ids int16, index where the completion starts).
+
+    ids = encode(prompt) (with <s>, exactly as the engine encodes it) + encode(completion) + </s>."""
+    start, n = arg
+    count = lambda s: len(_WTOK.encode(s).ids)  # noqa: E731  (includes <s>, as the eval's count does)
+    eos = _WTOK.token_to_id("</s>")
+    out = []
+    for k in range(start, start + n):
+        d = drills.make_drill(k, count, WINDOW)
+        p = _WTOK.encode(d.prompt).ids
+        c = _WTOK.encode(d.completion, add_special_tokens=False).ids
+        out.append((d.task, np.array(p + c + [eos], dtype=np.int16), len(p)))
+    return out
+
+
+class DrillStore:
+    """Drills as they arrive from the pool; rows are packed from consecutive drills."""
+
+    def __init__(self, it):
+        self.it, self.done = it, False
+        self.ids, self.ans, self.tasks = [], [], {}
+        self.tokens = 0
+
+    def absorb(self, block=False):
+        while not self.done:
+            try:
+                part = self.it.next(timeout=None if block else 0)
+            except mp.TimeoutError:
+                return
+            except StopIteration:
+                self.done = True
+                return
+            for task, ids, a in part:
+                self.ids.append(ids)
+                self.ans.append(a)
+                self.tasks[task] = self.tasks.get(task, 0) + 1
+                self.tokens += len(ids)
+            if block:
+                return
+
+    def row(self, rng):
+        """WINDOW+1 tokens starting at a random drill, continuing into the next ones; and the loss
+        weight of predicting each token (ANSWER_WEIGHT on completions and </s>)."""
+        i = rng.randrange(len(self.ids))
+        toks, ws, have = [], [], 0
+        while have < WINDOW + 1:
+            ids, a = self.ids[i], self.ans[i]
+            w = np.ones(len(ids), dtype=np.float32)
+            w[a:] = ANSWER_WEIGHT
+            toks.append(ids)
+            ws.append(w)
+            have += len(ids)
+            i = (i + 1) % len(self.ids)
+        return (np.concatenate(toks)[:WINDOW + 1].astype(np.int64),
+                np.concatenate(ws)[:WINDOW + 1])
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -128,55 +193,47 @@ def make_config(bos, eos):
 # ---- evaluation -----------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, tok, device, deadline):
+    """Greedy answers to fresh samples of the eval generators (seeds "val/..."), scored by the eval's
+    scorer, with the eval's answer budgets; lengths as `tokenselect eval` counts them."""
+    from tokenselect.eval.metrics import score
+    from tokenselect.eval.tasks import MAX_NEW_TOKENS, make_sample
     model.eval()
-    count = lambda s: len(tok.encode(s).ids)  # includes <s>
-    rng = random.Random(777)
+    count = lambda s: len(tok.encode(s).ids)  # noqa: E731  includes <s>
+    eos = tok.token_to_id("</s>")
     results = {}
-    for task in ("passkey", "number_string", "kv_retrieval", "needle"):
-        hits, n, by_len = 0, 0, {}
+    for task in drills.TASKS:
+        total, n, stopped, by_len = 0.0, 0, 0, {}
+        budget = MAX_NEW_TOKENS[task]
         for i in range(EVAL_PER_TASK):
             if time.time() > deadline:
                 break
             L = EVAL_LENGTHS[i % len(EVAL_LENGTHS)]
-            d = drills.GENERATORS[task](L, rng.random(), rng, count)
-            ids = tok.encode(d.input).ids
-            ans_ids = tok.encode(d.answers[0], add_special_tokens=False).ids
+            depth = (i // len(EVAL_LENGTHS)) / max(1, EVAL_PER_TASK // len(EVAL_LENGTHS) - 1)
+            try:
+                s = make_sample(task, L - budget, min(1.0, depth), random.Random(f"val/{task}/{L}/{i}"), count)
+            except ValueError:
+                continue  # too short for this task (vt at 256)
+            ids = tok.encode(s.input).ids
             x = torch.tensor([ids], device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                     max_new_tokens=len(ans_ids) + 2, pad_token_id=tok.token_to_id("</s>"))
-            text = tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
-            ok = text.strip().startswith(d.answers[0].strip())
-            hits += ok
+                                     max_new_tokens=budget, eos_token_id=eos, pad_token_id=eos)
+            new = out[0, len(ids):].tolist()
+            stopped += eos in new
+            text = tok.decode(new, skip_special_tokens=True)
+            sc = score(task, text, s.answers)
+            total += sc
             n += 1
-            b = by_len.setdefault(str(L), [0, 0])
-            b[0] += ok
+            b = by_len.setdefault(str(L), [0.0, 0])
+            b[0] += sc
             b[1] += 1
-            if i < 2:
-                log(f"  eval {task} L={L} len={len(ids) + len(ans_ids)} want={d.answers[0]!r} got={text!r}")
-        results[task] = {"accuracy": hits / max(1, n), "n": n,
-                         "by_length": {k: v[0] / v[1] for k, v in by_len.items()}}
-        log(f"eval {task}: {hits}/{n} = {hits / max(1, n):.3f}  by length {results[task]['by_length']}")
+            if i < 2 or (sc < 1 and n <= 8):
+                log(f"  eval {task} L={L} prompt={len(ids)} want={s.answers} got={text!r} score={sc:.2f}")
+        results[task] = {"score": round(total / max(1, n), 4), "n": n, "stopped_with_eos": stopped,
+                         "by_length": {k: round(v[0] / v[1], 4) for k, v in by_len.items()}}
+        log(f"eval {task}: {total:.1f}/{n} = {total / max(1, n):.3f} (eos {stopped}/{n}) "
+            f"by length {results[task]['by_length']}")
     return results
-
-
-_SENTENCES, _TOK_JSON = None, None
-
-
-def _drill_worker(arg):
-    """Generate `n` drills with their own RNG (run in a forked pool)."""
-    seed, n = arg
-    from tokenizers import Tokenizer
-    wt = Tokenizer.from_str(_TOK_JSON)
-    count = lambda s: len(wt.encode(s).ids)
-    rng = random.Random(seed)
-    texts = []
-    for i in range(n):
-        task = drills.TASKS[i % len(drills.TASKS)]
-        L = rng.randint(128, WINDOW)
-        kw = {"haystack_sentences": _SENTENCES} if (task == "needle" and rng.random() < 0.5) else {}
-        texts.append(drills.GENERATORS[task](L, rng.random(), rng, count, **kw).text())
-    return texts
 
 
 def main():
@@ -186,124 +243,138 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stage = out.parent / (out.name + "_stage") if SMOKE else Path("/tmp/tokenselect_model_stage")
-    stage.mkdir(parents=True, exist_ok=True)
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
     random.seed(SEED)
     np.random.seed(SEED)
     torch.manual_seed(SEED)
+
+    # drills: a pool writes them for the whole run (started before CUDA is touched: it forks)
+    n_proc = max(1, (os.cpu_count() or 2) - 2)
+    tasks = [(k, DRILL_CHUNK) for k in range(0, MAX_DRILLS, DRILL_CHUNK)]
+    pool = mp.get_context("fork").Pool(n_proc, initializer=_worker_init)
+    store = DrillStore(pool.imap(_drill_worker, tasks))
+    log(f"drill pool: {n_proc} processes")
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log(f"device {device} torch {torch.__version__} python {sys.version.split()[0]}")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    tok, bos, eos = load_tokenizer()
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / name, stage / name)
     code_docs, stdlib_root = stdlib_texts(STDLIB_MAX_CHARS)
     prose = prose_docs()
     log(f"stdlib {len(code_docs)} files {sum(map(len, code_docs)):,} chars from {stdlib_root}; "
-        f"prose {len(prose)} docs {sum(map(len, prose)):,} chars")
-
-    tok, bos, eos = train_tokenizer(code_docs + prose, stage)
-    log(f"tokenizer trained: vocab {tok.get_vocab_size()}")
-
-    # corpus token stream (documents separated by </s> <s>)
+        f"prose {len(prose)} docs {sum(map(len, prose)):,} chars; tokenizer {TOKENIZER_DIR.name} (kept)")
     enc = tok.encode_batch(code_docs + prose)
     stream = np.concatenate([np.array(e.ids + [eos], dtype=np.int32) for e in enc])
     n_code = sum(len(e.ids) + 1 for e in enc[:len(code_docs)])
     log(f"corpus tokens {len(stream):,} (stdlib {n_code:,}, prose {len(stream) - n_code:,})")
-
-    # drills: pre-generated, each a row start
-    global _SENTENCES, _TOK_JSON
-    _SENTENCES = [s.strip() + "." for d in prose for s in d.replace("\n", " ").split(". ") if len(s) > 20]
-    _TOK_JSON = tok.to_str()
-    import multiprocessing as mp
-    n_proc = max(1, min(16, (os.cpu_count() or 2) - 1))
-    chunks = [(SEED + 1 + k, N_DRILLS // n_proc + (k < N_DRILLS % n_proc)) for k in range(n_proc)]
-    with mp.get_context("fork").Pool(n_proc) as pool:
-        dr_texts = [t for part in pool.map(_drill_worker, chunks) for t in part]
-    denc = tok.encode_batch(dr_texts)
-    dstream = np.concatenate([np.array(e.ids + [eos], dtype=np.int32) for e in denc])
-    dstarts = np.cumsum([0] + [len(e.ids) + 1 for e in denc[:-1]])
-    dstarts = dstarts[dstarts + WINDOW + 1 <= len(dstream)]
-    log(f"drills {len(dr_texts)} -> {len(dstream):,} tokens; example:\n{dr_texts[0][:200]} ... {dr_texts[0][-120:]}")
-
     stream_t = torch.from_numpy(stream.astype(np.int64))
-    dstream_t = torch.from_numpy(dstream.astype(np.int64))
-    dstarts_t = torch.from_numpy(dstarts.astype(np.int64))
 
-    def batch(gen):
+    while len(store.ids) < MIN_DRILLS_TO_START and not store.done:
+        store.absorb(block=True)
+    first = drills.make_drill(0, lambda s: len(tok.encode(s).ids), WINDOW)
+    log(f"drills ready: {len(store.ids):,}; drill 0 ({first.task}):\n{first.prompt[:160]!r} ... "
+        f"{first.prompt[-120:]!r} + {first.completion!r} + '</s>'")
+
+    rng = random.Random(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+
+    def batch():
         nd = int(round(BATCH * DRILL_FRAC))
-        rows = []
-        s = torch.randint(0, len(stream_t) - WINDOW - 1, (BATCH - nd,), generator=gen)
-        for a in s.tolist():
+        rows, weights = [], []
+        for a in torch.randint(0, len(stream_t) - WINDOW - 1, (BATCH - nd,), generator=gen).tolist():
             rows.append(stream_t[a:a + WINDOW + 1])
-        idx = torch.randint(0, len(dstarts_t), (nd,), generator=gen)
-        for a in dstarts_t[idx].tolist():
-            rows.append(dstream_t[a:a + WINDOW + 1])
-        return torch.stack(rows)
+            weights.append(torch.ones(WINDOW + 1))
+        for _ in range(nd):
+            r, w = store.row(rng)
+            rows.append(torch.from_numpy(r))
+            weights.append(torch.from_numpy(w))
+        return torch.stack(rows), torch.stack(weights)
 
     from transformers import LlamaForCausalLM
     config = make_config(bos, eos)
     model = LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model params {n_params:,}; config rope {getattr(config, 'rope_parameters', None)}")
+    log(f"model params {n_params:,}: {LAYERS} layers, hidden {HIDDEN}, heads {HEADS}/{KV_HEADS}x{HEAD_DIM}, "
+        f"FFN {FFN}; rope {getattr(config, 'rope_parameters', None)}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
-    gen = torch.Generator().manual_seed(SEED)
     t_start = time.time()
     train_s = min(TRAIN_SECONDS, T0 + TOTAL_BUDGET_S - EVAL_RESERVE_S - t_start)
-    log(f"training for {train_s:.0f}s, batch {BATCH}x{WINDOW}")
-    step, tokens, loss_ema = 0, 0, None
+    log(f"training for {train_s:.0f}s, batch {BATCH}x{WINDOW}, drill rows {DRILL_FRAC:.0%}, "
+        f"answer weight {ANSWER_WEIGHT}")
+    step, tokens, loss_ema, ans_ema = 0, 0, None, None
     model.train()
-    nxt = batch(gen)
+    nxt = batch()
     while True:
-        frac = (time.time() - t_start) / train_s
+        el = time.time() - t_start
+        frac = el / train_s
         if frac >= 1.0:
             break
-        el = time.time() - t_start
         lr = LR * min(1.0, el / WARMUP_S) * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        xb = nxt.to(device, non_blocking=True)
+        xb, wb = (t.to(device, non_blocking=True) for t in nxt)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=xb[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), xb[:, 1:].reshape(-1))
+        ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), xb[:, 1:].reshape(-1),
+                                               reduction="none")
+        w = wb[:, 1:].reshape(-1)
+        loss = (ce * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        nxt = batch(gen)  # overlap CPU batch building with the GPU step
+        store.absorb()
+        nxt = batch()  # overlap CPU batch building with the GPU step
         step += 1
         tokens += xb.shape[0] * WINDOW
         if step % 50 == 0 or step == 1:
+            with torch.no_grad():
+                is_ans = (w > 1).float()
+                ans = ((ce * is_ans).sum() / is_ans.sum().clamp(min=1)).item()
             lv = loss.item()
             loss_ema = lv if loss_ema is None else 0.9 * loss_ema + 0.1 * lv
-            log(f"step {step} loss {lv:.3f} lr {lr:.2e} tokens {tokens:,} "
-                f"tok/s {tokens / (time.time() - t_start):,.0f}")
+            ans_ema = ans if ans_ema is None else 0.9 * ans_ema + 0.1 * ans
+            log(f"step {step} loss {lv:.3f} answer-token loss {ans:.3f} lr {lr:.2e} tokens {tokens:,} "
+                f"tok/s {tokens / (time.time() - t_start):,.0f} drills {len(store.ids):,}")
     train_time = time.time() - t_start
-    log(f"done: {step} steps, {tokens:,} tokens in {train_time:.0f}s")
+    pool.terminate()
+    log(f"done: {step} steps, {tokens:,} tokens in {train_time:.0f}s; {len(store.ids):,} distinct drills "
+        f"({store.tokens:,} tokens) by task {store.tasks}")
 
-    deadline = T0 + TOTAL_BUDGET_S - 10
+    deadline = T0 + TOTAL_BUDGET_S - 12
     scores = evaluate(model, tok, device, deadline)
 
     model = model.to(torch.bfloat16)
     model.save_pretrained(stage, max_shard_size=SHARD)
     metrics = {"params": n_params, "steps": step, "tokens_seen": tokens, "train_seconds": round(train_time, 1),
-               "batch": BATCH, "window": WINDOW, "final_loss_ema": loss_ema, "scores": scores,
-               "corpus_tokens": int(len(stream)), "stdlib_tokens": int(n_code), "drill_tokens": int(len(dstream)),
+               "batch": BATCH, "window": WINDOW, "final_loss_ema": loss_ema, "final_answer_loss_ema": ans_ema,
+               "validation": scores,
+               "corpus_tokens": int(len(stream)), "stdlib_tokens": int(n_code),
+               "drills": len(store.ids), "drill_tokens": int(store.tokens), "drills_by_task": store.tasks,
                "stdlib_root": stdlib_root, "python": sys.version.split()[0], "torch": torch.__version__,
                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-               "settings": {"lr": LR, "drill_frac": DRILL_FRAC, "n_drills": N_DRILLS, "seed": SEED}}
-    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2))
+               "settings": {"lr": LR, "drill_frac": DRILL_FRAC, "answer_weight": ANSWER_WEIGHT,
+                            "task_weights": drills.TASK_WEIGHTS, "seed": SEED}}
+    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"saved; total {time.time() - T0:.0f}s")
     (stage / "train.log").write_text("\n".join(LOG_LINES) + "\n")
     # shards go out as they are; everything else in one tar (the device returns at most 8 files)
     with tarfile.open(out / "meta.tar", "w") as tar:
         for p in sorted(stage.iterdir()):
             if p.suffix == ".safetensors":
-                (out / p.name).write_bytes(p.read_bytes())
+                shutil.copy(p, out / p.name)
             else:
                 tar.add(p, arcname=p.name)
     print(sorted(p.name for p in out.iterdir()), flush=True)
