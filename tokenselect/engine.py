@@ -17,7 +17,7 @@ from .attention import BatchAttention, Chunk, RopeFrequencies
 from .config import ModelConfig
 from .errors import ContextTooLong
 from .kernels import get_kernels
-from .kv_cache import KVCache
+from .kv_cache import KVCache, host_memory_available
 from .models import load_model, load_tokenizer
 from .models.loader import random_model, resolve_dtype
 from .policies import default_chunk, make_policy
@@ -27,6 +27,7 @@ from .sequence import RequestOutput, Sequence
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
+HOST_MEMORY_FRACTION = 0.8  # of the available host memory, for an offloaded V pool
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -40,8 +41,9 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, attention: str = "full", *, dtype: str = "auto",
                  device: str | None = None, **settings):
-        """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, max_model_len, max_num_seqs,
-        rope_scaling (engine) and the policy's own settings."""
+        """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
+        V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling (engine)
+        and the policy's own settings."""
         if model is None:
             from .data import default_model_path
 
@@ -69,8 +71,9 @@ class LLM:
         return llm
 
     def _start(self, attention: str, kernels: str | None = None, chunk_size: int | None = None,
-               kv_cache_tokens: int | None = None, kv_dtype: str = "auto", max_model_len: int | None = None,
-               max_num_seqs: int = 64, rope_scaling: str | None = None, **policy_settings) -> None:
+               kv_cache_tokens: int | None = None, kv_dtype: str = "auto", kv_offload: str = "none",
+               max_model_len: int | None = None, max_num_seqs: int = 64, rope_scaling: str | None = None,
+               **policy_settings) -> None:
         cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
@@ -85,8 +88,9 @@ class LLM:
         self.kernels = get_kernels(kernels)
         self.chunk_size = chunk_size or default_chunk(self.window)
         self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
-        n_slots = kv_cache_tokens or self._default_pool_tokens()
-        self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        n_slots = kv_cache_tokens or self._default_pool_tokens(kv_offload)
+        self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
+                             kv_offload)
         self.max_model_len = min(max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
@@ -103,13 +107,18 @@ class LLM:
         self.attention = attention
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
 
-    def _default_pool_tokens(self) -> int:
+    def _default_pool_tokens(self, kv_offload: str) -> int:
+        """Pool slots that fit: on a GPU, K and V in its free memory, or with value offload K alone
+        there and V in the available host memory; on the CPU, K and V in CPU_POOL_BYTES."""
         cfg = self.config
-        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8  # K or V
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * GPU_MEMORY_FRACTION) // per_token
-        return min(131072, CPU_POOL_BYTES // per_token)
+            if kv_offload == "values":
+                return min(int(free * GPU_MEMORY_FRACTION) // per_pool,
+                           int(host_memory_available() * HOST_MEMORY_FRACTION) // per_pool)
+            return int(free * GPU_MEMORY_FRACTION) // (2 * per_pool)
+        return min(131072, CPU_POOL_BYTES // (2 * per_pool))
 
     # ---- requests -----------------------------------------------------------------------------
 

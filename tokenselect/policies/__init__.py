@@ -89,11 +89,15 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-tokens", type=int, help="size of the KV pool in tokens")
     e.add_argument("--kv-dtype", choices=["auto", "fp8", "bf16", "fp16", "fp32"],
                    help="KV storage dtype (default auto: the model's dtype; fp8 halves the pool)")
+    e.add_argument("--kv-offload", choices=["none", "values"],
+                   help="values: keep the V pool in pinned host memory and only K on the GPU, which roughly "
+                        "doubles the tokens that fit; attention copies in the values it attends (default none)")
 
 
 POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions",
                 "block_size", "repr_keys", "page_size")
-ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype")
+ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype",
+                "kv_offload")
 
 
 def load_config_file(path: Path) -> dict:

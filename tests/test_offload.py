@@ -1,0 +1,166 @@
+"""Value offload (``kv_offload="values"``): the V pool in host memory, only K on the device.
+
+On a machine without a GPU the "offloaded" pool is a second CPU tensor, but every step of the
+offload path runs: new values are written to that pool, and attention reads K and V rows staged
+for its slot list (``KVCache.stage``) instead of the pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tokenselect import LLM, SamplingParams
+from tokenselect import engine, kv_cache
+from tokenselect.bench import e2e
+from tokenselect.kv_cache import HostMemoryError, KVCache
+from tokenselect.policies import add_policy_args, policy_kwargs
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+CPU = torch.device("cpu")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def count_stages(monkeypatch, cache: KVCache) -> list[int]:
+    """Wrap ``cache.stage``; the returned list gets the slot count of every call."""
+    calls, stage = [], cache.stage
+
+    def counted(layer, slots):
+        calls.append(slots.numel())
+        return stage(layer, slots)
+
+    monkeypatch.setattr(cache, "stage", counted)
+    return calls
+
+
+@pytest.mark.parametrize("attention", ["full", "tokenselect", "streaming", "infllm"])
+def test_offloaded_values_give_the_same_tokens_and_logits(tiny_llama, monkeypatch, attention):
+    """400 tokens are past the point where every sparse policy of this window-256 model selects."""
+    ids = prompt(400, 1)
+    plain = LLM(tiny_llama, attention, chunk_size=32)
+    offload = LLM(tiny_llama, attention, chunk_size=32, kv_offload="values")
+    staged = count_stages(monkeypatch, offload.cache)
+    assert offload.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids
+    assert len(staged) == 2 * (400 // 32 + 1 + 11)  # 2 layers x (13 prefill chunks + 11 decode steps)
+    torch.testing.assert_close(offload.prompt_logits(ids), plain.prompt_logits(ids), atol=0, rtol=0)
+
+
+def test_offload_with_fp8_pools_matches_fp8_on_the_device(tiny_llama):
+    ids = prompt(300, 2)
+    plain = LLM(tiny_llama, "tokenselect", chunk_size=32, kv_dtype="fp8")
+    offload = LLM(tiny_llama, "tokenselect", chunk_size=32, kv_dtype="fp8", kv_offload="values")
+    assert offload.cache.v.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(offload.prompt_logits(ids), plain.prompt_logits(ids), atol=0, rtol=0)
+
+
+def test_value_pool_lives_where_the_setting_says(tiny_llama):
+    plain, offload = LLM(tiny_llama, kv_cache_tokens=512), LLM(tiny_llama, kv_cache_tokens=512, kv_offload="values")
+    assert plain.cache.offload == "none" and plain.cache.v.device == plain.cache.k.device == plain.device
+    assert offload.cache.offload == "values" and offload.cache.k.device == offload.device
+    assert offload.cache.v.device == CPU and offload.cache.v.shape == plain.cache.v.shape
+    assert offload.cache.v.data_ptr() != offload.cache.k.data_ptr()
+    if offload.device.type == "cuda":
+        assert offload.cache.v.is_pinned()
+
+
+def test_a_bad_setting_is_a_clear_value_error(tiny_llama):
+    with pytest.raises(ValueError, match="kv_offload must be one of none, values, not 'keys'"):
+        LLM(tiny_llama, kv_offload="keys")
+
+
+def test_freeing_and_aborting_return_every_slot(tiny_llama):
+    ids = prompt(300, 3)
+    expected = LLM(tiny_llama, "tokenselect", chunk_size=32).generate([ids], GREEDY)[0].token_ids
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, kv_offload="values")
+    seq = llm.add_request(prompt(250, 4), GREEDY)
+    for _ in range(3):
+        llm.step()
+    assert llm.cache.num_free == llm.cache.n_slots - 96
+    llm.abort(seq)
+    assert seq.finish_reason == "abort" and llm.cache.num_free == llm.cache.n_slots and not llm.scheduler.has_work()
+    # the aborted sequence's slots are handed out again: their host values are overwritten, not reused
+    assert llm.generate([ids], GREEDY)[0].token_ids == expected
+    assert llm.cache.num_free == llm.cache.n_slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_stage_gathers_the_key_and_value_rows_of_a_slot_list(dtype):
+    cache = KVCache(2, 16, 2, 8, dtype, CPU, offload="values")
+    slots = cache.allocate(10)
+    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cache.write(1, slots, k, v)
+    order = torch.tensor([7, 2, 2, 9])
+    k_rows, v_rows = cache.stage(1, slots[order])
+    assert k_rows.dtype == v_rows.dtype == dtype and k_rows.shape == v_rows.shape == (4, 2, 8)
+    torch.testing.assert_close(k_rows.float(), k[order].to(dtype).float(), atol=0, rtol=0)
+    torch.testing.assert_close(v_rows.float(), v[order].to(dtype).float(), atol=0, rtol=0)
+    more = cache.stage(1, slots)[1]  # more rows than the staging buffer held: it grows
+    torch.testing.assert_close(more.float(), v.to(dtype).float(), atol=0, rtol=0)
+    torch.testing.assert_close(v_rows.float(), v[order].to(dtype).float(), atol=0, rtol=0)  # untouched
+
+
+def test_written_values_reach_the_host_pool_by_the_next_write_or_flush():
+    cache = KVCache(2, 16, 2, 8, torch.float32, CPU, offload="values")
+    slots = cache.allocate(4)
+    v0, v1 = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    cache.write(0, slots, torch.randn(4, 2, 8), v0)
+    cache.write(1, slots, torch.randn(4, 2, 8), v1)
+    torch.testing.assert_close(cache.v[0, slots], v0, atol=0, rtol=0)
+    cache.flush()
+    torch.testing.assert_close(cache.v[1, slots], v1, atol=0, rtol=0)
+
+
+def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, monkeypatch):
+    monkeypatch.setattr(kv_cache, "host_memory_available", lambda: 100 << 20)
+    with pytest.raises(HostMemoryError, match="needs 1.0 GiB of host memory for 1048576 tokens, but 0.1 GiB "
+                                              "is available: lower kv_cache_tokens"):
+        KVCache(1, 1 << 20, 4, 128, torch.bfloat16, CPU, offload="values")
+    with pytest.raises(ValueError, match="offloaded V pool needs"):  # what the CLI prints as one line
+        LLM(tiny_llama, kv_cache_tokens=1 << 20, kv_offload="values")
+    KVCache(1, 1 << 20, 4, 128, torch.bfloat16, CPU)  # nothing to check without offload
+
+
+def test_default_pool_counts_only_keys_against_gpu_memory_with_offload(monkeypatch):
+    """Llama-3-8B shape, fp8: 32 KiB of K (and as much V) per token."""
+    gpu = SimpleNamespace(config=SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128),
+                          kv_dtype=torch.float8_e4m3fn, device=torch.device("cuda"))
+    per_pool = 32 * 8 * 128
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 << 30, 80 << 30))
+    monkeypatch.setattr(engine, "host_memory_available", lambda: 1 << 40)
+    on_gpu = int((40 << 30) * engine.GPU_MEMORY_FRACTION)
+    assert LLM._default_pool_tokens(gpu, "none") == on_gpu // (2 * per_pool)
+    assert LLM._default_pool_tokens(gpu, "values") == on_gpu // per_pool
+    monkeypatch.setattr(engine, "host_memory_available", lambda: 16 << 30)  # now the host is the limit
+    assert LLM._default_pool_tokens(gpu, "values") == int((16 << 30) * engine.HOST_MEMORY_FRACTION) // per_pool
+
+
+def test_kv_offload_flag_reaches_the_engine_settings():
+    parser = argparse.ArgumentParser()
+    add_policy_args(parser)
+    assert policy_kwargs(parser.parse_args(["--kv-offload", "values"]))["kv_offload"] == "values"
+    assert "kv_offload" not in policy_kwargs(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-offload", "keys"])
+
+
+def test_bench_e2e_with_offload_measures_sparse_policies_and_skips_full(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "FULL_OFFLOAD_BYTES", 0)  # full attention's host copies always count as too many
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "1k", "--policies", "full,tokenselect",
+                              "--decode-steps", "2", "--kv-offload", "values", "--profile-steps", "1",
+                              "--kernels", "torch", "--device", "cpu", "--output", str(tmp_path), "--tag", "t"])
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "e2e_t.json").read_text())
+    full, sparse = result["rows"]
+    assert result["kv_offload"] == "values" and full["error"].startswith("skipped: would copy")
+    assert sparse["policy"] == "tokenselect" and sparse["prefill_s"] > 0 and sparse["decode_ms"] > 0
+    assert "KV offload values" in (tmp_path / "e2e_t.md").read_text()
+    assert "kv_cache.stage" in (tmp_path / "e2e_t_profile.txt").read_text()
