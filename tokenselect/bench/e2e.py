@@ -4,7 +4,18 @@ The model is built from a config with random weights (speed does not depend on t
 prompt is real English text from the package's corpus, tokenized by the shipped tokenizer, so the
 Selection Cache sees the query similarity of real token sequences. For each prompt length one
 engine is built, then every policy runs on it in turn: prefill seconds, decode ms/token, Selection
-Cache hit rate and peak GPU memory, with ratios against ``full`` measured in the same run.
+Cache hit rate and peak GPU memory, with ratios against ``dense`` measured in the same run. Each
+policy first serves an untimed request of WARMUP_TOKENS tokens, so kernel compilation is not timed.
+
+``dense`` is attention as a conventional engine runs it (``bench/dense.py``: keys rotated once when
+cached, a contiguous cache, flash SDPA) on the same weights; ``full`` is the engine's own full-attention
+policy (paged cache, RoPE applied on the fly), which is what long-context extrapolation runs on.
+
+``--kv-offload values`` keeps the V pool in pinned host memory (K stays on the GPU), which is what
+lets a 1M-token cache of the Llama-3-8B shape fit one 80 GB GPU. Full attention then copies every
+value of the context from the host for every chunk and layer; where that adds up to more than
+FULL_OFFLOAD_BYTES it is reported as skipped rather than run. ``--profile-steps N`` runs the last N
+prefill chunks and N extra decode steps under torch.profiler and writes the top operations.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,6 +37,9 @@ LLAMA3_8B = {
 TINY = {**LLAMA3_8B, "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
 CONFIGS = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+FULL_OFFLOAD_BYTES = 256 << 30  # host->GPU value copies full attention may make in one prefill
+PROGRESS_SECONDS = 30  # prefill progress lines at most this often
+WARMUP_TOKENS = 16384  # prompt of the untimed request each policy runs first
 
 
 def parse_length(text: str) -> int:
@@ -49,65 +64,170 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(llm, ids: list[int], decode_steps: int) -> dict:
-    """Prefill the prompt, then decode ``decode_steps`` tokens, timing each phase."""
+def profiled(llm, done: Callable[[], bool]) -> str:
+    """Run engine steps until ``done()`` under torch.profiler -> the operations that took the most
+    host time and the most device time, as two tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = llm.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        while not done():
+            llm.step()
+        sync(llm.device)
+    ops = prof.key_averages()
+    tables = [ops.table(sort_by="self_cpu_time_total", row_limit=15)]
+    if cuda:
+        tables.append(ops.table(sort_by="self_device_time_total", row_limit=15))
+    return "\n".join(tables)
+
+
+def warm_up(llm, ids: list[int]) -> None:
+    """An untimed short request (prefill past the selection threshold, then decode), so that kernel
+    compilation (Triton JIT, once per kernel variant) stays out of the timed runs."""
+    from ..sampling import SamplingParams
+
+    llm.generate([ids[:WARMUP_TOKENS]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+
+
+def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "") -> dict:
+    """Prefill the prompt, then decode ``decode_steps`` tokens, timing each phase. With
+    ``profile_steps``, the last that many prefill chunks (inside the prefill time) and as many decode
+    steps after the timed ones run under the profiler: its tables come back under "profile"."""
     from ..sampling import SamplingParams
 
     dev = llm.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     before = llm.policy.stats()
-    seq = llm.add_request(ids, SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=decode_steps + 1 + profile_steps, temperature=0, ignore_eos=True)
+    seq = llm.add_request(ids, params)
     sync(dev)
-    start = time.perf_counter()
+    start = shown = time.perf_counter()
+    while len(ids) - seq.n_cached > profile_steps * llm.chunk_size:
+        llm.step()
+        if time.perf_counter() - shown > PROGRESS_SECONDS:
+            shown = time.perf_counter()
+            print(f"  {label} prefill {seq.n_cached}/{len(ids)} tokens, {shown - start:.0f} s", flush=True)
+    profile = {}
+    if profile_steps:
+        profile["prefill"] = profiled(llm, lambda: bool(seq.output_ids))
     while not seq.output_ids:
         llm.step()
     sync(dev)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    while not seq.finished:
+    while len(seq.output_ids) <= decode_steps:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
     stats = llm.policy.stats()
+    if profile_steps:
+        profile["decode"] = profiled(llm, lambda: seq.finished)
     hits = stats.get("selection_cache_hits", 0) - before.get("selection_cache_hits", 0)
     misses = stats.get("selection_cache_misses", 0) - before.get("selection_cache_misses", 0)
-    return {
+    row = {
         "prefill_s": prefill,
         "decode_ms": decode * 1e3,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
     }
+    return {**row, "profile": profile} if profile else row
 
 
-def run_length(config: dict, length: int, policies: list[str], args) -> list[dict]:
+def full_offload_bytes(llm, length: int) -> int:
+    """Bytes of values full attention copies from host memory in one prefill of ``length`` tokens
+    with value offload: each chunk, in each layer, gathers the values of the whole context so far."""
+    cfg, chunk = llm.config, llm.chunk_size
+    row = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * llm.kv_dtype.itemsize
+    return row * sum(min(start + chunk, length) for start in range(0, length, chunk))
+
+
+def measure_dense(config: dict, ids: list[int], args) -> dict:
+    """Prefill and decode with the dense baseline on an engine of the same weights (its own KV pool
+    left empty: the contiguous dense cache is the one that holds the sequence)."""
     from ..engine import LLM
+    from .dense import DenseRunner
 
-    rows = []
+    llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size)
+    dev = llm.device
+    DenseRunner(llm, WARMUP_TOKENS + 2).generate(ids[:WARMUP_TOKENS], args.chunk_size, 2)  # compile, warm up
+    runner = DenseRunner(llm, len(ids) + args.decode_steps + 1)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    sync(dev)
+    start = time.perf_counter()
+    token = runner.prefill(ids, args.chunk_size).argmax()
+    sync(dev)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(args.decode_steps):
+        token = runner.forward(token.reshape(1)).argmax()
+    sync(dev)
+    decode = (time.perf_counter() - start) / args.decode_steps
+    return {"prefill_s": prefill, "decode_ms": decode * 1e3, "hit_rate": None,
+            "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
+
+
+def run_dense(config: dict, length: int, args) -> dict:
+    row = {"length": length, "policy": "dense"}
     try:
-        llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=length + args.decode_steps + 8,
-                         kv_dtype=args.kv_dtype, chunk_size=args.chunk_size, kernels=args.kernels)
+        row.update(measure_dense(config, text_prompt(length, config["vocab_size"]), args))
     except torch.OutOfMemoryError:
-        return [{"length": length, "policy": p, "error": "KV pool does not fit"} for p in policies]
+        row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_length(config: dict, length: int, policies: list[str], args) -> Iterator[dict]:
+    """One engine for prompts of ``length`` tokens; yields each policy's row as soon as it is measured
+    (the dense baseline first, on its own cache, before the engine's pool is allocated)."""
+    from ..engine import LLM
+    from ..kv_cache import HostMemoryError
+
+    if "dense" in policies:
+        yield run_dense(config, length, args)
+        policies = [p for p in policies if p != "dense"]
+    if not policies:
+        return
+
+    start = time.perf_counter()
+    try:
+        llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, kv_offload=args.kv_offload,
+                         kv_cache_tokens=length + args.decode_steps + args.profile_steps + 8,
+                         chunk_size=args.chunk_size, kernels=args.kernels)
+    except (torch.OutOfMemoryError, HostMemoryError) as e:
+        where = "on the GPU" if isinstance(e, torch.OutOfMemoryError) else "in host memory"
+        for policy in policies:
+            yield {"length": length, "policy": policy, "error": f"KV pool does not fit {where}"}
+        return
+    print(f"{length} tokens: engine with a {llm.cache.n_slots}-slot KV pool (offload {args.kv_offload}) built in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
     ids = text_prompt(length, config["vocab_size"])
     for policy in policies:
         llm.set_attention(policy)
-        try:
-            rows.append({"length": length, "policy": policy, **measure(llm, ids, args.decode_steps)})
-        except torch.OutOfMemoryError:
-            for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
-                llm.abort(seq)
-            rows.append({"length": length, "policy": policy, "error": "out of memory"})
-        print(json.dumps(rows[-1]), flush=True)
+        row = {"length": length, "policy": policy}
+        if policy == "full" and args.kv_offload == "values" and full_offload_bytes(llm, length) > FULL_OFFLOAD_BYTES:
+            row["error"] = f"skipped: would copy {full_offload_bytes(llm, length) / 1e9:,.0f} GB of values from host"
+        else:
+            try:
+                warm_up(llm, ids)
+                row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}"))
+            except torch.OutOfMemoryError:
+                for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
+                    llm.abort(seq)
+                row["error"] = "out of memory"
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        yield row
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown table with speedups against ``full`` at the same length."""
-    dense = {r["length"]: r for r in rows if r["policy"] == "full" and "error" not in r}
+    """Markdown table with speedups against ``dense`` at the same length."""
+    dense = {r["length"]: r for r in rows if r["policy"] == "dense" and "error" not in r}
     lines = ["| tokens | policy | prefill s | prefill x | decode ms/tok | decode x | SC hit rate | peak GB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -125,6 +245,7 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Prefill and decode time against prompt length, a line per policy (rows without errors)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +253,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for policy in dict.fromkeys(r["policy"] for r in rows):
-        ok = [r for r in rows if r["policy"] == policy and "error" not in r]
+        ok = [r for r in rows if r["policy"] == policy]
         for ax, key in zip(axes, ("prefill_s", "decode_ms")):
             ax.plot([r["length"] for r in ok], [r[key] for r in ok], marker="o", label=policy)
     for ax, title in zip(axes, ("prefill (s)", "decode (ms/token)")):
@@ -146,6 +267,29 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> str:
+    """Write the table (.md), the rows (.json), the plot (.png) and any profiles (_profile.txt) of the
+    rows so far; returns the table."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    report = (f"# End-to-end: {args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, "
+              f"KV offload {args.kv_offload}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
+              f"on {device}\n\n{table(rows)}\n")
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"e2e_{args.tag}" if args.tag else "e2e"
+    plain = [{k: v for k, v in r.items() if k != "profile"} for r in rows]
+    (out / f"{stem}.json").write_text(json.dumps({"device": device, "config": args.config,
+                                                  "kv_offload": args.kv_offload, "rows": plain}, indent=1))
+    (out / f"{stem}.md").write_text(report)
+    if any("error" not in r for r in rows):
+        plot([r for r in rows if "error" not in r], out / f"{stem}.png")
+    profiles = [f"## {r['length']} tokens, {r['policy']}, {phase}\n{text}\n"
+                for r in rows for phase, text in r.get("profile", {}).items()]
+    if profiles:
+        (out / f"{stem}_profile.txt").write_text("\n".join(profiles))
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     config = CONFIGS[args.config] if args.config in CONFIGS else json.loads(Path(args.config).read_text())
     if args.layers:
@@ -153,17 +297,10 @@ def run(args: argparse.Namespace) -> int:
     policies = args.policies.split(",")
     rows = []
     for length in [parse_length(x) for x in args.lengths.split(",")]:
-        rows += run_length(config, length, policies, args)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    report = (f"# End-to-end: {args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, "
-              f"chunk {args.chunk_size}, {args.decode_steps} decode steps, on {device}\n\n{table(rows)}\n")
+        for row in run_length(config, length, policies, args):
+            rows.append(row)
+            report = write_report(args, config, rows)  # after every row, so a run cut short keeps what it measured
     print(report)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"e2e_{args.tag}" if args.tag else "e2e"
-    (out / f"{stem}.json").write_text(json.dumps({"device": device, "config": args.config, "rows": rows}, indent=1))
-    (out / f"{stem}.md").write_text(report)
-    plot(rows, out / f"{stem}.png")
     return 0
 
 
@@ -175,10 +312,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--config", default="llama3-8b", help="llama3-8b, tiny, or a config.json path")
     p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
-    p.add_argument("--policies", default="full,streaming,infllm,tokenselect")
+    p.add_argument("--policies", default="dense,full,streaming,infllm,tokenselect",
+                   help="dense (flash SDPA over a contiguous rotated cache: the baseline of the ratios) "
+                        "and engine policies (default: dense,full,streaming,infllm,tokenselect)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
+    p.add_argument("--kv-offload", default="none", choices=["none", "values"],
+                   help="values: V pool in pinned host memory, K on the GPU (what fits 1M tokens of Llama-3-8B)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile the last N prefill chunks and N extra decode steps (writes <stem>_profile.txt)")
     p.add_argument("--kernels", choices=["triton", "torch"])
     p.add_argument("--device", default=None)
     p.add_argument("--output", default="benchmarks/results")

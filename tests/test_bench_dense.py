@@ -1,0 +1,57 @@
+"""The end-to-end benchmark's dense baseline computes what the engine's full attention computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenselect import LLM, SamplingParams
+from tokenselect.bench.dense import DenseRunner
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("chunk", [1, 32, 100])
+def test_dense_runner_logits_equal_engine_full_attention(tiny_llama, chunk):
+    llm = LLM(tiny_llama, "full", chunk_size=32)
+    prompt = ids(150, 1)
+    want = llm.prompt_logits(prompt)[-1]
+    got = DenseRunner(llm, 200).prefill(prompt, chunk)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_runner_greedy_equals_engine_full_attention(tiny_llama):
+    llm = LLM(tiny_llama, "full", chunk_size=32)
+    prompt = ids(90, 2)
+    want = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    assert DenseRunner(llm, 120).generate(prompt, 32, 10) == want
+
+
+def test_dense_runner_refuses_length_dependent_rope(tiny_llama):
+    """Keys rotated once when cached cannot follow dynamic NTK's changing frequencies."""
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        DenseRunner(LLM(tiny_llama, "full", rope_scaling="dynamic:4"), 100)
+
+
+def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
+    import argparse
+    import json
+
+    from tokenselect.bench import e2e
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "2k", "--policies", "dense,full,tokenselect",
+                              "--decode-steps", "3", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
+                              "--output", str(tmp_path), "--tag", "t"])
+    assert args.func(args) == 0
+    rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect"]
+    assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
+    assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
+    table = (tmp_path / "e2e_t.md").read_text()
+    dense = rows[0]
+    want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
+    assert f"| 2K | tokenselect | {rows[2]['prefill_s']:.2f} | {want} |" in table
