@@ -15,12 +15,20 @@ RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+def summary(md: Path) -> str:
+    """The file's title and its first table (the notes and profiles stay in the file, linked)."""
+    lines = md.read_text().splitlines()
+    title = next((line.lstrip("# ") for line in lines if line.startswith("# ")), md.stem)
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = "\n".join(lines[start:end])
+    return f"### {title}\n\n{table}\n\n_Full results and notes: [benchmarks/results/{md.name}](benchmarks/results/{md.name})._"
+
+
 def results_section() -> str:
-    parts = []
-    for md in sorted(RESULTS.glob("*.md")):
-        body = md.read_text().strip()
-        body = re.sub(r"^# ", "### ", body, flags=re.M)
-        parts.append(f"{body}\n\n_Source: `benchmarks/results/{md.name}`._")
+    parts = [s for s in (summary(md) for md in sorted(RESULTS.glob("*.md"))) if s]
     return "\n\n".join(parts) or "No results committed yet."
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from tokenselect.eval.cli import add_parser
 from tokenselect.eval.metrics import score
+from tokenselect.eval.runner import max_tokens
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +32,8 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
     assert sorted({r["depth"] for r in records}) == [0.0, 1.0]
     for r in records:
         assert r["score"] == score(r["task"], r["prediction"], r["answers"])
-        assert 0.8 * r["target_tokens"] <= r["prompt_tokens"] <= r["target_tokens"] + 2  # + BOS/EOS
+        budget = r["target_tokens"] - max_tokens(r["task"])  # the length holds the prompt and the answer
+        assert 0.8 * budget <= r["prompt_tokens"] <= budget
     # every policy answered the very same prompts
     by_policy = {}
     for r in records:
@@ -49,7 +51,9 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
                 cell = [r["score"] for r in records if (r["policy"], r["task"], r["length"]) == (policy, task, length)]
                 assert value == pytest.approx(100 * sum(cell) / len(cell))
     pngs = sorted(p.name for p in out.rglob("*.png"))
-    assert sum("heatmap" in name for name in pngs) == 3 and sum("score_vs_length" in name for name in pngs) == 1
+    assert sum("heatmap" in name for name in pngs) == 3 and sum("score_vs_length" in name for name in pngs) == 2
+    table = (out / "table.md").read_text()
+    assert table.startswith("# Eval: ") and "| passkey | 1x |" in table and "| full@dynamic:2 |" in table
     assert all(p.stat().st_size > 1000 for p in out.rglob("*.png"))
 
     # the same command line gives the same predictions

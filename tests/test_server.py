@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import threading
@@ -16,7 +15,8 @@ import uvicorn
 
 from tokenselect.engine import LLM
 from tokenselect.sampling import SamplingParams
-from tokenselect.server import add_parser, cmd_serve, create_app
+from tokenselect.cli import build_parser, cmd_serve
+from tokenselect.server import create_app
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -267,9 +267,7 @@ def test_openai_client(served, reference):
 
 
 def test_serve_command_line(checkpoint):
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--model", str(checkpoint), "--port", "8123", "--served-model-name", "x",
+    args = build_parser().parse_args(["serve", "--model", str(checkpoint), "--port", "8123", "--served-model-name", "x",
                               "--k", "64", "--kv-cache-tokens", "2048"])
     assert args.func is cmd_serve and args.attention == "tokenselect" and args.host == "127.0.0.1"
     assert (args.port, args.served_model_name, args.k, args.kv_cache_tokens) == (8123, "x", 64, 2048)

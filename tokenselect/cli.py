@@ -96,6 +96,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if correct[args.attention] else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve  # the web stack is imported only to serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenselect",
@@ -126,10 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(demo, attention_default="tokenselect")
     demo.set_defaults(func=cmd_demo)
 
-    from . import bench, server
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve the model over HTTP with the OpenAI API: /v1/completions, "
+                                       "/v1/chat/completions (stream: true for server-sent events), "
+                                       "/v1/models, /health. Requests are batched together by the engine.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model folder's name)")
+    add_model_args(serve, attention_default="tokenselect")
+    serve.set_defaults(func=cmd_serve)
+
+    from . import bench
     from .eval import cli as eval_cli
 
-    server.add_parser(sub)
     eval_cli.add_parser(sub)
     bench.add_parser(sub)
     return parser

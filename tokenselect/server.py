@@ -401,7 +401,8 @@ def create_app(llm, served_model_name: str | None = None):
 # ---- the command --------------------------------------------------------------------------------
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> int:
+    """``tokenselect serve``: load the model and serve it until interrupted."""
     import uvicorn
 
     from .cli import build_llm
@@ -411,19 +412,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     uvicorn.run(create_app(llm, args.served_model_name), host=args.host, port=args.port, log_level="info")
     return 0
-
-
-def add_parser(subparsers) -> None:
-    """Add ``tokenselect serve`` to the CLI's subcommands."""
-    from .cli import add_model_args
-
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                              description="Serve the model over HTTP with the OpenAI API: /v1/completions, "
-                                          "/v1/chat/completions (stream: true for server-sent events), "
-                                          "/v1/models, /health.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model folder's name)")
-    add_model_args(p, attention_default="tokenselect")
-    p.set_defaults(func=cmd_serve)

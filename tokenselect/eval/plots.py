@@ -64,9 +64,11 @@ def score_vs_length(records: list[dict], task: str, path: Path) -> None:
 
 
 def plot_all(records: list[dict], out: Path) -> list[Path]:
-    """Every figure of the run into ``out``: ``heatmap_{task}_{policy}.png`` for needle tasks and
-    ``score_vs_length_{task}.png``. Returns the paths written."""
-    written = []
+    """Every figure of the run into ``out``: ``heatmap_{task}_{policy}.png`` for needle tasks,
+    ``score_vs_length_{task}.png``, and ``score_vs_length.png`` (mean over the tasks). Returns the
+    paths written."""
+    written = [out / "score_vs_length.png"]
+    score_vs_length(records, f"mean over {len({r['task'] for r in records})} task(s)", written[0])
     for task in dict.fromkeys(r["task"] for r in records):
         rows = [r for r in records if r["task"] == task]
         if is_needle_task(task):

@@ -57,10 +57,14 @@ def format_prompt(tokenizer, sample) -> str:
     return chat + sample.answer_prefix.lstrip()
 
 
+def max_tokens(task: str) -> int:
+    return MAX_TOKENS.get(task, NIAH_MAX_TOKENS)
+
+
 def make_samples(tasks: list[str], lengths: list[str], n_samples: int, llm, seed: int) -> list[dict]:
     """Every (task, length, sample) cell: its sample drawn from a seed of its own, so adding a task or
-    a length leaves the others' samples unchanged. Lengths count the tokens the engine will see
-    (special tokens and the chat template's own tokens included)."""
+    a length leaves the others' samples unchanged. A length is the whole context, as in RULER: the
+    prompt (special tokens and the chat template's own tokens included) plus the task's answer budget."""
     tokenizer = llm.tokenizer
     overhead = len(llm.encode(format_prompt(tokenizer, Sample("", [])))) - len(llm.encode(""))
     count = lambda text: len(llm.encode(text)) + overhead  # noqa: E731
@@ -68,12 +72,37 @@ def make_samples(tasks: list[str], lengths: list[str], n_samples: int, llm, seed
     for task in tasks:
         for length in lengths:
             tokens = parse_length(length, llm.window)
+            budget = tokens - max_tokens(task)
+            if budget < 64:
+                raise ValueError(f"length {length} ({tokens} tokens) leaves no room for a {task} prompt "
+                                 f"next to its {max_tokens(task)}-token answer budget")
             for i, depth in enumerate(depths(n_samples)):
-                sample = make_sample(task, tokens, depth, random.Random(f"{seed}/{task}/{tokens}/{i}"), count)
+                sample = make_sample(task, budget, depth, random.Random(f"{seed}/{task}/{tokens}/{i}"), count)
                 cells.append({"task": task, "length": length, "target_tokens": tokens, "sample": i,
                               "depth": depth, "prompt": format_prompt(tokenizer, sample),
                               "answers": sample.answers})
     return cells
+
+
+def generate_all(llm, cells: list[dict], progress) -> list:
+    """Greedy answers for every cell, all queued at once so the engine batches them (its scheduler
+    admits as many as the KV pool holds). -> one RequestOutput per cell, in order."""
+    from ..sampling import SamplingParams
+
+    seqs = [llm.add_request(c["prompt"], SamplingParams(max_tokens=max_tokens(c["task"]), temperature=0))
+            for c in cells]
+    done = 0
+    try:
+        while done < len(seqs):
+            llm.step()
+            finished = sum(s.finished for s in seqs)
+            progress.update(finished - done)
+            done = finished
+    except BaseException:
+        for s in seqs:
+            llm.abort(s)
+        raise
+    return [s.output() for s in seqs]
 
 
 def evaluate(args: argparse.Namespace) -> list[dict]:
@@ -82,7 +111,6 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
 
     from ..engine import LLM
     from ..policies import policy_kwargs
-    from ..sampling import SamplingParams
 
     specs = [s.strip() for s in args.attention.split(",") if s.strip()]
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
@@ -104,15 +132,12 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
         for spec in group:
             name = split_policy(spec)[0]
             llm.set_attention(name, **policy_kwargs(args, name, engine=False))
-            for cell in cells:
-                progress.set_postfix_str(f"{spec} {cell['task']} {cell['length']}")
-                params = SamplingParams(max_tokens=MAX_TOKENS.get(cell["task"], NIAH_MAX_TOKENS), temperature=0)
-                out = llm.generate([cell["prompt"]], params)[0]
+            progress.set_postfix_str(spec)
+            for cell, out in zip(cells, generate_all(llm, cells, progress)):
                 records.append({"policy": spec, "task": cell["task"], "length": cell["length"],
                                 "target_tokens": cell["target_tokens"], "prompt_tokens": len(out.prompt_token_ids),
                                 "sample": cell["sample"], "depth": cell["depth"], "answers": cell["answers"],
                                 "prediction": out.text, "score": score(cell["task"], out.text, cell["answers"])})
-                progress.update()
     progress.close()
     return records
 
@@ -137,6 +162,16 @@ def markdown_table(scores: dict) -> str:
         cells = [scores[p].get(task, {}).get(length) for p in policies]
         lines.append(f"| {task} | {length} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines)
+
+
+def title(args: argparse.Namespace, records: list[dict]) -> str:
+    """One line naming what was run: model, samples per cell, device."""
+    import torch
+
+    model = Path(args.model).name if args.model else "default model"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
+    return (f"Eval: {model}, {args.samples} samples per cell (score x 100, greedy), seed {args.seed}, "
+            f"on {device}")
 
 
 def write_outputs(records: list[dict], scores: dict, config: dict, out: Path) -> None:
@@ -177,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     write_outputs(records, scores, config, out)
     plot_all(records, out)
-    print(markdown_table(scores))
-    print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json and plots", file=sys.stderr)
+    table = markdown_table(scores)
+    (out / "table.md").write_text(f"# {title(args, records)}\n\n{table}\n\nCommand: `tokenselect eval "
+                                  f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n")
+    print(table)
+    print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json, table.md and plots", file=sys.stderr)
     return 0

@@ -90,6 +90,8 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a broken tokenizer folder
         raise CheckpointError(f"{path}: could not load the tokenizer: {e}") from None
+    tokenizer.model_max_length = 1 << 62  # prompts past the trained window are the point: no length warning
+    return tokenizer
