@@ -56,3 +56,11 @@ def test_missing_prompt_file_is_an_error_not_a_traceback(tiny_llama, tmp_path):
 def test_help(command):
     res = run(*command, "--help")
     assert res.returncode == 0 and "usage: tokenselect" in res.stdout
+
+
+def test_demo_finds_the_passkey_with_tokenselect_where_full_attention_fails():
+    """The README's main job, shortened to 4x the shipped model's window."""
+    res = run("demo", "--multiple", "4")
+    assert res.returncode == 0, res.stderr
+    verdicts = {name.strip(): rest.split()[-2] for name, rest in (line.split(":", 1) for line in res.stdout.splitlines())}
+    assert verdicts == {"tokenselect": "correct", "full": "wrong"}
