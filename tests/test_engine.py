@@ -193,3 +193,22 @@ def test_random_engine_runs_on_token_ids():
     assert len(out[0].token_ids) == 4
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text", GREEDY)
+
+
+def test_a_request_with_its_own_policy_settings_runs_as_an_engine_started_with_them(tiny_llama,
+                                                                                    batch_invariant_matmuls):
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32)
+    long = prompt(200, 7)
+    own = llm.add_request(long, GREEDY, {"k": 8, "n_local": 4, "theta": 0.5})
+    shared = llm.add_request(long, GREEDY)
+    while llm.scheduler.has_work():
+        llm.step()
+    assert own.policy is not shared.policy is llm.policy
+    assert own.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32, k=8, n_local=4, theta=0.5).generate(
+        [long], GREEDY)[0].token_ids
+    assert shared.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32).generate([long], GREEDY)[0].token_ids
+    assert own.output_ids != shared.output_ids
+    stats = llm.stats()  # counters of both instances
+    assert stats["selection_cache_hits"] + stats["selection_cache_misses"] == 2 * 2 * (GREEDY.max_tokens - 1)
+    with pytest.raises(ValueError, match="takes no setting span"):
+        llm.add_request(long, GREEDY, {"span": 3})

@@ -150,7 +150,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "policy": {"k": 3}}, 400, "policy.k"),
+    ("/v1/completions", {"prompt": "hi", "policy": {"k": -3}}, 400, "policy.k"),
+    ("/v1/completions", {"prompt": "hi", "policy": {"theta": 2.5}}, 400, "policy.theta"),
     ("/v1/completions", {"prompt": "hi", "policy": {"span": 3}}, 400, "policy.span"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -170,10 +171,17 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(client, path, body
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_policy_override_equal_to_the_server_setting_is_accepted(served, client):
-    k = served[1].policy.k
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "policy": {"k": k}})
-    assert r.status_code == 200
+def test_per_request_policy_settings_equal_an_engine_started_with_them(client, checkpoint, reference):
+    """``policy`` (extra_body) gives one request its own k / n_local / theta; the others keep the server's."""
+    prompt, settings = PROMPTS[2] * 3, {"k": 8, "n_local": 4, "theta": 0.5}  # selection starts past 84 tokens
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    own = LLM(checkpoint, **{**SETTINGS, **settings}).generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                                                          ignore_eos=True))[0]
+    r = client.post("/v1/completions", json={**body, "policy": settings})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == own.text
+    default = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert default == expected(reference, prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    assert default != own.text  # the setting changed what was attended
 
 
 def wait_for_free_pool(llm, seconds: float = 20) -> None:

@@ -1,7 +1,8 @@
 """Attention for one forward pass over a flat batch that mixes several sequences' chunks.
 
 The model hands each layer's un-rotated q, k, v here. The new k, v go into the paged cache; then,
-per sequence, the policy plans what the chunk attends and the sparse attention kernel runs over
+per sequence, its policy (``seq.policy``: the engine's, or one built for the request's own settings)
+plans what the chunk attends and the sparse attention kernel runs over
 ``[planned context slots..., the chunk's own slots...]`` with RoPE at the planned positions. With
 value offload the kernel reads those slots' K and V rows staged on the device (``KVCache.stage``)
 at slots ``0..n-1`` instead of the pools.
@@ -15,7 +16,7 @@ import torch
 
 from .kernels import Kernels
 from .kv_cache import KVCache
-from .policies import AttentionPolicy, SeqView
+from .policies import SeqView
 from .rope import RopeSpec
 from .sequence import Sequence
 
@@ -57,9 +58,9 @@ class RopeFrequencies:
 class BatchAttention:
     """The attention context the model calls: ``attention(layer, q, k, v)``."""
 
-    def __init__(self, cache: KVCache, policy: AttentionPolicy, kernels: Kernels, rope: RopeFrequencies,
-                 chunks: list[Chunk], new_slots: torch.Tensor):
-        self.cache, self.policy, self.kernels, self.rope = cache, policy, kernels, rope
+    def __init__(self, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, chunks: list[Chunk],
+                 new_slots: torch.Tensor):
+        self.cache, self.kernels, self.rope = cache, kernels, rope
         self.chunks, self.new_slots = chunks, new_slots
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ class BatchAttention:
         for ch in self.chunks:
             rows = slice(ch.start, ch.start + ch.length)
             seq_slots = ch.seq.slots
-            plan = self.policy.plan(layer, SeqView(ch.seq.id, seq_slots[:ch.past], ch.decode), q[rows])
+            plan = ch.seq.policy.plan(layer, SeqView(ch.seq.id, seq_slots[:ch.past], ch.decode), q[rows])
             slots = torch.cat([plan.slots, seq_slots[ch.past:ch.past + ch.length]])
             positions = torch.cat([plan.positions, plan.q_positions])
             inv_freq, scale = self.rope(plan.q_positions)

@@ -20,7 +20,7 @@ from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
 from .models import load_model, load_tokenizer
 from .models.loader import random_model, resolve_dtype
-from .policies import default_chunk, make_policy
+from .policies import AttentionPolicy, default_chunk, make_policy
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
@@ -104,8 +104,20 @@ class LLM:
         requests: running sequences would lose their policy state."""
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
-        self.attention = attention
+        self.attention, self.policy_settings = attention, policy_settings
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
+        self._policies = {(): self.policy}  # one instance per distinct per-request settings
+
+    def policy_for(self, overrides: dict | None) -> AttentionPolicy:
+        """The policy instance for a request's own settings (e.g. ``{"k": 1024}``) on top of the
+        engine's; built on first use, shared by the requests that ask for the same. ValueError for a
+        setting the policy does not take."""
+        key = tuple(sorted((overrides or {}).items()))
+        if key not in self._policies:
+            settings = {**self.policy_settings, **dict(key)}
+            self._policies[key] = make_policy(self.attention, self.cache, self.kernels, self.window,
+                                              self.chunk_size, settings)
+        return self._policies[key]
 
     def _default_pool_tokens(self, kv_offload: str) -> int:
         """Pool slots that fit: on a GPU, K and V in its free memory, or with value offload K alone
@@ -129,8 +141,11 @@ class LLM:
             return self.tokenizer(prompt)["input_ids"]
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Queue a request (text or token ids). Raises ContextTooLong if it can never fit."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    policy_settings: dict | None = None) -> Sequence:
+        """Queue a request (text or token ids), optionally with its own policy settings (k, n_local,
+        theta, ...: see ``policy_for``). Raises ContextTooLong if it can never fit."""
+        policy = self.policy_for(policy_settings)
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
@@ -139,7 +154,7 @@ class LLM:
             raise ContextTooLong(
                 f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {need} exceeds the context "
                 f"limit of {self.max_model_len} tokens (raise kv_cache_tokens / --kv-cache-tokens)")
-        seq = Sequence(ids, params, self.device)
+        seq = Sequence(ids, params, self.device, policy)
         self.scheduler.add(seq)
         return seq
 
@@ -151,7 +166,7 @@ class LLM:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.policy.release(seq.id)
+        seq.policy.release(seq.id)
 
     # ---- one engine step ----------------------------------------------------------------------
 
@@ -169,7 +184,7 @@ class LLM:
             ids.extend(seq.token_slice(seq.n_cached, n))
             chunks.append(Chunk(seq, row, n, seq.n_cached))
             row += n
-        ctx = BatchAttention(self.cache, self.policy, self.kernels, self.rope, chunks, torch.cat(new_slots))
+        ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, torch.cat(new_slots))
         # Rows that need logits: every row of a sequence recording them, else the last row of a
         # sequence that reached the end of its known tokens (it samples next).
         wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
@@ -239,6 +254,15 @@ class LLM:
         return torch.cat(seq.logits)
 
     def stats(self) -> dict:
-        """Policy counters (e.g. the Selection Cache's hits and misses) and pool occupancy."""
+        """Policy counters (e.g. the Selection Cache's hits and misses, summed over the per-request
+        settings' instances) and pool occupancy."""
+        counters: dict = {}
+        for policy in self._policies.values():
+            for key, value in policy.stats().items():
+                if isinstance(value, int):
+                    counters[key] = counters.get(key, 0) + value
+        if "selection_cache_hits" in counters:
+            looked_up = counters["selection_cache_hits"] + counters["selection_cache_misses"]
+            counters["selection_cache_hit_rate"] = counters["selection_cache_hits"] / looked_up if looked_up else 0.0
         return {"attention": self.attention, "kv_slots_free": self.cache.num_free,
-                "kv_slots": self.cache.n_slots, **self.policy.stats()}
+                "kv_slots": self.cache.n_slots, **counters}

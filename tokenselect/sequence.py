@@ -26,8 +26,9 @@ class RequestOutput:
 class Sequence:
     """One request: prompt and generated tokens, its slot table in the KV pool, its sampler."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, device: torch.device):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, device: torch.device, policy=None):
         self.id = next(_ids)
+        self.policy = policy  # the AttentionPolicy that plans this sequence's attention
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from starlette.exceptions import HTTPException
 
 from .errors import TokenSelectError
+from .policies import policy_settings
 from .sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; used for chat too
@@ -124,6 +125,7 @@ class Job:
     prompt: str | list[int] | list[Message]  # messages are templated on the engine thread
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    policy: dict | None = None  # the request's own policy settings (k, n_local, theta)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: object = None
 
@@ -186,7 +188,7 @@ class EngineWorker:
                 prompt = job.prompt
                 if prompt and isinstance(prompt[0], Message):  # the tokenizer is used by this thread only
                     prompt = chat_prompt(self.llm.tokenizer, prompt)
-                job.seq = self.llm.add_request(prompt, job.params)
+                job.seq = self.llm.add_request(prompt, job.params, job.policy)
             except (TokenSelectError, ValueError) as e:
                 job.send(APIError(400, str(e), param="prompt", code="context_length_exceeded"
                                   if isinstance(e, TokenSelectError) else None))
@@ -246,15 +248,18 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
 
 
-_MISSING = object()
-
-
-def policy_setting(policy, key: str):
-    """The running policy's value of a per-request setting, or ``_MISSING`` if it has none."""
-    if key not in POLICY_OVERRIDES:
-        return _MISSING
-    holder = getattr(policy, "selection_cache", policy) if key == "theta" else policy
-    return getattr(holder, key, _MISSING)
+def check_policy_settings(attention: str, settings: dict) -> None:
+    """APIError 400 for a per-request policy setting the running policy does not take or a bad value."""
+    accepted = policy_settings(attention)
+    for key, value in settings.items():
+        if key not in POLICY_OVERRIDES or key not in accepted:
+            takes = [k for k in POLICY_OVERRIDES if k in accepted]
+            raise APIError(400, f"policy setting {key!r} is not a per-request setting of the {attention!r} policy "
+                           f"(it takes: {', '.join(takes) or 'none'})", param=f"policy.{key}")
+        if key == "theta" and not -1 <= value <= 1:
+            raise APIError(400, f"policy.theta must be a cosine similarity in [-1, 1], not {value}", param="policy.theta")
+        if key != "theta" and (not isinstance(value, int) or value < 0):
+            raise APIError(400, f"policy.{key} must be a whole number >= 0, not {value}", param=f"policy.{key}")
 
 
 def create_app(llm, served_model_name: str | None = None):
@@ -297,20 +302,12 @@ def create_app(llm, served_model_name: str | None = None):
         if body.model is not None and body.model != name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
-        for key, value in (body.policy or {}).items():
-            current = policy_setting(llm.policy, key)
-            if current is _MISSING:
-                raise APIError(400, f"policy setting {key!r} is not a per-request setting of the "
-                               f"{llm.attention!r} policy", param=f"policy.{key}")
-            if value != current:
-                raise APIError(400, f"policy.{key}={value} differs from the server's {current}: the engine "
-                               f"runs one policy instance, so restart the server with --{key.replace('_', '-')} "
-                               f"{value}", param=f"policy.{key}", code="unsupported_override")
+        check_policy_settings(llm.attention, body.policy or {})
 
     async def run(request: Request, body: _Request, prompt, kind: str):
         check(body)
         params = body.sampling()
-        job = Job(prompt, params, asyncio.get_running_loop())
+        job = Job(prompt, params, asyncio.get_running_loop(), body.policy)
         worker.submit(job)
         events = snapshots(worker, job)
         try:
