@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Hide a passkey in a prompt MULTIPLE times the model's trained window "
                                       "and ask for it, with TokenSelect and then with full attention. "
                                       "Exit status 0 when the TokenSelect answer is correct.")
-    demo.add_argument("--multiple", type=int, default=8,
-                      help="prompt length in model windows (default 8; the eval table goes to 64)")
+    demo.add_argument("--multiple", type=int, default=32,
+                      help="prompt length in model windows (default 32; full attention takes minutes of it on a "
+                           "CPU, --multiple 8 is quicker)")
     demo.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1 (default 0.5)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the passkey and its placement")
     demo.add_argument("--compare", nargs="*", default=["full"], help="policies to run after it (default: full)")
