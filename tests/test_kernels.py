@@ -15,8 +15,11 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
-from tokenselect.kernels.paged_dot import paged_dot_ref
+from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
+from tokenselect.kv_cache import KVCache
+from tokenselect.policies import SeqView
+from tokenselect.policies.tokenselect import TokenSelect
 from tokenselect.rope import RopeSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +76,28 @@ def test_head_soft_vote_reads_fp8_keys():
     q, slots = query((8, 128), torch.bfloat16, gen), slot_list(2500, 3000, gen)
     torch.testing.assert_close(TRITON.head_soft_vote(q, k_pool, slots, 0.1),
                                TORCH.head_soft_vote(q, k_pool, slots, 0.1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [TRITON, TORCH], ids=lambda k: k.name)
+def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
+    """An fp8 KV pool: the vote must be the one over the same key values in bf16 (the keys upcast on
+    load), with the query in its own dtype; quantizing the query to fp8 changes it far more."""
+    gen = torch.Generator().manual_seed(8)
+    n, d, group = 600, 64, 4
+    cache = KVCache(1, n, N_KV, d, torch.float8_e4m3fn, torch.device(DEVICE))
+    cache.k[0].copy_(torch.randn(n, N_KV, d, generator=gen).to(DEVICE, torch.float8_e4m3fn))
+    same_keys = KVCache(1, n, N_KV, d, torch.bfloat16, torch.device(DEVICE))
+    same_keys.k[0].copy_(cache.k[0].to(torch.bfloat16))
+    q = query((3, N_KV * group, d), torch.bfloat16, gen)  # a chunk of the model's (bf16) queries
+    middle = slot_list(500, n, gen)
+    fp8, bf16 = (TokenSelect(c, kernels, k=40, score_scale="sqrt_d") for c in (cache, same_keys))
+    mean = q.float().mean(dim=0).to(torch.bfloat16)
+    want = bf16.votes(mean, same_keys.k[0], middle)
+    torch.testing.assert_close(fp8.votes(mean, cache.k[0], middle), want, atol=1e-6, rtol=1e-5)
+    quantized = bf16.votes(mean.to(torch.float8_e4m3fn).to(torch.bfloat16), same_keys.k[0], middle)
+    assert (quantized - want).abs().max() > 100 * 1e-6 + 1e-5 * want.abs().max()
+    seq = SeqView(0, middle, decode=False)  # select: the chunk's mean query goes in the queries' dtype
+    assert torch.equal(fp8.select(0, seq, q, middle), bf16.select(0, seq, q, middle))
 
 
 def test_paged_dot_reference_is_the_definition():
@@ -201,3 +226,16 @@ def test_registry():
     assert get_kernels("torch").sparse_attention is sparse_attention_ref
     with pytest.raises(ValueError, match="torch or triton"):
         get_kernels("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_dot_with_a_whole_chunk_of_rows_per_kv_head(dtype):
+    """InfLLM and ReAttention score every query of a chunk: hundreds of rows per kv head, which the
+    kernel takes in slices (the last one ragged) so its tile fits in shared memory."""
+    gen = torch.Generator().manual_seed(11)
+    group = 2 * MAX_GROUP_ROWS + 37
+    q, k_pool = query((N_KV * group, 64), dtype, gen), pool(400, 64, dtype, gen)
+    slots = slot_list(150, 400, gen)
+    got = TRITON.paged_dot(q, k_pool, slots)
+    assert got.shape == (N_KV * group, 150)
+    torch.testing.assert_close(got, TORCH.paged_dot(q, k_pool, slots), atol=1e-3, rtol=1e-4)

@@ -6,12 +6,14 @@ KV length L, in one run on one GPU:
 - dense chunk: SDPA (flash backend, forced) of a 512-query chunk over all L RoPE'd keys, causal
   bottom-right (the chunk is the last 512 of the L tokens), GQA without copying K/V;
 - dense decode: the same for 1 query;
-- ours chunk: chunk-mean query -> head soft vote over the whole middle of the cache -> top-k ->
-  sorted selection -> slot list [n_init, k selected, n_local, chunk] -> sparse attention with RoPE
-  applied on the fly (every step of the policy's chunk path, nothing precomputed);
-- ours decode miss: Selection Cache check (cosine with the cached query, read back to the host as
-  the engine does) -> vote -> top-k -> list -> sparse attention;
-- ours decode hit: cosine check -> sparse attention over the cached list;
+- ours: one engine attention step, as ``BatchAttention.attention`` runs it: the TokenSelect policy's
+  plan, the chunk's own slots appended, sparse attention with RoPE applied on the fly (nothing
+  precomputed). The plan of
+  - a chunk: chunk-mean query -> head soft vote over the whole middle of the cache -> top-k ->
+    sorted selection -> slot list [n_init, k selected, n_local];
+  - a decode miss: Selection Cache check (cosine with the cached query, read back to the host) ->
+    vote -> top-k -> list, stored in the cache;
+  - a decode hit: the same check -> the cached [n_init, k selected] slots + the local window;
 - read-K floor: bytes of K the vote must read over the copy bandwidth measured in the same run.
 
 With ``--fp8-select`` the selection also runs over an fp8 (e4m3) copy of the keys, the "read fewer
@@ -27,12 +29,15 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..policies import SeqView
+from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
 from .e2e import parse_length
 
@@ -112,11 +117,25 @@ class Layer:
         a, t = self.args, self.page_table
         return t[: a.n_init], t[a.n_init: self.L - c - a.n_local], t[self.L - c - a.n_local:]
 
-    def selection(self, kern, query: torch.Tensor, middle: torch.Tensor, fp8: bool) -> torch.Tensor:
-        """query [h, d] (fp32) -> the selected slots, in cache order."""
-        k_pool = self.k_select if fp8 else self.k_pool
-        vote = kern.head_soft_vote(query.to(torch.bfloat16), k_pool, middle, 1.0)
-        return middle[kern.topk(vote, self.args.k).sort().values]
+    def policy(self, kern, theta: float | None, fp8: bool = False) -> TokenSelect:
+        """The engine's TokenSelect policy over this layer's keys (the fp8 copy for fp8 selection)."""
+        a = self.args
+        keys = SimpleNamespace(k=(self.k_select if fp8 else self.k_pool)[None])  # the policy reads only cache.k
+        return TokenSelect(keys, kern, k=a.k, n_init=a.n_init, n_local=a.n_local, theta=theta)
+
+    def step(self, kern, policy: TokenSelect, c: int):
+        """fn() running one engine attention step for the last c tokens, as ``BatchAttention.attention``
+        does per chunk: the policy's plan, the chunk's own slots appended, sparse attention (bf16 K/V)."""
+        q, own = self.q[c], self.page_table[self.L - c:]
+        seq = SeqView(0, self.page_table[: self.L - c], decode=c == 1)
+
+        def run():
+            plan = policy.plan(0, seq, q)
+            slots = torch.cat([plan.slots, own])
+            positions = torch.cat([plan.positions, plan.q_positions])
+            return kern.sparse_attention(q, self.k_pool, self.v_pool, slots, positions, plan.q_positions, self.inv_freq)
+
+        return run
 
     def attend(self, kern, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """q [c, h, d] over the slot list, positions re-indexed 0..n-1 (the chunk at the end)."""
@@ -125,29 +144,16 @@ class Layer:
         return kern.sparse_attention(q, self.k_pool, self.v_pool, slots, pos, pos[n - c:], self.inv_freq)
 
     def ours_chunk(self, kern, fp8: bool = False):
-        q = self.q[self.args.chunk]
-        init, middle, recent = self.lists(q.shape[0])
-
-        def run():
-            chosen = self.selection(kern, q.float().mean(dim=0), middle, fp8)
-            return self.attend(kern, q, torch.cat([init, chosen, recent]))
-
-        return run
+        return self.step(kern, self.policy(kern, theta=None, fp8=fp8), self.args.chunk)
 
     def ours_decode(self, kern, hit: bool, fp8: bool = False):
+        """fn() of a decode step whose Selection-Cache check hits (the cache holds a query at cosine ~0.99)
+        or misses (theta 2: the same check, never met; every miss selects and stores), and its policy."""
+        policy = self.policy(kern, theta=0.9 if hit else 2.0, fp8=fp8)
         q = self.q[1]
-        init, middle, recent = self.lists(1)
-        # the previous step's query: close to q (cosine ~0.99) for a hit, opposite (cosine ~-0.99) for a miss
-        cached_q = (1 if hit else -1) * (q[0].float() + 0.1 * torch.randn_like(q[0].float())).flatten()
-        cached_slots = torch.cat([init, self.selection(kern, cached_q.view_as(q[0]), middle, fp8), recent])
-
-        def run():
-            query = q[0].float()
-            is_hit = F.cosine_similarity(query.flatten(), cached_q, dim=0).item() >= 0.9  # host read, as the engine
-            slots = cached_slots if is_hit else torch.cat([init, self.selection(kern, query, middle, fp8), recent])
-            return self.attend(kern, q, slots)
-
-        return run
+        seq = SeqView(0, self.page_table[: self.L - 1], decode=True)
+        policy.plan(0, seq, q + 0.1 * torch.randn_like(q))  # a miss: stores the previous step's query
+        return self.step(kern, policy, 1), policy
 
     def parts(self, kern, fp8: bool = False) -> dict:
         """The chunk step's parts, timed alone: vote, top-k, sparse attention."""
@@ -174,6 +180,16 @@ class Layer:
         return (dense.float() - ours.float()).abs().max().item()
 
 
+def time_decode(layer: Layer, kern, ms, hit: bool, fp8: bool = False) -> float:
+    """Milliseconds of a decode step that hits (or misses) the Selection Cache, checked to have done so."""
+    fn, policy = layer.ours_decode(kern, hit, fp8)
+    t = ms(fn)
+    sc = policy.selection_cache
+    if not ((sc.misses == 1 and sc.hits > 0) if hit else sc.hits == 0):
+        raise RuntimeError(f"the decode {'hit' if hit else 'miss'} row saw {sc.hits} hits and {sc.misses} misses")
+    return t
+
+
 def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: bool) -> dict:
     from ..kernels import get_kernels
 
@@ -187,13 +203,13 @@ def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: boo
     row["dense_chunk_ms"] = ms(layer.dense(args.chunk))
     row["dense_decode_ms"] = ms(layer.dense(1))
     row["chunk_ms"] = ms(layer.ours_chunk(kern))
-    row["miss_ms"] = ms(layer.ours_decode(kern, hit=False))
-    row["hit_ms"] = ms(layer.ours_decode(kern, hit=True))
+    row["miss_ms"] = time_decode(layer, kern, ms, hit=False)
+    row["hit_ms"] = time_decode(layer, kern, ms, hit=True)
     row.update({f"chunk_{k}_ms": ms(fn) for k, fn in layer.parts(kern).items()})
     row["floor_ms"] = layer.middle_key_bytes() / bandwidth * 1e3
     if args.fp8_select:
         row["fp8_chunk_ms"] = ms(layer.ours_chunk(kern, fp8=True))
-        row["fp8_miss_ms"] = ms(layer.ours_decode(kern, hit=False, fp8=True))
+        row["fp8_miss_ms"] = time_decode(layer, kern, ms, hit=False, fp8=True)
         row["fp8_vote_ms"] = ms(layer.parts(kern, fp8=True)["vote"])
         row["fp8_floor_ms"] = layer.middle_key_bytes(fp8=True) / bandwidth * 1e3
     del layer

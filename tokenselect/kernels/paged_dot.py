@@ -5,8 +5,11 @@ read in place through a slot list.
 
 Keys are the un-rotated (pre-RoPE) keys of the cache, so the scores are position-agnostic. The
 Triton kernel never gathers the keys into a new tensor: each program reads one block of slots of
-one kv head (every key row once) and scores it against the whole query group of that head. The
-same kernel optionally writes per-block softmax statistics, which the head soft vote builds on.
+one kv head (every key row once) and scores it against the whole query group of that head. The kv
+head is the grid's fastest axis, so the programs that read the n_kv parts of the same slots' rows
+run side by side (one slot's keys are one contiguous row of the pool); a program may score several
+consecutive blocks. The same kernel optionally writes per-block softmax statistics, which the head
+soft vote builds on.
 """
 
 from __future__ import annotations
@@ -34,32 +37,40 @@ def dot_fp32(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_blocks, scale, stride_slot, stride_kvh,
-                   D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                   STATS: tl.constexpr):
-    """Program (block b of slots, kv head kvh): out[h, t] = scale * <q[h], K[slots[t], kvh]> for the
-    group's heads h. With STATS also m[h, b] = max_t out[h, t] and l[h, b] = sum_t exp(out[h, t] - m)."""
-    pid, kvh = tl.program_id(0), tl.program_id(1)
+def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_kv, n_blocks, scale, stride_slot, stride_kvh,
+                   D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCKS: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr):
+    """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh: for each block b of
+    the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
+    m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
+    compiler fetch the next block's keys while this one is scored."""
+    group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
     rows = tl.arange(0, BLOCK_G)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, D_P)  # D padded to a power of two
-    row_ok, col_ok, dim_ok = rows < G, cols < N, dims < D
+    row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
     q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    slots = tl.load(slot_ptr + cols, mask=col_ok, other=0).to(tl.int64)
-    k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
-                mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
-    s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
-    tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
-    if STATS:
-        s = tl.where(col_ok[None, :], s, float("-inf"))
-        m = tl.max(s, axis=1)
-        l = tl.sum(tl.exp(s - m[:, None]), axis=1)
-        tl.store(m_ptr + heads * n_blocks + pid, m, mask=row_ok)
-        tl.store(l_ptr + heads * n_blocks + pid, l, mask=row_ok)
+    for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, n_blocks)):
+        cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        slots = tl.load(slot_ptr + cols, mask=col_ok, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
+                    mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+        s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
+        tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
+        if STATS:
+            s = tl.where(col_ok[None, :], s, float("-inf"))
+            m = tl.max(s, axis=1)
+            l = tl.sum(tl.exp(s - m[:, None]), axis=1)
+            tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
+            tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
 
 
-SCORES_TILE = (128, 8)  # (keys per program, warps) at head_dim <= 128, half the keys at 256 (H100 sweep)
+# (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256;
+# H100 sweep at 1M random slots (benchmarks/results/attention_h100.md): 4 blocks of 128 keys on 4 warps
+# beat one block on 8 warps by 8% (bf16 keys) and 24% (fp8 keys). fp32 products run on CUDA cores with
+# fp32 operands: smaller blocks keep ptxas from spilling kilobytes a thread at 64 query rows.
+SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
 
 
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool):
@@ -68,21 +79,38 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
     out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
-    block_n, warps = SCORES_TILE[0] if d <= 128 else SCORES_TILE[0] // 2, SCORES_TILE[1]
+    ieee = torch.float32 in (q.dtype, k_pool.dtype)
+    block_n, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
+    block_n = block_n if d <= 128 else block_n // 2
     n_blocks = triton.cdiv(n, block_n)
     m = torch.empty(n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
     l = torch.empty_like(m) if stats else None
     if n == 0:
         return out, m, l
-    _scores_kernel[(n_blocks, n_kv)](
-        q.contiguous(), k_pool, slots.contiguous(), out, m, l, n, group, n_blocks, float(scale),
+    _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv,)](
+        q.contiguous(), k_pool, slots.contiguous(), out, m, l, n, group, n_kv, n_blocks, float(scale),
         k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        IEEE=torch.float32 in (q.dtype, k_pool.dtype), STATS=stats, num_warps=warps,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCKS=blocks,
+        IEEE=ieee, STATS=stats, num_warps=warps, num_stages=stages,
     )
     return out, m, l
 
 
+MAX_GROUP_ROWS = 64  # query rows per kv head in one launch: more would overflow shared memory
+
+
 def paged_dot(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Triton version of :func:`paged_dot_ref` (same arguments, same result up to rounding)."""
-    return scores_with_stats(q, k_pool, slots, 1.0, stats=False)[0]
+    """Triton version of :func:`paged_dot_ref` (same arguments, same result up to rounding).
+
+    Policies that score a whole chunk pass many rows per kv head (n_heads * chunk rows, head-major);
+    those go through the kernel in slices of at most MAX_GROUP_ROWS rows per kv head."""
+    n_kv, group = k_pool.shape[1], q.shape[0] // k_pool.shape[1]
+    if group <= MAX_GROUP_ROWS:
+        return scores_with_stats(q, k_pool, slots, 1.0, stats=False)[0]
+    by_kv = q.view(n_kv, group, q.shape[1])
+    out = torch.empty(n_kv, group, slots.numel(), dtype=torch.float32, device=q.device)
+    for start in range(0, group, MAX_GROUP_ROWS):
+        part = by_kv[:, start:start + MAX_GROUP_ROWS]
+        scores = scores_with_stats(part.reshape(-1, q.shape[1]), k_pool, slots, 1.0, stats=False)[0]
+        out[:, start:start + MAX_GROUP_ROWS] = scores.view(n_kv, part.shape[1], -1)
+    return out.view(q.shape[0], -1)

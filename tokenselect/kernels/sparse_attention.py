@@ -5,10 +5,19 @@ The slot list holds the context first and the chunk's own tokens last (their K/V
 cache), so causality is "bottom-right aligned": key j is visible to query i iff j <= i + n - c.
 Query head h reads kv head h // (n_heads // n_kv_heads).
 
-The Triton kernel reads keys and values in place (no gather), rotates q and each key block in
-registers, and runs a flash-style online softmax. The key list is split across programs
-(split-K, "flash decoding") so that a single decode query still spreads over the whole GPU;
-a second small kernel merges the partial results by their log-sum-exp.
+The Triton kernel reads values in place (no gather) and runs a flash-style online softmax with
+both products on tensor cores: RoPE is applied in fp32, then q, the keys and the probabilities are
+cast to the query's dtype (bf16/fp16) for the two ``tl.dot``s, which accumulate in fp32, as flash
+attention does; fp32 inputs keep fp32 (IEEE) products. fp8 pools are upcast on load.
+
+Keys are rotated where it is cheapest. A decode step (one row block per kv head) rotates each key
+in the attention kernel itself, once. A chunk has many row blocks per kv head that all read the same
+keys, so a small kernel first rotates the list's keys once into a [n, n_kv, d] buffer in the dot's
+dtype (rounding them exactly as the in-kernel cast would), and the attention kernel reads that.
+
+The key list is split across programs (split-K, "flash decoding") when there are too few row
+blocks to fill the GPU, as for a single decode query; a second small kernel then merges the
+partial results by their log-sum-exp. With one split the attention kernel writes the output itself.
 """
 
 from __future__ import annotations
@@ -19,7 +28,11 @@ import triton
 import triton.language as tl
 
 from ..rope import rotate
-from .paged_dot import dot_fp32
+
+LOG2E = 1.4426950408889634
+# Triton 3.6's CPU interpreter multiplies bf16 dot operands as their raw 16-bit patterns; there the
+# 16-bit operands go to tl.dot as fp32 (the same products: a product of two 16-bit floats is exact in fp32)
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 def sparse_attention_ref(
@@ -57,20 +70,98 @@ def _rope_halves(x1, x2, pos, inv_freq, rope_scale):
 
 
 @triton.jit
+def _mma(a, b, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] accumulated in fp32: full-precision products for fp32 operands (IEEE),
+    tensor-core products of 16-bit operands otherwise."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, N, n_kv, rope_scale, k_stride_slot,
+                        k_stride_kvh, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program = a block of list entries j: out[j, kvh] = RoPE(k_pool[slots[j], kvh], key_pos[j]) for
+    every kv head, in out's dtype; the angles are computed once for all heads."""
+    j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, HALF_P)
+    j_ok, dim_ok = j < N, half < HALF
+    ok = j_ok[:, None] & dim_ok[None, :]
+    slot = tl.load(slot_ptr + j, mask=j_ok, other=0).to(tl.int64)
+    angle = tl.load(kpos_ptr + j, mask=j_ok, other=0).to(tl.float32)[:, None] * \
+        tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)[None, :]
+    cos = tl.cos(angle) * rope_scale
+    sin = tl.sin(angle) * rope_scale
+    for kvh in range(n_kv):
+        k_base = k_ptr + slot[:, None] * k_stride_slot + kvh * k_stride_kvh + half[None, :]
+        k1 = tl.load(k_base, mask=ok, other=0.0).to(tl.float32)
+        k2 = tl.load(k_base + HALF, mask=ok, other=0.0).to(tl.float32)
+        out_base = out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
+        tl.store(out_base, (k1 * cos - k2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_base + HALF, (k2 * cos + k1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot_ptr, kpos_ptr, inv_freq, rope_scale,
+                  k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh, half, dims, dim_ok, v_dim_ok,
+                  HALF: tl.constexpr, BLOCK_N: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
+                  ROTATED: tl.constexpr, MASKED: tl.constexpr):
+    """Keys [start, start + BLOCK_N) of the list into the online softmax of the rows (query indices i):
+    returns the new (m, l, acc). Unless MASKED, every key of the block is < hi and visible to every row."""
+    j = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        col_ok = j < hi
+    else:
+        col_ok = tl.full((BLOCK_N,), 1, tl.int1)
+    slot = tl.load(slot_ptr + j, mask=col_ok, other=0).to(tl.int64)
+    if ROTATED:
+        k_base = k_ptr + j.to(tl.int64)[:, None] * k_stride_row + kvh * k_stride_kvh
+    else:
+        k_base = k_ptr + slot[:, None] * k_stride_row + kvh * k_stride_kvh
+    k_ok = col_ok[:, None] & dim_ok[None, :]
+    k1 = tl.load(k_base + half[None, :], mask=k_ok, other=0.0)
+    k2 = tl.load(k_base + HALF + half[None, :], mask=k_ok, other=0.0)
+    if not ROTATED:
+        k_pos = tl.load(kpos_ptr + j, mask=col_ok, other=0).to(tl.float32)
+        k1, k2 = _rope_halves(k1.to(tl.float32), k2.to(tl.float32), k_pos, inv_freq, rope_scale)
+    s = _mma(q1, tl.trans(k1.to(DOT_TY)), IEEE) + _mma(q2, tl.trans(k2.to(DOT_TY)), IEEE)
+    if MASKED:
+        s = tl.where(col_ok[None, :] & (j[None, :] <= i[:, None] + N - C), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    else:
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = m_new
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(v_ptr + slot[:, None] * v_stride_slot + kvh * v_stride_kvh + dims[None, :],
+                mask=col_ok[:, None] & v_dim_ok[None, :], other=0.0)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _mma(p.to(DOT_TY), v.to(DOT_TY), IEEE)
+
+
+@triton.jit
 def _sparse_attention_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, kpos_ptr, qpos_ptr, inv_freq_ptr, acc_ptr, m_ptr, l_ptr,
-    C, N, G, H, keys_per_split, rope_scale, sm_scale, k_stride_slot, k_stride_kvh, v_stride_slot, v_stride_kvh,
-    HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, slot_ptr, kpos_ptr, qpos_ptr, inv_freq_ptr, out_ptr, m_ptr, l_ptr,
+    C, N, G, H, keys_per_split, rope_scale, qk_scale, k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_TY: tl.constexpr, IEEE: tl.constexpr, ROTATED: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One program: a block of (query, head-of-group) rows of kv head ``kvh`` over one split of the
-    key list. Writes unnormalised acc [R, d], running max m and sum l for the merge."""
+    key list. Keys come from the pool at ``slots[j]`` and are rotated here, or (ROTATED) from row j
+    of the pre-rotated buffer. Scores are in log2 units (``qk_scale`` = sm_scale * log2 e). Key
+    blocks that every row sees in full skip the masks; the rest (the causal edge, the split's
+    ragged end) are masked. SPLIT: writes the unnormalised acc [R, d], the running max m and sum l
+    for the merge; otherwise the normalised output in out's dtype."""
     pid_r, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < C * G
     i = r // G  # query index in the chunk
     h = kvh * G + r % G  # query head
     half = tl.arange(0, HALF_P)  # HALF padded to a power of two >= 16 (tl.dot's least K)
-    dim_ok = half < HALF
+    dims = tl.arange(0, D_P)  # 2 * HALF padded likewise, for V and the output
+    dim_ok, v_dim_ok = half < HALF, dims < 2 * HALF
     inv_freq = tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)
     q_pos = tl.load(qpos_ptr + i, mask=row_ok, other=0).to(tl.float32)
     q_base = q_ptr + (i * H + h)[:, None] * (2 * HALF)
@@ -78,76 +169,80 @@ def _sparse_attention_kernel(
     q1 = tl.load(q_base + half[None, :], mask=q_ok, other=0.0).to(tl.float32)
     q2 = tl.load(q_base + HALF + half[None, :], mask=q_ok, other=0.0).to(tl.float32)
     q1, q2 = _rope_halves(q1, q2, q_pos, inv_freq, rope_scale)
-    q1 *= sm_scale
-    q2 *= sm_scale
+    q1 = (q1 * qk_scale).to(DOT_TY)
+    q2 = (q2 * qk_scale).to(DOT_TY)
 
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_R, HALF_P), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_R, HALF_P), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, D_P), dtype=tl.float32)
     lo = split * keys_per_split
     last_row = tl.minimum(pid_r * BLOCK_R + BLOCK_R, C * G) - 1
     hi = tl.minimum(tl.minimum(lo + keys_per_split, N), last_row // G + N - C + 1)  # causal bound
-    for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        col_ok = j < hi
-        kv_ok = col_ok[:, None] & dim_ok[None, :]
-        slot = tl.load(slot_ptr + j, mask=col_ok, other=0).to(tl.int64)
-        k_pos = tl.load(kpos_ptr + j, mask=col_ok, other=0).to(tl.float32)
-        k_base = k_ptr + slot[:, None] * k_stride_slot + kvh * k_stride_kvh
-        k1 = tl.load(k_base + half[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        k2 = tl.load(k_base + HALF + half[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        k1, k2 = _rope_halves(k1, k2, k_pos, inv_freq, rope_scale)
-        s = dot_fp32(q1, tl.trans(k1), IEEE) + dot_fp32(q2, tl.trans(k2), IEEE)
-        visible = col_ok[None, :] & (j[None, :] <= i[:, None] + N - C)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v_base = v_ptr + slot[:, None] * v_stride_slot + kvh * v_stride_kvh
-        v1 = tl.load(v_base + half[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        v2 = tl.load(v_base + HALF + half[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        acc1 = acc1 * alpha[:, None] + dot_fp32(p, v1, IEEE)
-        acc2 = acc2 * alpha[:, None] + dot_fp32(p, v2, IEEE)
-        m = m_new
+    full = tl.minimum(hi, (pid_r * BLOCK_R) // G + N - C + 1)  # keys below this are visible to every row
+    full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full, BLOCK_N):
+        m, l, acc = _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot_ptr, kpos_ptr,
+                                  inv_freq, rope_scale, k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh, half,
+                                  dims, dim_ok, v_dim_ok, HALF, BLOCK_N, DOT_TY, IEEE, ROTATED, MASKED=False)
+    for start in range(full, hi, BLOCK_N):
+        m, l, acc = _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot_ptr, kpos_ptr,
+                                  inv_freq, rope_scale, k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh, half,
+                                  dims, dim_ok, v_dim_ok, HALF, BLOCK_N, DOT_TY, IEEE, ROTATED, MASKED=True)
 
-    row = split * C * H + i * H + h  # partials laid out [split, query, head]
-    out_base = acc_ptr + row[:, None] * (2 * HALF)
-    tl.store(out_base + half[None, :], acc1, mask=q_ok)
-    tl.store(out_base + HALF + half[None, :], acc2, mask=q_ok)
-    tl.store(m_ptr + row, m, mask=row_ok)
-    tl.store(l_ptr + row, l, mask=row_ok)
+    out_ok = row_ok[:, None] & v_dim_ok[None, :]
+    if SPLIT:
+        row = split * C * H + i * H + h  # partials laid out [split, query, head]
+        tl.store(out_ptr + row[:, None].to(tl.int64) * (2 * HALF) + dims[None, :], acc, mask=out_ok)
+        tl.store(m_ptr + row, m, mask=row_ok)
+        tl.store(l_ptr + row, l, mask=row_ok)
+    else:  # every row sees key 0, so l > 0
+        out = acc / l[:, None]
+        tl.store(out_ptr + (i * H + h)[:, None].to(tl.int64) * (2 * HALF) + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, rows, splits, D: tl.constexpr, D_P: tl.constexpr,
-                  BLOCK_ROWS: tl.constexpr):
+                  SPLITS_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """Program = a block of (query, head) rows: out = sum_s w_s acc_s / sum_s w_s l_s with
-    w_s = exp(m_s - max_s m_s). Splits that saw no visible key have m = -inf, so weight 0."""
+    w_s = 2^(m_s - max_s m_s). Splits that saw no visible key have m = -inf, so weight 0.
+    Every split's m is loaded at once, l and acc in blocks of BLOCK_S splits (one block for decode),
+    so the loads are not a chain of one round trip per split."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = r < rows
+    r_in = tl.minimum(r, rows - 1)  # rows past the end read the last row and are not stored
+    s = tl.arange(0, SPLITS_P)
+    m_all = tl.max(tl.load(m_ptr + s[None, :] * rows + r_in[:, None], mask=(s < splits)[None, :],
+                           other=float("-inf")), axis=1)  # split 0 sees key 0: finite
     dims = tl.arange(0, D_P)  # D padded to a power of two
-    ok = r_ok[:, None] & (dims < D)[None, :]
-    m_all = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
-    for s in range(splits):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + s * rows + r, mask=r_ok, other=0.0))
+    dim_ok = dims < D
     num = tl.zeros((BLOCK_ROWS, D_P), dtype=tl.float32)
     den = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-    for s in range(splits):
-        w = tl.exp(tl.load(m_ptr + s * rows + r, mask=r_ok, other=0.0) - m_all)  # split 0 sees key 0: finite max
-        den += w * tl.load(l_ptr + s * rows + r, mask=r_ok, other=1.0)
-        acc = tl.load(acc_ptr + (s * rows + r)[:, None].to(tl.int64) * D + dims[None, :], mask=ok, other=0.0)
-        num += w[:, None] * acc
+    for first in tl.static_range(0, SPLITS_P, BLOCK_S):
+        sb = first + tl.arange(0, BLOCK_S)
+        idx = sb[None, :] * rows + r_in[:, None]  # [rows, splits]
+        s_ok = (sb < splits)[None, :]
+        w = tl.exp2(tl.load(m_ptr + idx, mask=s_ok, other=float("-inf")) - m_all[:, None])
+        den += tl.sum(w * tl.load(l_ptr + idx, mask=s_ok, other=0.0), axis=1)
+        acc = tl.load(acc_ptr + idx[:, :, None].to(tl.int64) * D + dims[None, None, :],
+                      mask=s_ok[:, :, None] & dim_ok[None, None, :], other=0.0)
+        num += tl.sum(w[:, :, None] * acc, axis=1)
     out = num / den[:, None]
-    tl.store(out_ptr + r[:, None].to(tl.int64) * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & dim_ok[None, :])
 
 
-TARGET_PROGRAMS = 128  # decode split-K: programs to aim for (H100 sweep: 128 / 512 / 2048 within noise, 128 best)
-# (rows, warps) of a program's tile: decode rows (one query x its group) fill a 16-row tile; a chunk
-# gets larger tiles, so each program rotates and reads a key block once for rows / group queries
-DECODE_TILE, CHUNK_TILE = (16, 4), (128, 8)
+# Tiles: (rows, keys, warps, pipeline stages) of a program, keys halved (at least 16) for head_dim > 128.
+# Decode rows (one query x its group) fill a 16-row tile; a chunk gets larger tiles, so each program
+# reads a key block once for rows / group queries. fp32 products run on CUDA cores and hold their
+# operands in fp32, so fp32 chunks get a smaller tile (64 rows at head_dim 256 made ptxas spill
+# ~14 KB a thread). H100 sweep at 1M (benchmarks/results/attention_h100.md): 64/128 rows, 32-128 keys,
+# 4/8 warps, 2-4 stages for chunks; 264-528 programs, 16/32 keys, 2/4 warps for decode.
+DECODE_TILE, CHUNK_TILE, FP32_CHUNK_TILE = (16, 16, 4, 3), (64, 64, 4, 3), (32, 32, 4, 2)
+TARGET_PROGRAMS = 396  # decode split-K: programs to aim for (3 per SM of an H100)
+ROTATE_BLOCK = 32  # list entries per program of the key-rotation kernel
+MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
+DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def sparse_attention(
@@ -166,25 +261,44 @@ def sparse_attention(
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    block_r, warps = DECODE_TILE if c * group <= DECODE_TILE[0] else CHUNK_TILE
-    block_n = 64 if d <= 128 else 32
+    ieee = torch.float32 in (q.dtype, k_pool.dtype)
+    dot_ty = tl.float32 if ieee else DOT_TYPES[q.dtype]
+    half_p, d_p = max(16, triton.next_power_of_2(d // 2)), max(16, triton.next_power_of_2(d))
+    tile = DECODE_TILE if c * group <= DECODE_TILE[0] else FP32_CHUNK_TILE if ieee else CHUNK_TILE
+    block_r, block_n, warps, stages = tile
+    block_n = block_n if d <= 128 else max(16, block_n // 2)
     row_blocks = triton.cdiv(c * group, block_r)
     splits = max(1, min(triton.cdiv(n, block_n), TARGET_PROGRAMS // (row_blocks * n_kv)))
     keys_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
     splits = triton.cdiv(n, keys_per_split)
-    acc = torch.empty(splits, c, n_heads, d, dtype=torch.float32, device=q.device)
-    m = torch.empty(splits, c, n_heads, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    _sparse_attention_kernel[(row_blocks, n_kv, splits)](
-        q.contiguous(), k_pool, v_pool, slots.contiguous(), key_pos.contiguous(), q_pos.contiguous(),
-        inv_freq.to(device=q.device, dtype=torch.float32).contiguous(), acc, m, l,
-        c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        HALF=d // 2, HALF_P=max(16, triton.next_power_of_2(d // 2)), BLOCK_R=block_r, BLOCK_N=block_n,
-        IEEE=torch.float32 in (q.dtype, k_pool.dtype), num_warps=warps,
-    )
+    slots, key_pos, q_pos = slots.contiguous(), key_pos.contiguous(), q_pos.contiguous()
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    rotated = row_blocks > 1
+    if rotated:  # rotate each key once instead of once per row block
+        keys = torch.empty(n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
+        _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK),)](
+            k_pool, slots, key_pos, inv_freq, keys, n, n_kv, float(rope_scale), k_pool.stride(0),
+            k_pool.stride(1), HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK)
+        k_stride_row, k_stride_kvh = keys.stride(0), keys.stride(1)
+    else:
+        keys, k_stride_row, k_stride_kvh = k_pool, k_pool.stride(0), k_pool.stride(1)
     out = torch.empty(c, n_heads, d, dtype=q.dtype, device=q.device)
-    rows = c * n_heads
-    _merge_kernel[(triton.cdiv(rows, 16),)](acc, m, l, out, rows, splits, D=d, D_P=triton.next_power_of_2(d),
-                                            BLOCK_ROWS=16)
+    split = splits > 1
+    if split:  # partial results for the merge
+        acc = torch.empty(splits, c, n_heads, d, dtype=torch.float32, device=q.device)
+        m = torch.empty(splits, c, n_heads, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+    _sparse_attention_kernel[(row_blocks, n_kv, splits)](
+        q.contiguous(), keys, v_pool, slots, key_pos, q_pos, inv_freq, *((acc, m, l) if split else (out, None, None)),
+        c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale) * LOG2E,
+        k_stride_row, k_stride_kvh, v_pool.stride(0), v_pool.stride(1),
+        HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
+        ROTATED=rotated, SPLIT=split, num_warps=warps, num_stages=stages,
+    )
+    if split:
+        rows, splits_p = c * n_heads, triton.next_power_of_2(splits)
+        block_s = min(splits_p, max(1, MERGE_TILE // d_p))
+        block_rows = max(1, min(16, MERGE_TILE // (block_s * d_p)))
+        _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
+                                                         SPLITS_P=splits_p, BLOCK_S=block_s, BLOCK_ROWS=block_rows)
     return out

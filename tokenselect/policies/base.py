@@ -92,6 +92,7 @@ class SelectivePolicy(AttentionPolicy):
         if min(n_init, n_local, budget) < 0:
             raise ValueError("n_init, n_local and the selection budget must be >= 0")
         self.n_init, self.n_local, self.budget, self.positions = n_init, n_local, budget, positions
+        self._indices: dict[torch.device, torch.Tensor] = {}
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         """Choose from the middle of the cache. q: [c, n_heads, head_dim]; middle: [M] slots.
@@ -102,27 +103,37 @@ class SelectivePolicy(AttentionPolicy):
         t, c = seq.past.numel(), q.shape[0]
         if t <= self.n_init + self.budget + self.n_local:
             return contiguous_plan(seq, c)
-        dev = seq.past.device
-        middle_end = t - self.n_local
-        chosen = self.select(layer, seq, q, seq.past[self.n_init:middle_end])
-        order = torch.cat([
-            torch.arange(self.n_init, device=dev),
-            chosen.to(dev) + self.n_init,
-            torch.arange(middle_end, t, device=dev),
-        ])
+        chosen = self.select(layer, seq, q, seq.past[self.n_init:t - self.n_local])
+        return self.assemble(seq, chosen, c)
+
+    def assemble(self, seq: SeqView, chosen: torch.Tensor, c: int) -> Plan:
+        """The plan attending ``[sinks | middle[chosen] | local window]`` of ``seq.past`` for a chunk of
+        ``c`` queries. chosen: sorted indices into the middle, ``seq.past[n_init:t - n_local]``."""
+        t, dev = seq.past.numel(), seq.past.device
+        index = self.indices(t, dev)
+        order = torch.cat([index[:self.n_init], chosen.to(dev) + self.n_init, index[t - self.n_local:]])
         positions, q_positions = self.place(order, t, c)
         return Plan(seq.past[order], positions, q_positions)
 
     def place(self, order: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE positions for the attended tokens ``order: [n]`` (token indices) and the chunk."""
-        dev = order.device
         if self.positions == "original":
-            return order, torch.arange(t, t + c, device=dev)
+            return order, self.indices(t + c, order.device)[t:]
         n = order.numel()
-        return torch.arange(n, device=dev), torch.arange(n, n + c, device=dev)
+        index = self.indices(n + c, order.device)
+        return index[:n], index[n:]
+
+    def indices(self, n: int, device: torch.device) -> torch.Tensor:
+        """0, 1, ..., n - 1 (int64) on ``device``: a read-only view of an arange kept per device, so that
+        plans take their index runs and positions without a kernel launch each."""
+        cached = self._indices.get(device)
+        if cached is None or cached.numel() < n:
+            cached = self._indices[device] = torch.arange(max(n, 2 * (0 if cached is None else cached.numel()), 4096),
+                                                          device=device)
+        return cached[:n]
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:
     """The query a chunk selects with: the mean of its un-rotated queries (TokenSelect 5.2).
-    q: [c, n_heads, head_dim] -> [n_heads, head_dim]."""
-    return q.float().mean(dim=0)
+    q: [c, n_heads, head_dim] -> [n_heads, head_dim] fp32 (one kernel: the mean accumulates in fp32)."""
+    return q.mean(dim=0, dtype=torch.float32)

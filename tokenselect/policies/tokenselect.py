@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import SelectivePolicy, SeqView, selection_query
+from .base import Plan, SelectivePolicy, SeqView, selection_query
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -38,23 +38,49 @@ class TokenSelect(SelectivePolicy):
         self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
         self.selection_cache = SelectionCache(theta)
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
+        """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the
+        [sinks | chosen] head of the last miss's plan (its slots and token indices): a hit only appends
+        the current local window."""
+        t, c = seq.past.numel(), q.shape[0]
+        if not seq.decode or t <= self.n_init + self.budget + self.n_local:
+            return super().plan(layer, seq, q)
         query = selection_query(q)
-        if seq.decode:
-            cached = self.selection_cache.lookup(seq.id, layer, query)
-            if cached is not None:
-                return cached
-        chosen = self.choose(query, self.cache.k[layer], middle)
-        if seq.decode:
-            self.selection_cache.store(seq.id, layer, query, chosen)
-        return chosen
+        cached = self.selection_cache.lookup(seq.id, layer, query)
+        if cached is not None:
+            return self.reuse(cached, seq, c)
+        chosen = self.choose(query.to(q.dtype), self.cache.k[layer], seq.past[self.n_init:t - self.n_local])
+        plan = self.assemble(seq, chosen, c)
+        n_head = self.n_init + chosen.numel()
+        order = plan.positions[:n_head] if self.positions == "original" else None  # "original": token indices
+        self.selection_cache.store(seq.id, layer, query, (plan.slots[:n_head], order))
+        return plan
+
+    def reuse(self, head: tuple[torch.Tensor, torch.Tensor | None], seq: SeqView, c: int) -> Plan:
+        """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the cached
+        head's slots [h] (and with "original" its token indices [h]) followed by the current local window."""
+        t, dev = seq.past.numel(), seq.past.device
+        head_slots, head_order = head
+        slots = torch.cat([head_slots, seq.past[t - self.n_local:]])
+        if head_order is None:  # "reindex": positions by index in the list
+            n = slots.numel()
+            index = self.indices(n + c, dev)
+            return Plan(slots, index[:n], index[n:])
+        order = torch.cat([head_order, self.indices(t, dev)[t - self.n_local:]])
+        positions, q_positions = self.place(order, t, c)
+        return Plan(slots, positions, q_positions)
+
+    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+        """A chunk's selection, with its mean query in the queries' dtype (the keys may be stored in another)."""
+        return self.choose(selection_query(q).to(q.dtype), self.cache.k[layer], middle)
 
     def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        """query: [n_heads, head_dim], k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32."""
+        """query: [n_heads, head_dim] in the dtype the kernels compute in (the model's; never cast to the
+        pool's, which may be fp8), k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32."""
         kern = self.kernels
         if self.selector == "soft_vote":
-            return kern.head_soft_vote(query.to(k_pool.dtype), k_pool, middle, self.scale)
-        scores = kern.paged_dot(query.to(k_pool.dtype), k_pool, middle) * self.scale  # [H, M]
+            return kern.head_soft_vote(query, k_pool, middle, self.scale)
+        scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
         if self.selector == "topk":
             return scores.sum(dim=0)
         per_head = torch.topk(scores, min(self.k, scores.shape[1]), dim=1).indices  # [H, k]
