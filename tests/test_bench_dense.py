@@ -43,15 +43,26 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
 
     parser = argparse.ArgumentParser()
     e2e.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "2k", "--policies", "dense,full,tokenselect",
+    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "2k", "--policies", "dense,full,tokenselect,tokenselect:theta=-1",
                               "--decode-steps", "3", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
                               "--output", str(tmp_path), "--tag", "t"])
     assert args.func(args) == 0
     rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect"]
+    assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect", "tokenselect:theta=-1"]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
+    assert rows[3]["hit_rate"] > 0.5  # theta -1: every decode step after a sequence's first reuses
     table = (tmp_path / "e2e_t.md").read_text()
     dense = rows[0]
     want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
     assert f"| 2K | tokenselect | {rows[2]['prefill_s']:.2f} | {want} |" in table
+
+
+def test_policy_specs_carry_their_own_settings():
+    from tokenselect.bench.e2e import policy_spec
+
+    assert policy_spec("tokenselect") == ("tokenselect", {})
+    assert policy_spec("tokenselect:theta=-1;k=4096;selector=topk") == (
+        "tokenselect", {"theta": -1, "k": 4096, "selector": "topk"})
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        policy_spec("tokenselect:theta")

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .attention import BatchAttention, Chunk, RopeFrequencies
 from .config import ModelConfig
+from .decode_graphs import DecodeGraphs
 from .errors import ContextTooLong
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
@@ -42,8 +43,9 @@ class LLM:
     def __init__(self, model: str | Path | None = None, attention: str = "full", *, dtype: str = "auto",
                  device: str | None = None, **settings):
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
-        V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling (engine)
-        and the policy's own settings."""
+        V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling,
+        cuda_graphs (decode steps through ``DecodeGraphs``; default on CUDA; on a CPU its pieces run
+        eagerly) (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
 
@@ -73,7 +75,7 @@ class LLM:
     def _start(self, attention: str, kernels: str | None = None, chunk_size: int | None = None,
                kv_cache_tokens: int | None = None, kv_dtype: str = "auto", kv_offload: str = "none",
                max_model_len: int | None = None, max_num_seqs: int = 64, rope_scaling: str | None = None,
-               **policy_settings) -> None:
+               cuda_graphs: bool | None = None, **policy_settings) -> None:
         cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
@@ -94,6 +96,9 @@ class LLM:
         self.max_model_len = min(max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.decode_graphs = DecodeGraphs(self.model, self.device) if cuda_graphs else None
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -191,8 +196,11 @@ class LLM:
                   else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                   for ch in chunks]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
-        logits = self.model(input_ids, ctx, logit_rows).split([len(w) for w in wanted])
+        if self._graphed(chunks):
+            logits = self.decode_graphs.run(input_ids, ctx).split(1)  # one token, and its logits, per sequence
+        else:
+            logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
+            logits = self.model(input_ids, ctx, logit_rows).split([len(w) for w in wanted])
         stepped = []
         for ch, row_logits in zip(chunks, logits):
             seq = ch.seq
@@ -203,6 +211,12 @@ class LLM:
                 self._append(seq, sample(row_logits[-1], seq.params, seq.generator))
                 stepped.append(seq)
         return stepped
+
+    def _graphed(self, chunks: list[Chunk]) -> bool:
+        """Whether this step runs through the decode graphs: every chunk one decode token, batch within
+        the largest bucket."""
+        return (self.decode_graphs is not None and self.decode_graphs.bucket(len(chunks)) is not None
+                and all(ch.decode and ch.length == 1 for ch in chunks))
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)

@@ -3,8 +3,9 @@
 Keys are rotated once, when they are cached; each layer's cache is one contiguous tensor
 ``[n_kv_heads, max_tokens, head_dim]``; attention is PyTorch SDPA (the flash backend on CUDA) with a
 bottom-right causal mask for a prefill chunk. The same model object and weights as the engine run
-underneath: only the attention context differs, so the benchmark's dense-vs-policy ratios measure
-attention and selection, nothing else. One sequence at a time.
+underneath, and decode steps go through the same CUDA graphs (``decode_graphs.py``): only the
+attention context differs, so the benchmark's dense-vs-policy ratios measure attention and
+selection, nothing else. One sequence at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class DenseRunner:
         self.k = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.v = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
+        self.graphs = llm.decode_graphs  # decode through the engine's CUDA graphs, as the policies do
         self.backend = SDPBackend.FLASH_ATTENTION if llm.device.type == "cuda" else SDPBackend.MATH
         self.length = 0  # tokens cached
         self._positions = None
@@ -51,7 +53,10 @@ class DenseRunner:
         """Run the next tokens ``ids: [c]`` -> logits of the last one, ``[vocab]`` (fp32)."""
         c = ids.numel()
         self._positions = torch.arange(self.length, self.length + c, device=self.device)
-        logits = self.model(ids, self, torch.tensor([c - 1], device=self.device))[0]
+        if c == 1 and self.graphs is not None:
+            logits = self.graphs.run(ids, self)[0]
+        else:
+            logits = self.model(ids, self, torch.tensor([c - 1], device=self.device))[0]
         self.length += c
         return logits
 

@@ -148,7 +148,8 @@ def measure_dense(config: dict, ids: list[int], args) -> dict:
     from ..engine import LLM
     from .dense import DenseRunner
 
-    llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size)
+    llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
+                     cuda_graphs=args.cuda_graphs)
     dev = llm.device
     DenseRunner(llm, WARMUP_TOKENS + 2).generate(ids[:WARMUP_TOKENS], args.chunk_size, 2)  # compile, warm up
     runner = DenseRunner(llm, len(ids) + args.decode_steps + 1)
@@ -196,7 +197,7 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     try:
         llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, kv_offload=args.kv_offload,
                          kv_cache_tokens=length + args.decode_steps + args.profile_steps + 8,
-                         chunk_size=args.chunk_size, kernels=args.kernels)
+                         chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs)
     except (torch.OutOfMemoryError, HostMemoryError) as e:
         where = "on the GPU" if isinstance(e, torch.OutOfMemoryError) else "in host memory"
         for policy in policies:
@@ -206,9 +207,10 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
           f"{time.perf_counter() - start:.1f} s", flush=True)
     ids = text_prompt(length, config["vocab_size"])
     for policy in policies:
-        llm.set_attention(policy)
+        name, settings = policy_spec(policy)
+        llm.set_attention(name, **settings)
         row = {"length": length, "policy": policy}
-        if policy == "full" and args.kv_offload == "values" and full_offload_bytes(llm, length) > FULL_OFFLOAD_BYTES:
+        if name == "full" and args.kv_offload == "values" and full_offload_bytes(llm, length) > FULL_OFFLOAD_BYTES:
             row["error"] = f"skipped: would copy {full_offload_bytes(llm, length) / 1e9:,.0f} GB of values from host"
         else:
             try:
@@ -223,6 +225,22 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def policy_spec(text: str) -> tuple[str, dict]:
+    """``tokenselect:theta=-1;k=4096`` -> ("tokenselect", {"theta": -1, "k": 4096}): a policy with its own
+    settings, so that one run can put several settings of a policy side by side."""
+    name, _, rest = text.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(";")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"policy setting {item!r} in {text!r} is not KEY=VALUE")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key.strip()] = value.strip()
+    return name, settings
 
 
 def table(rows: list[dict]) -> str:
@@ -271,9 +289,10 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     """Write the table (.md), the rows (.json), the plot (.png) and any profiles (_profile.txt) of the
     rows so far; returns the table."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
     report = (f"# End-to-end: {args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, "
-              f"KV offload {args.kv_offload}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
-              f"on {device}\n\n{table(rows)}\n")
+              f"KV offload {args.kv_offload}, chunk {args.chunk_size}, {args.decode_steps} decode steps "
+              f"({'CUDA graphs' if graphs else 'eager'}), on {device}\n\n{table(rows)}\n")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"e2e_{args.tag}" if args.tag else "e2e"
@@ -294,7 +313,12 @@ def run(args: argparse.Namespace) -> int:
     config = CONFIGS[args.config] if args.config in CONFIGS else json.loads(Path(args.config).read_text())
     if args.layers:
         config = {**config, "num_hidden_layers": args.layers}
+    from ..policies import POLICIES
+
     policies = args.policies.split(",")
+    for policy in policies:
+        if policy != "dense" and policy_spec(policy)[0] not in POLICIES:
+            raise SystemExit(f"unknown policy {policy!r}: use dense or one of {', '.join(POLICIES)}")
     rows = []
     for length in [parse_length(x) for x in args.lengths.split(",")]:
         for row in run_length(config, length, policies, args):
@@ -314,7 +338,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
     p.add_argument("--policies", default="dense,full,streaming,infllm,tokenselect",
                    help="dense (flash SDPA over a contiguous rotated cache: the baseline of the ratios) "
-                        "and engine policies (default: dense,full,streaming,infllm,tokenselect)")
+                        "and engine policies, each optionally NAME:KEY=VALUE;... with its own settings, e.g. "
+                        "tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's speed) "
+                        "(default: dense,full,streaming,infllm,tokenselect)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
@@ -323,6 +349,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N prefill chunks and N extra decode steps (writes <stem>_profile.txt)")
     p.add_argument("--kernels", choices=["triton", "torch"])
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode through CUDA graphs captured around attention, dense included (default: on with CUDA)")
     p.add_argument("--device", default=None)
     p.add_argument("--output", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix for the output files")

@@ -49,15 +49,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [n, hidden] -> un-rotated q: [n, n_heads, head_dim], k, v: [n, n_kv_heads, head_dim]."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = ctx.attention(self.layer, q, k, v)
-        return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """out: [n, n_heads, head_dim] (the attention's result) -> [n, hidden]."""
+        return self.o_proj(out.reshape(out.shape[0], self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -80,7 +84,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        q, k, v = self.attention_inputs(x)
+        return self.finish(x, ctx.attention(self.self_attn.layer, q, k, v))
+
+    # A layer is split around its attention call so that decode can run everything between two
+    # attention calls as one CUDA graph (``decode_graphs.py``).
+    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [n, hidden] -> the un-rotated q, k, v this layer's attention takes."""
+        return self.self_attn.qkv(self.input_layernorm(x))
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x: [n, hidden], out: [n, n_heads, head_dim] (attention's result) -> the layer's output [n, hidden]."""
+        x = x + self.self_attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,7 +122,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
-        x = self.model.norm(x)
-        if logit_rows is not None:
-            x = x[logit_rows]
-        return self.lm_head(x).float()
+        return self.logits(x if logit_rows is None else x[logit_rows])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, hidden], the last layer's output -> logits [n, vocab] (fp32)."""
+        return self.lm_head(self.model.norm(x)).float()

@@ -92,12 +92,14 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-offload", choices=["none", "values"],
                    help="values: keep the V pool in pinned host memory and only K on the GPU, which roughly "
                         "doubles the tokens that fit; attention copies in the values it attends (default none)")
+    e.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="run decode steps as CUDA graphs captured around attention (default: on with CUDA)")
 
 
 POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions",
                 "block_size", "repr_keys", "page_size")
 ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype",
-                "kv_offload")
+                "kv_offload", "cuda_graphs")
 
 
 def load_config_file(path: Path) -> dict:

@@ -1,0 +1,118 @@
+"""Decode steps as CUDA graphs, captured piecewise around attention.
+
+A decode step of a few sequences does little work per kernel, so at long contexts with sparse
+attention its time is set by the host launching a few dozen small kernels per layer. Everything
+between two attention calls (the previous layer's output projection and MLP, this layer's norm and
+q/k/v projections) depends only on the batch size, so it is captured once per batch-size bucket as
+one CUDA graph. Attention runs eagerly between the graphs: what it attends (the policy's plan, the
+Selection Cache's decision) changes from step to step.
+
+For a model of L layers the pieces are:
+    piece 0:          ids -> x, q, k, v of layer 0         (embedding, layer 0's norm and projections)
+    piece i, 0<i<L:   x, out -> x, q, k, v of layer i      (layer i-1's o_proj and MLP, then layer i's)
+    piece L:          x, out -> logits                     (last layer's o_proj and MLP, norm, lm_head)
+where ``out`` is the previous attention's result, copied into a static buffer. A batch of n
+sequences runs in the smallest bucket >= n; the padding rows compute on token 0 and are never
+attended or read. Without CUDA (or with ``capture=False``) the same pieces run eagerly over the same
+buffers, which is how the tests exercise the plumbing on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .models.llama import AttentionContext, CausalLM
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraphs:
+    """``run(ids, ctx)``: the model over one token per sequence, through the pieces above."""
+
+    def __init__(self, model: CausalLM, device: torch.device, capture: bool | None = None):
+        """capture: record CUDA graphs (default: when ``device`` is a GPU)."""
+        self.model, self.device = model, device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket(n: int) -> int | None:
+        """The bucket a batch of ``n`` decode tokens runs in; None if larger than the largest."""
+        return next((b for b in BUCKETS if b >= n), None)
+
+    def run(self, ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """ids: [n] (one token per sequence, n <= BUCKETS[-1]) -> logits [n, vocab] (fp32, a new tensor).
+        ``ctx.attention(layer, q, k, v)`` gets the n real rows."""
+        n = ids.numel()
+        size = self.bucket(n)
+        if size is None:
+            raise ValueError(f"{n} decode tokens exceed the largest CUDA-graph bucket ({BUCKETS[-1]})")
+        bucket = self._buckets.get(size) or self._build(size)
+        bucket.ids[:n].copy_(ids)
+        bucket.ids[n:].zero_()
+        for i, layer in enumerate(self.model.model.layers):
+            _, q, k, v = bucket.play(i)
+            bucket.attn_out[:n].copy_(ctx.attention(layer.self_attn.layer, q[:n], k[:n], v[:n]))
+        return bucket.play(len(self.model.model.layers))[:n].clone()
+
+    def _build(self, size: int) -> "_Bucket":
+        cfg, p = self.model.config, next(self.model.parameters())
+        ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+        attn_out = torch.zeros(size, cfg.n_heads, cfg.head_dim, dtype=p.dtype, device=self.device)
+        layers, model = self.model.model.layers, self.model
+
+        def first(_):
+            x = model.model.embed_tokens(ids)
+            return (x, *layers[0].attention_inputs(x))
+
+        def between(i: int) -> Callable:
+            def piece(prev):
+                x = layers[i - 1].finish(prev[0], attn_out)
+                return (x, *layers[i].attention_inputs(x))
+            return piece
+
+        def last(prev):
+            return model.logits(layers[-1].finish(prev[0], attn_out))
+
+        pieces = [first] + [between(i) for i in range(1, len(layers))] + [last]
+        bucket = _Bucket(ids, attn_out, pieces)
+        if self.capture:
+            bucket.capture(self.pool)
+        self._buckets[size] = bucket
+        return bucket
+
+
+class _Bucket:
+    """The static buffers and pieces of one batch size; ``play(i)`` runs piece i and returns its outputs."""
+
+    def __init__(self, ids: torch.Tensor, attn_out: torch.Tensor, pieces: list[Callable]):
+        self.ids, self.attn_out, self.pieces = ids, attn_out, pieces
+        self.outputs: list = [None] * len(pieces)
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+
+    def play(self, i: int):
+        if self.graphs is None:
+            self.outputs[i] = self.pieces[i](self.outputs[i - 1] if i else None)
+        else:
+            self.graphs[i].replay()
+        return self.outputs[i]
+
+    def capture(self, pool) -> None:
+        """Run every piece once on a side stream (lazy initialisation, cuBLAS workspaces), then record
+        each into its own graph; the outputs recorded are the static tensors each replay rewrites."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for i in range(len(self.pieces)):
+                self.play(i)
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = []
+        for i, piece in enumerate(self.pieces):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[i] = piece(self.outputs[i - 1] if i else None)
+            graphs.append(graph)
+        self.graphs = graphs
