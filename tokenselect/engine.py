@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 
 from .attention import BatchAttention, Chunk, RopeFrequencies
 from .config import ModelConfig
-from .decode_graphs import DecodeGraphs
 from .errors import ContextTooLong
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
@@ -25,6 +24,7 @@ from .policies import AttentionPolicy, default_chunk, make_policy
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
+from .step_graphs import StepGraphs
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
@@ -44,8 +44,8 @@ class LLM:
                  device: str | None = None, **settings):
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling,
-        cuda_graphs (decode steps through ``DecodeGraphs``; default on CUDA; on a CPU its pieces run
-        eagerly) (engine) and the policy's own settings."""
+        cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``; default on
+        CUDA; on a CPU its pieces run eagerly) (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
 
@@ -98,7 +98,7 @@ class LLM:
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self.decode_graphs = DecodeGraphs(self.model, self.device) if cuda_graphs else None
+        self.graphs = StepGraphs(self.model, self.device, self.chunk_size) if cuda_graphs else None
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -196,11 +196,12 @@ class LLM:
                   else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                   for ch in chunks]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        if self._graphed(chunks):
-            logits = self.decode_graphs.run(input_ids, ctx).split(1)  # one token, and its logits, per sequence
+        logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
+        if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
+            logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
         else:
-            logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
-            logits = self.model(input_ids, ctx, logit_rows).split([len(w) for w in wanted])
+            logits = self.model(input_ids, ctx, logit_rows)
+        logits = logits.split([len(w) for w in wanted])
         stepped = []
         for ch, row_logits in zip(chunks, logits):
             seq = ch.seq
@@ -211,12 +212,6 @@ class LLM:
                 self._append(seq, sample(row_logits[-1], seq.params, seq.generator))
                 stepped.append(seq)
         return stepped
-
-    def _graphed(self, chunks: list[Chunk]) -> bool:
-        """Whether this step runs through the decode graphs: every chunk one decode token, batch within
-        the largest bucket."""
-        return (self.decode_graphs is not None and self.decode_graphs.bucket(len(chunks)) is not None
-                and all(ch.decode and ch.length == 1 for ch in chunks))
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)

@@ -3,7 +3,7 @@
 Keys are rotated once, when they are cached; each layer's cache is one contiguous tensor
 ``[n_kv_heads, max_tokens, head_dim]``; attention is PyTorch SDPA (the flash backend on CUDA) with a
 bottom-right causal mask for a prefill chunk. The same model object and weights as the engine run
-underneath, and decode steps go through the same CUDA graphs (``decode_graphs.py``): only the
+underneath, through the same CUDA graphs (``step_graphs.py``): only the
 attention context differs, so the benchmark's dense-vs-policy ratios measure attention and
 selection, nothing else. One sequence at a time.
 """
@@ -30,8 +30,11 @@ class DenseRunner:
         self.k = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.v = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
-        self.graphs = llm.decode_graphs  # decode through the engine's CUDA graphs, as the policies do
-        self.backend = SDPBackend.FLASH_ATTENTION if llm.device.type == "cuda" else SDPBackend.MATH
+        self.graphs = llm.graphs  # the engine's CUDA graphs, as the policies run them
+        # flash wherever it applies (bf16, fp16: what the benchmark runs); other dtypes on a GPU (fp32, in
+        # the tests) fall back to the next kernel that takes them
+        self.backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+                         if llm.device.type == "cuda" else [SDPBackend.MATH])
         self.length = 0  # tokens cached
         self._positions = None
 
@@ -43,7 +46,7 @@ class DenseRunner:
         self.k[layer, :, t:t + c] = rotate(k, self._positions, inv_freq, scale).transpose(0, 1)
         self.v[layer, :, t:t + c] = v.transpose(0, 1)
         mask = causal_lower_right(c, t + c) if c > 1 else None
-        with sdpa_kernel(self.backend):
+        with sdpa_kernel(self.backends):
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[layer, :, :t + c][None],
                                                  self.v[layer, :, :t + c][None], attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)
@@ -53,8 +56,8 @@ class DenseRunner:
         """Run the next tokens ``ids: [c]`` -> logits of the last one, ``[vocab]`` (fp32)."""
         c = ids.numel()
         self._positions = torch.arange(self.length, self.length + c, device=self.device)
-        if c == 1 and self.graphs is not None:
-            logits = self.graphs.run(ids, self)[0]
+        if self.graphs is not None and self.graphs.bucket(c) is not None:
+            logits = self.model.logits(self.graphs.run(ids, self)[c - 1:])[0]
         else:
             logits = self.model(ids, self, torch.tensor([c - 1], device=self.device))[0]
         self.length += c

@@ -291,8 +291,8 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
     report = (f"# End-to-end: {args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, "
-              f"KV offload {args.kv_offload}, chunk {args.chunk_size}, {args.decode_steps} decode steps "
-              f"({'CUDA graphs' if graphs else 'eager'}), on {device}\n\n{table(rows)}\n")
+              f"KV offload {args.kv_offload}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
+              f"{'CUDA graphs' if graphs else 'eager'}, on {device}\n\n{table(rows)}\n")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"e2e_{args.tag}" if args.tag else "e2e"
@@ -350,7 +350,7 @@ def add_parser(subparsers) -> None:
                    help="profile the last N prefill chunks and N extra decode steps (writes <stem>_profile.txt)")
     p.add_argument("--kernels", choices=["triton", "torch"])
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode through CUDA graphs captured around attention, dense included (default: on with CUDA)")
+                   help="run steps through CUDA graphs captured around attention, dense included (default: on with CUDA)")
     p.add_argument("--device", default=None)
     p.add_argument("--output", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix for the output files")

@@ -1,6 +1,6 @@
-"""Decode through ``DecodeGraphs`` (the model split into pieces around attention, batches padded to a
-bucket) computes what the plain forward computes. On a CPU the pieces run eagerly; the GPU run
-(benchmarks/results) records them as CUDA graphs and checks the same equalities."""
+"""Steps through ``StepGraphs`` (the model split into pieces around attention, steps padded to a
+captured size) compute what the plain forward computes. On a CPU the pieces run eagerly; on a GPU the
+same tests record them as CUDA graphs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.bench.dense import DenseRunner
-from tokenselect.decode_graphs import BUCKETS, DecodeGraphs
+from tokenselect.step_graphs import DECODE_BUCKETS, StepGraphs
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -28,7 +28,7 @@ class Recorder:
         return v.repeat_interleave(self.group, dim=1)
 
 
-@pytest.mark.parametrize("n", [1, 3, 5])
+@pytest.mark.parametrize("n", [1, 3, 5, 40])
 def test_pieces_equal_the_forward_and_attention_sees_only_real_rows(tiny_llama, n):
     llm = LLM(tiny_llama, "full", dtype="float32", cuda_graphs=False)
     cfg = llm.config
@@ -36,21 +36,23 @@ def test_pieces_equal_the_forward_and_attention_sees_only_real_rows(tiny_llama, 
     tokens = torch.tensor(ids(n, n), device=llm.device)
     want = llm.model(tokens, Recorder(group))
     ctx = Recorder(group)
-    got = DecodeGraphs(llm.model, llm.device).run(tokens, ctx)
+    got = llm.model.logits(StepGraphs(llm.model, llm.device, chunk_size=48).run(tokens, ctx))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # a padded batch may round apart
     assert ctx.rows == [(layer, n) for layer in range(cfg.n_layers)]
 
 
-def test_bucket_is_the_smallest_that_holds_the_batch():
-    assert [DecodeGraphs.bucket(n) for n in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64]
-    assert DecodeGraphs.bucket(BUCKETS[-1] + 1) is None
+def test_a_step_runs_in_the_smallest_captured_size_that_holds_it(tiny_llama):
+    graphs = StepGraphs(LLM(tiny_llama, "full").model, torch.device("cpu"), chunk_size=512)
+    assert [graphs.bucket(n) for n in (1, 2, 3, 5, 64, 65, 512)] == [1, 2, 4, 8, 64, 512, 512]
+    assert graphs.bucket(513) is None
+    assert StepGraphs(graphs.model, torch.device("cpu")).bucket(DECODE_BUCKETS[-1] + 1) is None
 
 
 @pytest.mark.parametrize("attention", ["full", "tokenselect"])
-def test_engine_decodes_the_same_through_the_graph_pieces(tiny_llama, batch_invariant_matmuls, attention):
-    """Three prompts (prefilled one after another, then decoding together: bucket 4, one padding row)
-    give the tokens of the plain path; tokenselect with a small budget selects or reuses (Selection
-    Cache) on every step."""
+def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_invariant_matmuls, attention):
+    """Three prompts (prefilled in chunks of 32, one after another, then decoding together: bucket 4,
+    one padding row) give the tokens of the plain path; tokenselect with a small budget selects or
+    reuses (Selection Cache) on every decode step."""
     settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5} if attention == "tokenselect" else {}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -58,18 +60,28 @@ def test_engine_decodes_the_same_through_the_graph_pieces(tiny_llama, batch_inva
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, **settings)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert 4 in graphed.decode_graphs._buckets
+    assert {4, 32} <= set(graphed.graphs._buckets)
     if attention == "tokenselect":
         assert graphed.stats()["selection_cache_hits"] > 0 and graphed.stats()["selection_cache_misses"] > 0
         assert graphed.stats()["selection_cache_hits"] == plain.stats()["selection_cache_hits"]
 
 
-def test_dense_baseline_decodes_through_the_same_pieces(tiny_llama):
+def test_prompt_logits_through_the_graph_pieces_equal_the_plain_path(tiny_llama):
+    """Every row's logits of a chunked prefill (full chunks of 32 and a ragged last one, padded)."""
+    prompt = ids(150, 6)
+    settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, dtype="float32")  # fp32 on a GPU too
+    plain = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings)
+    graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, **settings)
+    torch.testing.assert_close(graphed.prompt_logits(prompt), plain.prompt_logits(prompt), rtol=1e-4, atol=1e-4)
+    assert 32 in graphed.graphs._buckets
+
+
+def test_dense_baseline_runs_through_the_same_pieces(tiny_llama):
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     prompt = ids(90, 2)
     want = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
     runner = DenseRunner(llm, 120)
-    assert runner.graphs is llm.decode_graphs
+    assert runner.graphs is llm.graphs
     assert runner.generate(prompt, 32, 10) == want
 
 

@@ -1,18 +1,20 @@
-"""Decode steps as CUDA graphs, captured piecewise around attention.
+"""Engine steps as CUDA graphs, captured piecewise around attention.
 
-A decode step of a few sequences does little work per kernel, so at long contexts with sparse
-attention its time is set by the host launching a few dozen small kernels per layer. Everything
-between two attention calls (the previous layer's output projection and MLP, this layer's norm and
-q/k/v projections) depends only on the batch size, so it is captured once per batch-size bucket as
-one CUDA graph. Attention runs eagerly between the graphs: what it attends (the policy's plan, the
-Selection Cache's decision) changes from step to step.
+With sparse attention at long contexts, a step's time is set as much by the host launching a few
+dozen small kernels per layer as by the GPU's work. Everything between two attention calls (the
+previous layer's output projection and MLP, this layer's norm and q/k/v projections) works row by
+row and depends only on the number of rows, so it is captured once per size as one CUDA graph.
+Attention runs eagerly between the graphs: what it attends (the policy's plan, the Selection
+Cache's decision) changes from step to step.
 
 For a model of L layers the pieces are:
     piece 0:          ids -> x, q, k, v of layer 0         (embedding, layer 0's norm and projections)
     piece i, 0<i<L:   x, out -> x, q, k, v of layer i      (layer i-1's o_proj and MLP, then layer i's)
-    piece L:          x, out -> logits                     (last layer's o_proj and MLP, norm, lm_head)
-where ``out`` is the previous attention's result, copied into a static buffer. A batch of n
-sequences runs in the smallest bucket >= n; the padding rows compute on token 0 and are never
+    piece L:          x, out -> x                          (the last layer's o_proj and MLP)
+where ``out`` is the previous attention's result, copied into a static buffer. The final norm and
+the vocabulary projection run eagerly on the rows that need logits. A step of n tokens (decode tokens
+of several sequences, a prefill chunk, or both) runs in the smallest size >= n: the decode buckets
+1, 2, 4, ..., 64 and the prefill chunk size. The padding rows compute on token 0 and are never
 attended or read. Without CUDA (or with ``capture=False``) the same pieces run eagerly over the same
 buffers, which is how the tests exercise the plumbing on a CPU.
 """
@@ -25,47 +27,48 @@ import torch
 
 from .models.llama import AttentionContext, CausalLM
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-class DecodeGraphs:
-    """``run(ids, ctx)``: the model over one token per sequence, through the pieces above."""
+class StepGraphs:
+    """``run(ids, ctx)``: the model's layers over a step's tokens, through the pieces above."""
 
-    def __init__(self, model: CausalLM, device: torch.device, capture: bool | None = None):
-        """capture: record CUDA graphs (default: when ``device`` is a GPU)."""
+    def __init__(self, model: CausalLM, device: torch.device, chunk_size: int = 0, capture: bool | None = None):
+        """chunk_size: the prefill chunk, captured as a size of its own; capture: record CUDA graphs
+        (default: when ``device`` is a GPU)."""
         self.model, self.device = model, device
+        self.sizes = tuple(sorted(set(DECODE_BUCKETS) | ({chunk_size} if chunk_size else set())))
         self.capture = device.type == "cuda" if capture is None else capture
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._buckets: dict[int, _Bucket] = {}
 
-    @staticmethod
-    def bucket(n: int) -> int | None:
-        """The bucket a batch of ``n`` decode tokens runs in; None if larger than the largest."""
-        return next((b for b in BUCKETS if b >= n), None)
+    def bucket(self, n: int) -> int | None:
+        """The size a step of ``n`` tokens runs in; None if larger than the largest."""
+        return next((size for size in self.sizes if size >= n), None)
 
     def run(self, ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """ids: [n] (one token per sequence, n <= BUCKETS[-1]) -> logits [n, vocab] (fp32, a new tensor).
-        ``ctx.attention(layer, q, k, v)`` gets the n real rows."""
+        """ids: [n] -> the last layer's output [n, hidden] (a view of a static buffer, valid until the next
+        run of this size). ``ctx.attention(layer, q, k, v)`` gets the n real rows."""
         n = ids.numel()
         size = self.bucket(n)
         if size is None:
-            raise ValueError(f"{n} decode tokens exceed the largest CUDA-graph bucket ({BUCKETS[-1]})")
+            raise ValueError(f"a step of {n} tokens exceeds the largest captured size ({self.sizes[-1]})")
         bucket = self._buckets.get(size) or self._build(size)
         bucket.ids[:n].copy_(ids)
         bucket.ids[n:].zero_()
         for i, layer in enumerate(self.model.model.layers):
             _, q, k, v = bucket.play(i)
             bucket.attn_out[:n].copy_(ctx.attention(layer.self_attn.layer, q[:n], k[:n], v[:n]))
-        return bucket.play(len(self.model.model.layers))[:n].clone()
+        return bucket.play(len(self.model.model.layers))[:n]
 
     def _build(self, size: int) -> "_Bucket":
         cfg, p = self.model.config, next(self.model.parameters())
         ids = torch.zeros(size, dtype=torch.int64, device=self.device)
         attn_out = torch.zeros(size, cfg.n_heads, cfg.head_dim, dtype=p.dtype, device=self.device)
-        layers, model = self.model.model.layers, self.model
+        layers, embed = self.model.model.layers, self.model.model.embed_tokens
 
         def first(_):
-            x = model.model.embed_tokens(ids)
+            x = embed(ids)
             return (x, *layers[0].attention_inputs(x))
 
         def between(i: int) -> Callable:
@@ -75,10 +78,9 @@ class DecodeGraphs:
             return piece
 
         def last(prev):
-            return model.logits(layers[-1].finish(prev[0], attn_out))
+            return layers[-1].finish(prev[0], attn_out)
 
-        pieces = [first] + [between(i) for i in range(1, len(layers))] + [last]
-        bucket = _Bucket(ids, attn_out, pieces)
+        bucket = _Bucket(ids, attn_out, [first] + [between(i) for i in range(1, len(layers))] + [last])
         if self.capture:
             bucket.capture(self.pool)
         self._buckets[size] = bucket
@@ -86,7 +88,7 @@ class DecodeGraphs:
 
 
 class _Bucket:
-    """The static buffers and pieces of one batch size; ``play(i)`` runs piece i and returns its outputs."""
+    """The static buffers and pieces of one size; ``play(i)`` runs piece i and returns its outputs."""
 
     def __init__(self, ids: torch.Tensor, attn_out: torch.Tensor, pieces: list[Callable]):
         self.ids, self.attn_out, self.pieces = ids, attn_out, pieces
