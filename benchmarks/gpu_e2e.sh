@@ -17,7 +17,7 @@ case "$part" in
           --policies dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1 ;;
   512k) "${e2e[@]}" --lengths 512k --tag 512k_h100 --kv-dtype fp8 \
           --policies streaming,tokenselect,tokenselect:theta=-1 ;;
-  1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" \
+  1m) "${e2e[@]}" --lengths 1m --tag 1m_graphs_h100 "${offload[@]}" \
           --policies tokenselect:theta=-1,tokenselect,streaming ;;
   1m-infllm) "${e2e[@]}" --lengths 1m --tag 1m_infllm_h100 "${offload[@]}" --policies infllm ;;
   *) echo "unknown part $part: 128k, 512k, 1m or 1m-infllm" >&2; exit 2 ;;
