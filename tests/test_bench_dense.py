@@ -66,3 +66,17 @@ def test_policy_specs_carry_their_own_settings():
         "tokenselect", {"theta": -1, "k": 4096, "selector": "topk"})
     with pytest.raises(ValueError, match="KEY=VALUE"):
         policy_spec("tokenselect:theta")
+
+
+def test_bench_e2e_refuses_an_unknown_policy(tmp_path):
+    import argparse
+
+    from tokenselect.bench import e2e
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "1k", "--policies", "dense,tokenselekt:k=8",
+                              "--device", "cpu", "--output", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown policy 'tokenselekt:k=8'"):
+        args.func(args)
+    assert not list(tmp_path.iterdir())  # refused before measuring anything
