@@ -210,8 +210,9 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
         row = {"length": length, "policy": policy}
-        if name == "full" and args.kv_offload == "values" and full_offload_bytes(llm, length) > FULL_OFFLOAD_BYTES:
-            row["error"] = f"skipped: would copy {full_offload_bytes(llm, length) / 1e9:,.0f} GB of values from host"
+        copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
+        if copies > FULL_OFFLOAD_BYTES:
+            row["error"] = f"skipped: would copy {copies / 1e9:,.0f} GB of values from host"
         else:
             try:
                 warm_up(llm, ids)

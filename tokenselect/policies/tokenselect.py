@@ -59,14 +59,12 @@ class TokenSelect(SelectivePolicy):
     def reuse(self, head: tuple[torch.Tensor, torch.Tensor | None], seq: SeqView, c: int) -> Plan:
         """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the cached
         head's slots [h] (and with "original" its token indices [h]) followed by the current local window."""
-        t, dev = seq.past.numel(), seq.past.device
+        t = seq.past.numel()
         head_slots, head_order = head
         slots = torch.cat([head_slots, seq.past[t - self.n_local:]])
-        if head_order is None:  # "reindex": positions by index in the list
-            n = slots.numel()
-            index = self.indices(n + c, dev)
-            return Plan(slots, index[:n], index[n:])
-        order = torch.cat([head_order, self.indices(t, dev)[t - self.n_local:]])
+        # "reindex" places by index in the list, for which ``place`` reads only the list's length
+        order = slots if head_order is None else torch.cat([head_order,
+                                                            self.indices(t, slots.device)[t - self.n_local:]])
         positions, q_positions = self.place(order, t, c)
         return Plan(slots, positions, q_positions)
 
