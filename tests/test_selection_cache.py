@@ -16,27 +16,48 @@ from tokenselect.policies.tokenselect import TokenSelect
 TORCH = get_kernels("torch")
 
 
-def test_similarity_is_the_cosine():
+CPU = torch.device("cpu")
+
+
+def test_a_hit_is_a_cosine_at_or_above_theta():
     gen = torch.Generator().manual_seed(0)
-    cache = SelectionCache(theta=0.5)
     cached = torch.randn(4, 16, generator=gen)
-    cache.store(0, 0, cached, "selection")
-    entry = cache._entries[(0, 0)]
     for q in (torch.randn(4, 16, generator=gen), cached + 0.01 * torch.randn(4, 16, generator=gen), -cached,
-              torch.zeros(4, 16)):
-        want = F.cosine_similarity(q.flatten(), cached.flatten(), dim=0).item()
-        assert cache.similarity(entry, q) == pytest.approx(want, abs=1e-6)
+              3 * cached, torch.zeros(4, 16)):
+        cos = F.cosine_similarity(q.flatten(), cached.flatten(), dim=0).item()
+        for theta, want in ((cos - 1e-4, True), (cos + 1e-4, False)):
+            cache = SelectionCache(theta, n_layers=2, width=1)
+            row = cache.row(0, 64, CPU)
+            cache.store(row, 1, cached, torch.tensor([5]))
+            assert bool(cache.hit(row, 1, q)) is want
+            assert not bool(cache.hit(row, 0, q))  # nothing stored for layer 0
 
 
 def test_lookup_counts_and_returns_the_stored_selection():
-    cache = SelectionCache(theta=0.9)
+    cache = SelectionCache(theta=0.9, n_layers=2, width=3)
     q = torch.randn(2, 8)
     assert cache.lookup(3, 1, q) is None  # nothing stored yet
-    cache.store(3, 1, q, "chosen")
-    assert cache.lookup(3, 1, 2 * q) == "chosen"  # the cosine ignores the norm
+    cache.store(cache.row(3, 16, CPU), 1, q, torch.tensor([7, 8, 9]))
+    assert cache.lookup(3, 1, 2 * q).tolist() == [7, 8, 9]  # the cosine ignores the norm
     assert cache.lookup(3, 1, -q) is None
-    assert (cache.hits, cache.misses) == (1, 2)
-    assert SelectionCache(theta=None).lookup(3, 1, q) is None
+    assert cache.counts() == (1, 2)
+    assert SelectionCache(None, 2, 3).lookup(3, 1, q) is None
+
+
+def test_rows_are_reused_and_start_empty_and_device_decisions_are_counted():
+    cache = SelectionCache(theta=0.5, n_layers=1, width=2)
+    q = torch.randn(2, 8)
+    rows = [cache.row(i, 16, CPU) for i in range(6)]  # past the first allocation: the arrays grow
+    assert rows == list(range(6)) and cache.row(4, 16, CPU) == 4
+    cache.store(rows[2], 0, q, torch.tensor([1, 2]))
+    cache.store(rows[5], 0, q, torch.tensor([3, 4]))
+    cache.release(2)
+    assert cache.row(99, 16, CPU) == 2  # the freed row, without the old entry
+    assert cache.lookup(99, 0, q) is None and cache.lookup(5, 0, q).tolist() == [3, 4]
+    assert bool(cache.miss(torch.tensor(5), 0, q)) is False and bool(cache.miss(torch.tensor(5), 0, -q)) is True
+    assert cache.device_counts.tolist() == [1, 1]
+    assert cache.counts() == (2, 2)
+    assert SelectionCache(None, 1, 2).miss(torch.tensor(0), 0, q) is None  # off: always select
 
 
 @pytest.mark.parametrize("positions", ["reindex", "original"])

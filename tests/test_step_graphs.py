@@ -50,9 +50,10 @@ def test_a_step_runs_in_the_smallest_captured_size_that_holds_it(tiny_llama):
 
 @pytest.mark.parametrize("attention", ["full", "tokenselect"])
 def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_invariant_matmuls, attention):
-    """Three prompts (prefilled in chunks of 32, one after another, then decoding together: bucket 4,
-    one padding row) give the tokens of the plain path; tokenselect with a small budget selects or
-    reuses (Selection Cache) on every decode step."""
+    """Three prompts (prefilled in chunks of 32, one after another, then decoding together) give the
+    tokens of the plain path. Full attention decodes in bucket 4 (one padding row); tokenselect with a
+    small budget selects or reuses (Selection Cache) on every decode step, its decode steps captured
+    whole (``DecodeGraphs``, batch 3)."""
     settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5} if attention == "tokenselect" else {}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -60,8 +61,11 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, **settings)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert {4, 32} <= set(graphed.graphs._buckets)
-    if attention == "tokenselect":
+    assert 32 in graphed.graphs._buckets
+    if attention == "full":
+        assert 4 in graphed.graphs._buckets and not graphed.decode_graphs._steps
+    else:
+        assert 3 in [key[0] for key in graphed.decode_graphs._steps]
         assert graphed.stats()["selection_cache_hits"] > 0 and graphed.stats()["selection_cache_misses"] > 0
         assert graphed.stats()["selection_cache_hits"] == plain.stats()["selection_cache_hits"]
 

@@ -24,6 +24,7 @@ from .policies import AttentionPolicy, default_chunk, make_policy
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
+from .decode_graphs import DecodeGraphs
 from .step_graphs import StepGraphs
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
@@ -44,8 +45,9 @@ class LLM:
                  device: str | None = None, **settings):
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling,
-        cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``; default on
-        CUDA; on a CPU its pieces run eagerly) (engine) and the policy's own settings."""
+        cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
+        steps of TokenSelect / StreamingLLM as one graph each, attention included, ``DecodeGraphs``;
+        default on CUDA; on a CPU the same code runs eagerly) (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
 
@@ -99,6 +101,8 @@ class LLM:
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.graphs = StepGraphs(self.model, self.device, self.chunk_size) if cuda_graphs else None
+        self.decode_graphs = (DecodeGraphs(self.model, self.cache, self.kernels, self.rope, self.device)
+                              if cuda_graphs else None)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -110,6 +114,8 @@ class LLM:
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
         self.attention, self.policy_settings = attention, policy_settings
+        if getattr(self, "decode_graphs", None) is not None:
+            self.decode_graphs.clear()
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
         self._policies = {(): self.policy}  # one instance per distinct per-request settings
 
@@ -189,7 +195,8 @@ class LLM:
             ids.extend(seq.token_slice(seq.n_cached, n))
             chunks.append(Chunk(seq, row, n, seq.n_cached))
             row += n
-        ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, torch.cat(new_slots))
+        new_slots = torch.cat(new_slots)
+        ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, new_slots)
         # Rows that need logits: every row of a sequence recording them, else the last row of a
         # sequence that reached the end of its known tokens (it samples next).
         wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
@@ -197,7 +204,9 @@ class LLM:
                   for ch in chunks]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
-        if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
+        if self.decode_graphs is not None and self.decode_graphs.usable(chunks):
+            logits = self.model.logits(self.decode_graphs.run(chunks, ids, new_slots)[logit_rows])
+        elif self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
             logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
         else:
             logits = self.model(input_ids, ctx, logit_rows)

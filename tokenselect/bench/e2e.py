@@ -99,7 +99,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     before = llm.policy.stats()
-    params = SamplingParams(max_tokens=decode_steps + 1 + profile_steps, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_steps + 2 + profile_steps, temperature=0, ignore_eos=True)
     seq = llm.add_request(ids, params)
     sync(dev)
     start = shown = time.perf_counter()
@@ -115,8 +115,10 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         llm.step()
     sync(dev)
     prefill = time.perf_counter() - start
+    llm.step()  # untimed: the first decode step at this length records its CUDA graph (decode_graphs.py)
+    sync(dev)
     start = time.perf_counter()
-    while len(seq.output_ids) <= decode_steps:
+    while len(seq.output_ids) <= decode_steps + 1:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
@@ -152,7 +154,7 @@ def measure_dense(config: dict, ids: list[int], args) -> dict:
                      cuda_graphs=args.cuda_graphs)
     dev = llm.device
     DenseRunner(llm, WARMUP_TOKENS + 2).generate(ids[:WARMUP_TOKENS], args.chunk_size, 2)  # compile, warm up
-    runner = DenseRunner(llm, len(ids) + args.decode_steps + 1)
+    runner = DenseRunner(llm, len(ids) + args.decode_steps + 2)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
@@ -160,6 +162,8 @@ def measure_dense(config: dict, ids: list[int], args) -> dict:
     token = runner.prefill(ids, args.chunk_size).argmax()
     sync(dev)
     prefill = time.perf_counter() - start
+    token = runner.forward(token.reshape(1)).argmax()  # untimed, as the policies' first decode step
+    sync(dev)
     start = time.perf_counter()
     for _ in range(args.decode_steps):
         token = runner.forward(token.reshape(1)).argmax()

@@ -28,7 +28,7 @@ from .topk import topk_ref  # noqa: E402
 @dataclass(frozen=True)
 class Kernels:
     """paged_dot(q [H, d], k_pool [S, H_kv, d], slots [N]) -> [H, N] fp32;
-    head_soft_vote(q, k_pool, slots, scale) -> [N] fp32; topk(scores [N], k) -> indices [min(k, N)];
+    head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32; topk(scores [N], k) -> indices [min(k, N)];
     sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
     rope_scale, sm_scale) -> [c, H, d]."""
 

@@ -20,10 +20,18 @@ import triton.language as tl
 from .paged_dot import paged_dot_ref, scores_with_stats
 
 
-def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """q: [n_heads, head_dim], k_pool: [n_slots, n_kv_heads, head_dim], slots: [N] -> vote [N] fp32."""
+def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
+                       n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [n_heads, head_dim], k_pool: [n_slots, n_kv_heads, head_dim], slots: [N] -> vote [N] fp32.
+
+    n_valid: None, or an int64 tensor [] (>= 1) on q's device: only ``slots[:n_valid]`` are candidates (a
+    slot list of fixed length, as a CUDA graph needs, of which a prefix is live); the rest vote -inf."""
     scores = paged_dot_ref(q, k_pool, slots) * scale
-    return torch.softmax(scores, dim=-1).sum(dim=0)
+    if n_valid is None:
+        return torch.softmax(scores, dim=-1).sum(dim=0)
+    live = torch.arange(slots.numel(), device=q.device) < n_valid
+    vote = torch.softmax(scores.masked_fill(~live, float("-inf")), dim=-1).sum(dim=0)
+    return vote.masked_fill(~live, float("-inf"))
 
 
 @triton.jit
@@ -47,8 +55,10 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_blocks, BLOCK:
 
 
 @triton.jit
-def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, H, N, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pass 2, program = block of tokens: vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]."""
+def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Pass 2, program = block of tokens: vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf
+    for t >= *n_valid_ptr."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
@@ -57,20 +67,24 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, H, N, BLOCK_H: tl.constexpr, 
     m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
     inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
     vote = tl.sum(tl.exp(s - m[:, None]) * inv_l[:, None], axis=0)
+    if MASKED:
+        vote = tl.where(cols < tl.load(n_valid_ptr).to(tl.int32), vote, float("-inf"))
     tl.store(out_ptr + cols, vote, mask=col_ok)
 
 
-def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
+                   n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`head_soft_vote_ref` (same arguments, same result up to rounding)."""
     n_heads, n = q.shape[0], slots.numel()
     out = torch.empty(n, dtype=torch.float32, device=q.device)
     if n == 0:
         return out
-    scores, m, l = scores_with_stats(q, k_pool, slots, scale, stats=True)
+    scores, m, l = scores_with_stats(q, k_pool, slots, scale, stats=True, n_valid=n_valid)
     m_head = torch.empty(n_heads, dtype=torch.float32, device=q.device)
     inv_l = torch.empty_like(m_head)
     _head_totals_kernel[(n_heads,)](m, l, m_head, inv_l, m.shape[1], BLOCK=1024)
     block_h = triton.next_power_of_2(n_heads)
     block_n = max(16, 4096 // block_h)
-    _vote_kernel[(triton.cdiv(n, block_n),)](scores, m_head, inv_l, out, n_heads, n, BLOCK_H=block_h, BLOCK_N=block_n)
+    _vote_kernel[(triton.cdiv(n, block_n),)](scores, m_head, inv_l, out, n_valid, n_heads, n, BLOCK_H=block_h,
+                                             BLOCK_N=block_n, MASKED=n_valid is not None)
     return out

@@ -37,14 +37,20 @@ def dot_fp32(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_kv, n_blocks, scale, stride_slot, stride_kvh,
-                   D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCKS: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr):
+def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
+                   stride_slot, stride_kvh, D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr,
+                   MASKED: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh: for each block b of
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
     m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
-    compiler fetch the next block's keys while this one is scored."""
+    compiler fetch the next block's keys while this one is scored. MASKED: only the first
+    ``*n_valid_ptr`` slots are live; the others are not read and score -inf (m = -inf, l = 0 for a
+    block without live slots)."""
     group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
+    n_live = N
+    if MASKED:
+        n_live = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < G, dims < D
@@ -52,16 +58,18 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_kv, n_
     q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, n_blocks)):
         cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        slots = tl.load(slot_ptr + cols, mask=col_ok, other=0).to(tl.int64)
+        col_ok, live = cols < N, cols < n_live
+        slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
-                    mask=dim_ok[:, None] & col_ok[None, :], other=0.0)
+                    mask=dim_ok[:, None] & live[None, :], other=0.0)
         s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
+        if MASKED:
+            s = tl.where(live[None, :], s, float("-inf"))
         tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
         if STATS:
-            s = tl.where(col_ok[None, :], s, float("-inf"))
+            s = tl.where(live[None, :], s, float("-inf"))
             m = tl.max(s, axis=1)
-            l = tl.sum(tl.exp(s - m[:, None]), axis=1)
+            l = tl.sum(tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
             tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
             tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
 
@@ -73,8 +81,10 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, N, G, n_kv, n_
 SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
 
 
-def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool):
-    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None)."""
+def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
+                      n_valid: torch.Tensor | None = None):
+    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None).
+    n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live (see the kernel)."""
     n_heads, d = q.shape
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
@@ -88,10 +98,10 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     if n == 0:
         return out, m, l
     _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv,)](
-        q.contiguous(), k_pool, slots.contiguous(), out, m, l, n, group, n_kv, n_blocks, float(scale),
+        q.contiguous(), k_pool, slots.contiguous(), out, m, l, n_valid, n, group, n_kv, n_blocks, float(scale),
         k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCKS=blocks,
-        IEEE=ieee, STATS=stats, num_warps=warps, num_stages=stages,
+        IEEE=ieee, STATS=stats, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     return out, m, l
 

@@ -13,6 +13,7 @@ positions is done here once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -48,8 +49,28 @@ class SeqView:
     decode: bool
 
 
+@dataclass
+class GraphSeq:
+    """A decode sequence inside a step captured as one CUDA graph (``decode_graphs.py``): what a policy
+    reads, as device tensors of shapes fixed for the graph's life.
+
+    table: [C] slots of the sequence's tokens 0..C-1; entries from ``length`` on are not the sequence's
+        and must never be attended (they hold some valid slot, so reading them is harmless).
+    length: int64 [], the tokens in the cache before this step.
+    row: int64 [], the sequence's row in the policy's per-sequence state (``graph_row``).
+    when: ``when(pred, fn)`` runs ``fn()`` only where the bool [] tensor ``pred`` is true (a conditional
+        node when captured, a host read when run eagerly); ``pred=None`` runs it always.
+    """
+
+    table: torch.Tensor
+    length: torch.Tensor
+    row: torch.Tensor
+    when: Callable[[torch.Tensor | None, Callable[[], None]], None]
+
+
 class AttentionPolicy:
-    """Base class. Subclasses set ``name`` and implement ``plan``."""
+    """Base class. Subclasses set ``name`` and implement ``plan``; those that can plan a decode step on
+    the device alone (``graph_ready``) also implement ``graph_slots``."""
 
     name = "base"
 
@@ -65,6 +86,27 @@ class AttentionPolicy:
 
     def stats(self) -> dict:
         return {}
+
+    # ---- decode steps captured as CUDA graphs -------------------------------------------------
+
+    def graph_ready(self, t: int) -> bool:
+        """Whether a decode step after ``t`` cached tokens can be planned by ``graph_slots``."""
+        return False
+
+    def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
+        """The context slots [n] (n fixed) a decode query q: [1, n_heads, head_dim] attends, in attention
+        order at positions 0..n-1 (the query at n), as ``plan`` would choose them, computed on the device."""
+        raise NotImplementedError
+
+    def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
+        """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``); query_size:
+        n_heads * head_dim."""
+        return 0
+
+    def graph_state(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors a graph step reads and writes besides the cache: a graph is captured for
+        these very tensors, and a warm-up run restores them."""
+        return ()
 
 
 def contiguous_plan(seq: SeqView, c: int) -> Plan:
@@ -122,6 +164,22 @@ class SelectivePolicy(AttentionPolicy):
         n = order.numel()
         index = self.indices(n + c, order.device)
         return index[:n], index[n:]
+
+    def graph_ready(self, t: int) -> bool:
+        """Subclasses that implement ``graph_head`` can plan a decode step on the device once the cache
+        is past the selection threshold, with positions by index in the list (which then never move)."""
+        return (type(self).graph_head is not SelectivePolicy.graph_head and self.positions == "reindex"
+                and t > self.n_init + self.budget + self.n_local)
+
+    def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
+        """[sinks | chosen | local window]: the head from ``graph_head``, the window gathered at the
+        sequence's current length."""
+        window = seq.table[seq.length - self.n_local + self.indices(self.n_local, q.device)]
+        return torch.cat([self.graph_head(layer, seq, q), window])
+
+    def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
+        """The [sinks | chosen middle tokens] slots [n_init + budget] of a decode step, on the device."""
+        raise NotImplementedError
 
     def indices(self, n: int, device: torch.device) -> torch.Tensor:
         """0, 1, ..., n - 1 (int64) on ``device``: a read-only view of an arange kept per device, so that

@@ -4,65 +4,112 @@ Consecutive decode queries are similar, so a layer may reuse its last selection 
 cos(q, q_cached) >= theta, where q is the layer's un-rotated query flattened over heads.
 A miss recomputes the selection and stores it with the new query.
 
-The check is on the decode step's critical path, so it is one small product and one host read:
-each entry keeps a [2, n] probe whose second row is the cached query scaled to unit length; the new
-query goes into the first row, and probe @ q = (|q|^2, q . q_cached / |q_cached|).
+The entries live on the device, one row per sequence: for every layer the cached query scaled to unit
+length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
+decision is then one small product, which an eager step reads back once (``lookup``) and a decode step
+captured as a CUDA graph keeps on the device (``miss``, which a conditional node branches on, see
+``decode_graphs.py``); both see the same entries, so a sequence may move between the two paths.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 EPS = 1e-8  # as torch.nn.functional.cosine_similarity: a zero vector has cosine 0 with anything
-
-
-@dataclass
-class Entry:
-    probe: torch.Tensor  # [2, n_heads * head_dim] fp32: row 0 scratch for the query, row 1 the unit cached query
-    selection: object  # what the policy reuses on a hit
+FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 
 
 class SelectionCache:
-    def __init__(self, theta: float | None):
-        """theta: similarity threshold; None turns the cache off (every decode step selects)."""
-        self.theta = theta
-        self.hits = 0
-        self.misses = 0
-        self._entries: dict[tuple[int, int], Entry] = {}
+    def __init__(self, theta: float | None, n_layers: int, width: int):
+        """theta: similarity threshold; None turns the cache off (every decode step selects).
+        width: the length of a stored selection."""
+        self.theta, self.n_layers, self.width = theta, n_layers, width
+        self._rows: dict[int, int] = {}  # sequence id -> row
+        self._counts = [0, 0]  # hits, misses of eager lookups
+        self.unit: torch.Tensor | None = None  # [rows, n_layers, n] fp32: the cached queries / |q|
+        self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
+        self.valid: torch.Tensor | None = None  # [rows, n_layers] bool
+        self.device_counts: torch.Tensor | None = None  # [2] int64: hits, misses counted on the device
 
-    def lookup(self, seq_id: int, layer: int, q: torch.Tensor) -> object | None:
-        """q: [n_heads, head_dim] fp32. Returns the cached selection on a hit, None on a miss."""
-        if self.theta is None:
-            return None
-        entry = self._entries.get((seq_id, layer))
-        if entry is not None and self.similarity(entry, q) >= self.theta:
-            self.hits += 1
-            return entry.selection
-        self.misses += 1
-        return None
+    # ---- rows ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def similarity(entry: Entry, q: torch.Tensor) -> float:
-        """cos(q, the entry's query), read back to the host."""
-        probe = entry.probe
-        probe[0].copy_(q.flatten())
-        squared_norm, dot = torch.mv(probe, probe[0]).tolist()
-        return dot / max(math.sqrt(squared_norm), EPS)
+    def row(self, seq_id: int, size: int, device: torch.device) -> int:
+        """The row of ``seq_id``, assigned on first use; size: n_heads * head_dim of a query."""
+        if seq_id in self._rows:
+            return self._rows[seq_id]
+        taken = set(self._rows.values())
+        free = next(r for r in range(len(taken) + 1) if r not in taken)
+        if self.unit is None or free >= self.unit.shape[0]:
+            self._grow(max(FIRST_ROWS, 2 * free), size, device)
+        self.valid[free] = False
+        self._rows[seq_id] = free
+        return free
 
-    def store(self, seq_id: int, layer: int, q: torch.Tensor, selection: object) -> None:
-        """q: [n_heads, head_dim]; selection: what ``lookup`` returns on a later hit."""
-        if self.theta is not None:
-            q = q.flatten().float()
-            probe = torch.stack([q, q / q.norm().clamp_min(EPS)])
-            self._entries[(seq_id, layer)] = Entry(probe, selection)
+    def _grow(self, rows: int, n: int, dev: torch.device) -> None:
+        old = (self.unit, self.selection, self.valid)
+        self.unit = torch.zeros(rows, self.n_layers, n, dtype=torch.float32, device=dev)
+        self.selection = torch.zeros(rows, self.n_layers, self.width, dtype=torch.int64, device=dev)
+        self.valid = torch.zeros(rows, self.n_layers, dtype=torch.bool, device=dev)
+        if old[0] is not None:
+            for new, kept in zip((self.unit, self.selection, self.valid), old):
+                new[:kept.shape[0]] = kept
+        else:
+            self.device_counts = torch.zeros(2, dtype=torch.int64, device=dev)
+            self._true = torch.ones((), dtype=torch.bool, device=dev)
 
     def release(self, seq_id: int) -> None:
-        for key in [key for key in self._entries if key[0] == seq_id]:
-            del self._entries[key]
+        self._rows.pop(seq_id, None)
 
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
+    # ---- the decision -------------------------------------------------------------------------
+
+    def hit(self, row: int | torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """bool []: the entry is set and cos(q, its query) >= theta. q: [n_heads, head_dim] fp32."""
+        q = q.flatten()
+        dot = torch.dot(self.unit[row, layer], q)
+        return self.valid[row, layer] & (dot >= self.theta * torch.linalg.vector_norm(q).clamp_min(EPS))
+
+    def miss(self, row: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+        """On the device, without a host read: bool [], True where the layer must select anew, counted
+        in ``device_counts``. row: int64 []. None when the cache is off (always select)."""
+        if self.theta is None:
+            return None
+        miss = ~self.hit(row, layer, q)
+        self.device_counts += torch.stack([~miss, miss])
+        return miss
+
+    def lookup(self, seq_id: int, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+        """The eager check (one host read). q: [n_heads, head_dim] fp32. Returns the stored selection
+        [width] on a hit, None on a miss."""
+        if self.theta is None:
+            return None
+        row = self.row(seq_id, q.numel(), q.device)
+        if self.hit(row, layer, q).item():
+            self._counts[0] += 1
+            return self.selection[row, layer]
+        self._counts[1] += 1
+        return None
+
+    def store(self, row: int | torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
+        """q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns."""
+        q = q.flatten().float()
+        self.unit[row, layer] = q / torch.linalg.vector_norm(q).clamp_min(EPS)
+        self.selection[row, layer] = selection
+        self.valid[row, layer] = self._true
+
+    # ---- counters -----------------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int]:
+        """(hits, misses) of eager lookups and device decisions together (reads the device's counters)."""
+        hits, misses = self._counts
+        if self.device_counts is not None:
+            device_hits, device_misses = self.device_counts.tolist()
+            hits, misses = hits + device_hits, misses + device_misses
+        return hits, misses
+
+    @property
+    def hits(self) -> int:
+        return self.counts()[0]
+
+    @property
+    def misses(self) -> int:
+        return self.counts()[1]

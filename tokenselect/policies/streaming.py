@@ -14,7 +14,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import SelectivePolicy, SeqView
+from .base import GraphSeq, SelectivePolicy, SeqView
 
 
 class StreamingLLM(SelectivePolicy):
@@ -27,3 +27,6 @@ class StreamingLLM(SelectivePolicy):
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         """The middle is evicted: nothing is chosen from it."""
         return torch.empty(0, dtype=torch.int64, device=middle.device)
+
+    def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
+        return seq.table[:self.n_init]

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import Plan, SelectivePolicy, SeqView, selection_query
+from .base import GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -36,66 +36,103 @@ class TokenSelect(SelectivePolicy):
             raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
         self.k, self.selector = k, selector
         self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
-        self.selection_cache = SelectionCache(theta)
+        # an entry: the [sinks | chosen] head of a miss's plan, its slots (and with "original" positions
+        # its token indices after them)
+        n_head = n_init + k
+        self.selection_cache = SelectionCache(theta, cache.k.shape[0], n_head * (2 if positions == "original" else 1))
 
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
         """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the
-        [sinks | chosen] head of the last miss's plan (its slots and token indices): a hit only appends
-        the current local window."""
+        [sinks | chosen] head of the last miss's plan: a hit only appends the current local window."""
         t, c = seq.past.numel(), q.shape[0]
         if not seq.decode or t <= self.n_init + self.budget + self.n_local:
             return super().plan(layer, seq, q)
+        sc = self.selection_cache
         query = selection_query(q)
-        cached = self.selection_cache.lookup(seq.id, layer, query)
+        cached = sc.lookup(seq.id, layer, query)
         if cached is not None:
             return self.reuse(cached, seq, c)
         chosen = self.choose(query.to(q.dtype), self.cache.k[layer], seq.past[self.n_init:t - self.n_local])
         plan = self.assemble(seq, chosen, c)
-        n_head = self.n_init + chosen.numel()
-        order = plan.positions[:n_head] if self.positions == "original" else None  # "original": token indices
-        self.selection_cache.store(seq.id, layer, query, (plan.slots[:n_head], order))
+        if sc.theta is not None:
+            n_head = self.n_init + self.k
+            head = plan.slots[:n_head] if self.positions == "reindex" else torch.cat([plan.slots[:n_head],
+                                                                                      plan.positions[:n_head]])
+            sc.store(sc.row(seq.id, query.numel(), query.device), layer, query, head)
         return plan
 
-    def reuse(self, head: tuple[torch.Tensor, torch.Tensor | None], seq: SeqView, c: int) -> Plan:
+    def reuse(self, head: torch.Tensor, seq: SeqView, c: int) -> Plan:
         """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the cached
-        head's slots [h] (and with "original" its token indices [h]) followed by the current local window."""
+        head's slots [h] (and with "original" its token indices [h] after them) then the current local window."""
         t = seq.past.numel()
-        head_slots, head_order = head
-        slots = torch.cat([head_slots, seq.past[t - self.n_local:]])
+        n_head = self.n_init + self.k
+        slots = torch.cat([head[:n_head], seq.past[t - self.n_local:]])
         # "reindex" places by index in the list, for which ``place`` reads only the list's length
-        order = slots if head_order is None else torch.cat([head_order,
-                                                            self.indices(t, slots.device)[t - self.n_local:]])
+        order = slots if self.positions == "reindex" else torch.cat([head[n_head:],
+                                                                     self.indices(t, slots.device)[t - self.n_local:]])
         positions, q_positions = self.place(order, t, c)
         return Plan(slots, positions, q_positions)
+
+    def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
+        """The decode plan of ``plan`` on the device: the Selection Cache's decision stays there, and only
+        where it says "miss" (a conditional node in the graph) are the middle's votes, top-k and the new
+        entry computed. The middle is the table's fixed span, of which the first length - n_init - n_local
+        slots are live."""
+        sc = self.selection_cache
+        query = selection_query(q)
+
+        def select():
+            middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
+            live = seq.length - self.n_init - self.n_local
+            chosen = self.choose(query.to(q.dtype), self.cache.k[layer], middle, live)
+            sc.store(seq.row, layer, query, torch.cat([seq.table[:self.n_init], middle[chosen]]))
+
+        seq.when(sc.miss(seq.row, layer, query), select)
+        return sc.selection[seq.row, layer]
+
+    def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
+        return self.selection_cache.row(seq_id, query_size, device)
+
+    def graph_state(self) -> tuple[torch.Tensor, ...]:
+        sc = self.selection_cache
+        return () if sc.unit is None else (sc.unit, sc.selection, sc.valid, sc.device_counts)
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         """A chunk's selection, with its mean query in the queries' dtype (the keys may be stored in another)."""
         return self.choose(selection_query(q).to(q.dtype), self.cache.k[layer], middle)
 
-    def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+    def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
+              live: torch.Tensor | None = None) -> torch.Tensor:
         """query: [n_heads, head_dim] in the dtype the kernels compute in (the model's; never cast to the
-        pool's, which may be fp8), k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32."""
+        pool's, which may be fp8), k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32.
+        live: None, or int64 []: only middle[:live] are candidates, the others vote -inf."""
         kern = self.kernels
         if self.selector == "soft_vote":
-            return kern.head_soft_vote(query, k_pool, middle, self.scale)
+            return kern.head_soft_vote(query, k_pool, middle, self.scale, live)
         scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
+        dead = None if live is None else self.indices(middle.numel(), middle.device) >= live
+        if dead is not None:
+            scores = scores.masked_fill(dead, float("-inf"))
         if self.selector == "topk":
-            return scores.sum(dim=0)
-        per_head = torch.topk(scores, min(self.k, scores.shape[1]), dim=1).indices  # [H, k]
-        return torch.zeros(scores.shape[1], device=scores.device).scatter_add_(
-            0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
+            vote = scores.sum(dim=0)
+        else:
+            per_head = torch.topk(scores, min(self.k, scores.shape[1]), dim=1).indices  # [H, k]
+            vote = torch.zeros(scores.shape[1], device=scores.device).scatter_add_(
+                0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
+        return vote if dead is None else vote.masked_fill(dead, float("-inf"))
 
-    def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote."""
-        return self.kernels.topk(self.votes(query, k_pool, middle), self.k).sort().values
+    def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
+               live: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live])."""
+        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k).sort().values
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
 
     def stats(self) -> dict:
-        sc = self.selection_cache
-        return {"selection_cache_hits": sc.hits, "selection_cache_misses": sc.misses,
-                "selection_cache_hit_rate": sc.hit_rate()}
+        hits, misses = self.selection_cache.counts()
+        return {"selection_cache_hits": hits, "selection_cache_misses": misses,
+                "selection_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0}
 
 
 def resolve_score_scale(score_scale: str | float, head_dim: int) -> float:

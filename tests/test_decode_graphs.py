@@ -1,0 +1,156 @@
+"""Decode steps captured whole (``DecodeGraphs``): the policy plans on the device from a slot table of
+fixed size, and the Selection Cache's decision is a conditional. On a CPU the step function runs
+eagerly (the conditional is a host read); on a GPU the same tests record and replay CUDA graphs with
+conditional nodes. Either way it must choose what the eager path chooses and generate its tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenselect import LLM, SamplingParams
+from tokenselect import decode_graphs
+from tokenselect.attention import Chunk
+from tokenselect.kernels import get_kernels
+from tokenselect.kv_cache import KVCache
+from tokenselect.policies import SeqView
+from tokenselect.policies.base import GraphSeq
+from tokenselect.policies.streaming import StreamingLLM
+from tokenselect.policies.tokenselect import TokenSelect
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TORCH = get_kernels("torch")
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def eager_when(pred, fn):
+    if pred is None or bool(pred):
+        fn()
+
+
+@pytest.mark.parametrize("selector", ["soft_vote", "topk"])  # hard_vote's integer counts tie: any of the tied may go
+def test_graph_plan_equals_the_eager_plan(selector):
+    """From a table padded with other slots past the sequence's length, graph_slots chooses the eager
+    plan's list (miss, hit after the window moved, miss); the Selection Cache counts the same."""
+    torch.manual_seed(3)
+    t0, n_init, n_local, k = 200, 4, 8, 16
+    cache = KVCache(1, 600, 2, 16, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(t0 + 2)[torch.randperm(t0 + 2)]
+    others = cache.allocate(100)
+    cache.write(0, torch.cat([slots, others]), torch.randn(t0 + 102, 2, 16), torch.randn(t0 + 102, 2, 16))
+    settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
+    eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
+    table = torch.cat([slots, others])  # capacity t0 + 102: everything from the length on is not the sequence's
+    row = torch.tensor(graph.graph_row(5, 4 * 16, torch.device("cpu")))
+    q = torch.randn(1, 4, 16)
+    for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
+        assert graph.graph_ready(t)
+        want = eager.plan(0, SeqView(5, slots[:t], decode=True), query)
+        got = graph.graph_slots(0, GraphSeq(table, torch.tensor(t), row, eager_when), query)
+        assert torch.equal(got, want.slots)
+        assert torch.equal(want.positions, torch.arange(got.numel()))  # the graph's fixed positions
+    assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
+
+
+def test_streaming_graph_plan_equals_the_eager_plan():
+    cache = KVCache(1, 300, 2, 16, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(300)[torch.randperm(300)]
+    policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
+    want = policy.plan(0, SeqView(0, slots[:250], decode=True), torch.randn(1, 4, 16))
+    got = policy.graph_slots(0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), eager_when), torch.randn(1, 4, 16))
+    assert torch.equal(got, want.slots)
+
+
+def test_which_steps_run_as_decode_graphs(tiny_llama):
+    """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
+    llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
+    sizes = {"n_init": 4, "n_local": 16}
+    for policy, settings, works in (("tokenselect", {"k": 16, **sizes}, True), ("streaming", sizes, True),
+                                    ("full", {}, False), ("quest", {}, False)):
+        llm.set_attention(policy, **settings)
+        seqs = [llm.add_request(ids(80, i), SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
+        while any(s.prefilling for s in seqs):
+            llm.step()
+        decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
+        assert llm.decode_graphs.usable(decode) is works, policy
+        assert not llm.decode_graphs.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
+        assert not llm.decode_graphs.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
+        for s in seqs:
+            llm.abort(s)
+    llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16)
+    seq = llm.add_request(ids(80, 9), SamplingParams(max_tokens=3, ignore_eos=True))
+    while seq.prefilling:
+        llm.step()
+    assert not llm.decode_graphs.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
+    llm.abort(seq)
+
+
+@pytest.mark.parametrize("attention,settings", [
+    ("tokenselect", {"theta": 0.5}),
+    ("tokenselect", {"theta": None, "selector": "topk"}),
+    ("tokenselect", {"theta": -1.0}),
+    ("streaming", {}),
+])
+def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_matmuls, monkeypatch, attention, settings):
+    """Requests arriving at different times (so steps alternate between decode graphs and mixed steps
+    with a prefill chunk, and the batch size changes) decode what the plain path decodes, with the same
+    Selection Cache hits and misses. A small GRAIN makes the tables outgrow their capacity mid-run."""
+    monkeypatch.setattr(decode_graphs, "GRAIN", 16)
+    sizes = {"k": 16, "n_init": 4, "n_local": 16} if attention == "tokenselect" else {"n_init": 4, "n_local": 16}
+    engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
+               for graphs in (False, True)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = []
+    for llm in engines:
+        first = [llm.add_request(ids(70, 1), params), llm.add_request(ids(45, 2), params)]
+        for _ in range(8):
+            llm.step()
+        late = llm.add_request(ids(90, 3), params)
+        while not all(s.finished for s in first + [late]):
+            llm.step()
+        outputs.append(([s.output_ids for s in first + [late]], llm.stats()))
+    (want, plain), (got, graphed) = outputs
+    assert got == want
+    assert engines[1].decode_graphs.failure is None  # on a GPU: every recorded graph passed its check
+    steps = engines[1].decode_graphs._steps
+    assert steps and all(capacity % 16 == 0 for _, capacity, _ in steps)
+    if attention == "tokenselect" and settings["theta"] is not None:
+        assert graphed["selection_cache_hits"] == plain["selection_cache_hits"]
+        assert graphed["selection_cache_misses"] == plain["selection_cache_misses"]
+        assert graphed["selection_cache_misses"] > 0
+        assert (graphed["selection_cache_hits"] > 0) is True
+
+
+def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
+    """theta = -1 hits whenever an entry exists: one miss per layer for the whole request, however its
+    decode steps alternate between the graph and the eager path."""
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, theta=-1.0, cuda_graphs=True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seq = llm.add_request(ids(70, 4), params)
+    while seq.prefilling:
+        llm.step()
+    for _ in range(3):  # decode graphs alone
+        llm.step()
+    other = llm.add_request(ids(100, 5), params)  # its prefill chunks make the next steps mixed (eager)
+    while not seq.finished:
+        llm.step()
+    llm.abort(other)
+    assert llm.stats()["selection_cache_misses"] == 2 * 2  # 2 layers; the other request's first decode too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA graphs")
+def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_llama, monkeypatch):
+    """A graph recorded without its selection bodies (a broken conditional) fails its check: a warning,
+    decode graphs off for good, and the tokens of the plain path all the same."""
+    monkeypatch.setattr(decode_graphs, "_conditional", lambda graph: lambda pred, fn: None)
+    settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)
+    graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, **settings)
+    with pytest.warns(UserWarning, match="decode CUDA graphs turned off"):
+        got = graphed.generate([ids(70, 1)], params)
+    assert got[0].token_ids == want[0].token_ids
+    assert graphed.decode_graphs.failure.startswith("the replay") and not graphed.decode_graphs._steps

@@ -1,0 +1,233 @@
+"""Decode steps captured whole as CUDA graphs: selection and sparse attention inside.
+
+``StepGraphs`` leaves attention out of its graphs, because what a step attends changes from step to
+step. For a decode step of a policy that can plan on the device alone (``AttentionPolicy.graph_ready``:
+TokenSelect and StreamingLLM with positions by index in the list) nothing has to leave the GPU: the
+attended list has a fixed length (sinks + k chosen + local window) and fixed positions 0..n-1 whatever
+the context's length; the sequence's slot table goes in as a buffer of fixed size with its length as a
+device scalar; and the Selection Cache's decision becomes a conditional node, so the body that votes
+over the middle, takes the top k and stores the new entry runs only on a miss. A decode step is then
+one graph launch with no host read per layer.
+
+A graph is recorded per (batch size, table capacity, policy). The capacity is the longest sequence's
+length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a larger one replaces it.
+Batches of at most MAX_BATCH decode sequences sharing one policy instance run here; every other step
+(prefill chunks, other policies, value offload, dynamic NTK, a sequence not yet past the selection
+threshold) runs through ``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function
+runs eagerly and a conditional is a host read: that is how the tests exercise the plumbing on a CPU.
+
+Each graph checks itself when recorded: the step it records is also run eagerly (conditionals read on
+the host), and the replay must reproduce that step's output and the policy's state (the Selection
+Cache's entries and counts). If recording fails or the two differ, a warning says why and decode steps
+go back to ``StepGraphs`` for the rest of the engine's life; the step is answered from the eager run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from .policies import AttentionPolicy
+from .policies.base import GraphSeq
+
+MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
+GRAIN = 4096  # slot-table capacities are multiples of this
+
+
+def conditional_nodes() -> bool:
+    """Whether this torch build captures conditional nodes (CUDA >= 12.4)."""
+    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and version >= (12, 4)
+
+
+class DecodeGraphs:
+    """``usable(chunks)`` says whether a step can run here; ``run(...)`` runs it."""
+
+    def __init__(self, model, cache, kernels, rope, device: torch.device, capture: bool | None = None):
+        self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
+        self._arange = torch.arange(0, device=device)
+        self.failure: str | None = None  # why decode graphs were turned off, if they were
+
+    def usable(self, chunks) -> bool:
+        """chunks: the step's ``attention.Chunk``s."""
+        if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none" or self.rope.spec.kind == "dynamic":
+            return False
+        if self.capture and not conditional_nodes():
+            return False
+        policy = chunks[0].seq.policy
+        return all(ch.length == 1 and ch.decode and ch.seq.policy is policy and policy.graph_ready(ch.past)
+                   for ch in chunks)
+
+    def run(self, chunks, ids: list[int], new_slots: torch.Tensor) -> torch.Tensor:
+        """One decode token per chunk: ids [B] (host list), new_slots: [B] their cache slots -> the last
+        layer's output [B, hidden] (a static buffer, valid until the next run)."""
+        policy: AttentionPolicy = chunks[0].seq.policy
+        cfg = self.model.config
+        rows = [policy.graph_row(ch.seq.id, cfg.n_heads * cfg.head_dim, self.device) for ch in chunks]
+        batch, longest = len(chunks), max(ch.past for ch in chunks)
+        capacity = -(-(longest + 1) // GRAIN) * GRAIN
+        key = (batch, capacity, id(policy))
+        step = self._steps.get(key)
+        if step is None or step.state != _pointers(policy.graph_state()):
+            for old in [k for k in self._steps if (k[0], k[2]) == (batch, id(policy))]:
+                del self._steps[old]  # the smaller capacity is outgrown: free its memory
+            step = self._steps[key] = _DecodeStep(self, policy, batch, capacity)
+            step.feed(chunks, ids, rows, new_slots)
+            try:
+                return step.record()
+            except GraphCheckFailed as failed:
+                self.failure = str(failed)
+                self._steps.clear()
+                warnings.warn(f"decode CUDA graphs turned off: {failed}; decode steps run through StepGraphs")
+                return failed.output
+        step.feed(chunks, ids, rows, new_slots)
+        return step.replay()
+
+    def clear(self) -> None:
+        """Drop every recorded graph (their policies are being replaced)."""
+        self._steps.clear()
+
+    def positions(self, n: int) -> torch.Tensor:
+        """0..n-1 (int64) on the device: a view of an arange grown outside any capture (the warm-up)."""
+        if self._arange.numel() < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
+        return self._arange[:n]
+
+
+class GraphCheckFailed(RuntimeError):
+    """A decode graph could not be recorded, or its replay differed from the eager step. ``output``:
+    the step's output from the eager run."""
+
+    def __init__(self, reason: str, output: torch.Tensor):
+        super().__init__(reason)
+        self.output = output
+
+
+def _pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def _restore(tensors, saved) -> None:
+    for t, kept in zip(tensors, saved):
+        t.copy_(kept)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_floating_point():
+        return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    return torch.equal(a, b)
+
+
+class _DecodeStep:
+    """The static inputs, the step function and (when capturing) the graph of one batch size and capacity."""
+
+    def __init__(self, owner: DecodeGraphs, policy: AttentionPolicy, batch: int, capacity: int):
+        dev = owner.device
+        self.owner, self.policy, self.batch = owner, policy, batch
+        self.meta = torch.zeros(3, batch, dtype=torch.int64, device=dev)  # token ids, lengths, state rows
+        self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
+        self.new_slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.state = _pointers(policy.graph_state())
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def feed(self, chunks, ids: list[int], rows: list[int], new_slots: torch.Tensor) -> None:
+        self.meta.copy_(torch.tensor([ids, [ch.past for ch in chunks], rows], dtype=torch.int64))
+        for b, ch in enumerate(chunks):
+            self.table[b, :ch.past].copy_(ch.seq.slots[:ch.past])
+        self.new_slots.copy_(new_slots)
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            self.out = self.forward(_eager_when)
+        else:
+            self.graph.replay()
+        return self.out
+
+    def record(self) -> torch.Tensor:
+        """Run the fed step and return its output; with capture, by recording and replaying the graph,
+        checked against the same step run eagerly. On a side stream the step runs once with every
+        conditional body taken (compiling all its kernels outside the capture), then once as the
+        reference; the policy's state is put back before each run and before the capture (the cache
+        writes repeat the same values). Raises GraphCheckFailed, with the state left as the eager step
+        left it."""
+        if not self.owner.capture:
+            return self.replay()
+        state = self.policy.graph_state()
+        before = [t.clone() for t in state]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(lambda pred, fn: fn())
+            _restore(state, before)
+            want = self.forward(_eager_when).clone()
+        torch.cuda.current_stream().wait_stream(stream)
+        after = [t.clone() for t in state]
+        _restore(state, before)
+        try:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.owner.pool):
+                self.out = self.forward(_conditional(self.graph))
+            self.graph.replay()
+            failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
+            if failure is None and not all(_same(t, kept) for t, kept in zip(state, after)):
+                failure = "the replay left the policy's state (Selection Cache) unlike the eager step"
+        except RuntimeError as err:
+            failure = f"recording failed ({err})"
+        if failure is not None:
+            self.graph = None
+            _restore(state, after)
+            raise GraphCheckFailed(failure, want)
+        return self.out
+
+    def forward(self, when: Callable) -> torch.Tensor:
+        """The model over the batch's tokens -> the last layer's output [B, hidden]."""
+        model = self.owner.model.model
+        x = model.embed_tokens(self.meta[0])
+        for i, layer in enumerate(model.layers):
+            q, k, v = layer.attention_inputs(x)
+            x = layer.finish(x, self.attention(i, q, k, v, when))
+        return x
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, when: Callable) -> torch.Tensor:
+        """q: [B, n_heads, d], k, v: [B, n_kv_heads, d] un-rotated -> [B, n_heads, d]: each sequence attends
+        its policy's list, then its own token, at positions 0..n."""
+        owner, cache = self.owner, self.owner.cache
+        cache.write(layer, self.new_slots, k, v)
+        outs = []
+        for b in range(self.batch):
+            seq = GraphSeq(self.table[b], self.meta[1, b], self.meta[2, b], when)
+            context = self.policy.graph_slots(layer, seq, q[b:b + 1])
+            n = context.numel()
+            positions = owner.positions(n + 1)
+            inv_freq, scale = owner.rope(positions[n:])
+            outs.append(owner.kernels.sparse_attention(
+                q[b:b + 1], cache.k[layer], cache.v[layer], torch.cat([context, self.new_slots[b:b + 1]]),
+                positions, positions[n:], inv_freq, scale))
+        return torch.cat(outs)
+
+
+def _eager_when(pred: torch.Tensor | None, fn: Callable[[], None]) -> None:
+    if pred is None or bool(pred):
+        fn()
+
+
+def _conditional(graph: torch.cuda.CUDAGraph) -> Callable:
+    """``when`` during capture: fn's kernels go into the body of a conditional node on ``pred``."""
+
+    def when(pred: torch.Tensor | None, fn: Callable[[], None]) -> None:
+        if pred is None:
+            fn()
+            return
+        graph.begin_capture_to_if_node(pred)
+        try:
+            fn()
+        finally:
+            graph.end_capture_to_conditional_node()
+
+    return when
