@@ -117,6 +117,20 @@ def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
     assert torch.equal(fp8.select(0, seq, q, middle), bf16.select(0, seq, q, middle))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 80), (3, 5, 16), (0, 64)])  # a decode row, ragged, per head, none
+def test_rms_norm_matches_reference(shape, dtype):
+    from tokenselect.kernels.rms_norm import rms_norm, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(DEVICE, dtype)
+    got, want = rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else
+                                             {"atol": 1e-2, "rtol": 8e-3}))  # bf16: one rounding step
+
+
 def test_paged_dot_reference_is_the_definition():
     gen = torch.Generator().manual_seed(3)
     q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]

@@ -1,0 +1,63 @@
+"""RMS norm of rows (Llama's RMSNorm) as one kernel.
+
+    y = weight * round_to_x_dtype(x / sqrt(mean(x^2) + eps)),   computed in fp32
+
+In PyTorch this is a chain of six small kernels (cast up, square, mean, rsqrt, product, cast back, and
+the weight's product), each a launch, or a node of a CUDA graph. A decode step normalises its rows
+2 * n_layers + 1 times (Qwen3 also every head's q and k), so in a decode step captured as one graph
+(``decode_graphs.py``) those chains are hundreds of nodes. The Triton kernel reads each row once and
+writes it once, rounding where the PyTorch version rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .sparse_attention import INTERPRETED
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim], weight: [dim] -> [..., dim] (Llama's RMSNorm: statistics in fp32, the normalised
+    row rounded to x's dtype before the weight's product)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@triton.jit
+def _rounded(v, dtype: tl.constexpr):
+    """fp32 v rounded to ``dtype`` (to nearest, ties to even), as fp32. Triton 3.6's CPU interpreter
+    casts fp32 to bf16 by truncation, so there the rounding is done on the bits."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
+    """Program = one row of ``dim`` values (BLOCK >= dim)."""
+    row = tl.program_id(0).to(tl.int64) * dim
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    x = tl.load(x_ptr + row + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    h = _rounded(x * rstd, x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = _rounded(h * w, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton version of :func:`rms_norm_ref` (same arguments, same result up to rounding)."""
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(dim)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, dim, float(eps), BLOCK=block,
+                                           num_warps=max(1, min(16, block // 512)))
+    return out.view(x.shape)
