@@ -55,9 +55,9 @@ class DecodeGraphs:
 
     def usable(self, chunks) -> bool:
         """chunks: the step's ``attention.Chunk``s."""
-        if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none" or self.rope.spec.kind == "dynamic":
+        if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none":
             return False
-        if self.capture and not conditional_nodes():
+        if self.rope.spec.kind == "dynamic" or (self.capture and not conditional_nodes()):
             return False
         policy = chunks[0].seq.policy
         return all(ch.length == 1 and ch.decode and ch.seq.policy is policy and policy.graph_ready(ch.past)
