@@ -45,9 +45,11 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
     e2e.add_parser(parser.add_subparsers())
     args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "2k", "--policies", "dense,full,tokenselect,tokenselect:theta=-1",
                               "--decode-steps", "3", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
-                              "--output", str(tmp_path), "--tag", "t"])
+                              "--output", str(tmp_path), "--tag", "t", "--cuda-graphs"])  # on a CPU: run eagerly
     assert args.func(args) == 0
     rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
+    # tokenselect's timed decode steps ran as whole steps (decode_graphs.py), full's through the pieces
+    assert [r.get("whole_graph_steps") for r in rows] == [None, 0, 3, 3]
     assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect", "tokenselect:theta=-1"]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
@@ -56,6 +58,7 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
     dense = rows[0]
     want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
     assert f"| 2K | tokenselect | {rows[2]['prefill_s']:.2f} | {want} |" in table
+    assert "| 3/3 |" in table and "| 0/3 |" in table
 
 
 def test_policy_specs_carry_their_own_settings():

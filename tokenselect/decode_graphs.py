@@ -52,6 +52,7 @@ class DecodeGraphs:
         self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
         self._arange = torch.arange(0, device=device)
         self.failure: str | None = None  # why decode graphs were turned off, if they were
+        self.steps_run = 0  # decode steps that ran here (as one graph each, when capturing)
 
     def usable(self, chunks) -> bool:
         """chunks: the step's ``attention.Chunk``s."""
@@ -73,6 +74,7 @@ class DecodeGraphs:
         capacity = -(-(longest + 1) // GRAIN) * GRAIN
         key = (batch, capacity, id(policy))
         step = self._steps.get(key)
+        self.steps_run += 1
         if step is None or step.state != _pointers(policy.graph_state()):
             for old in [k for k in self._steps if (k[0], k[2]) == (batch, id(policy))]:
                 del self._steps[old]  # the smaller capacity is outgrown: free its memory
@@ -82,6 +84,7 @@ class DecodeGraphs:
                 return step.record()
             except GraphCheckFailed as failed:
                 self.failure = str(failed)
+                self.steps_run -= 1
                 self._steps.clear()
                 warnings.warn(f"decode CUDA graphs turned off: {failed}; decode steps run through StepGraphs")
                 return failed.output

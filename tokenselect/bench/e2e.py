@@ -117,11 +117,14 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     prefill = time.perf_counter() - start
     llm.step()  # untimed: the first decode step at this length records its CUDA graph (decode_graphs.py)
     sync(dev)
+    whole = llm.decode_graphs.steps_run if llm.decode_graphs is not None else None
     start = time.perf_counter()
     while len(seq.output_ids) <= decode_steps + 1:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
+    if whole is not None:
+        whole = llm.decode_graphs.steps_run - whole
     stats = llm.policy.stats()
     if profile_steps:
         profile["decode"] = profiled(llm, lambda: seq.finished)
@@ -131,6 +134,8 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         "prefill_s": prefill,
         "decode_ms": decode * 1e3,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "whole_graph_steps": whole,  # of the timed decode steps, those run as one graph (decode_graphs.py)
+        "decode_steps": decode_steps,
         "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
     }
     return {**row, "profile": profile} if profile else row
@@ -251,19 +256,21 @@ def policy_spec(text: str) -> tuple[str, dict]:
 def table(rows: list[dict]) -> str:
     """Markdown table with speedups against ``dense`` at the same length."""
     dense = {r["length"]: r for r in rows if r["policy"] == "dense" and "error" not in r}
-    lines = ["| tokens | policy | prefill s | prefill x | decode ms/tok | decode x | SC hit rate | peak GB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | policy | prefill s | prefill x | decode ms/tok | decode x | SC hit rate | one-graph decode "
+             "| peak GB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['length'] // 1024}K"
         if "error" in r:
-            lines.append(f"| {n} | {r['policy']} | {r['error']} | | | | | |")
+            lines.append(f"| {n} | {r['policy']} | {r['error']} | | | | | | |")
             continue
         d = dense.get(r["length"])
         px = f"{d['prefill_s'] / r['prefill_s']:.2f}x" if d else "dense n/a"
         dx = f"{d['decode_ms'] / r['decode_ms']:.2f}x" if d else "dense n/a"
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        lines.append(f"| {n} | {r['policy']} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} | {dx} | {hit} | {peak} |")
+        whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
+        lines.append(f"| {n} | {r['policy']} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} | {dx} | {hit} "
+                     f"| {whole} | {peak} |")
     return "\n".join(lines)
 
 
