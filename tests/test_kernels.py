@@ -131,6 +131,19 @@ def test_rms_norm_matches_reference(shape, dtype):
                                              {"atol": 1e-2, "rtol": 8e-3}))  # bf16: one rounding step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 14336), (7, 300), (0, 64)])  # a decode row, ragged, none
+def test_silu_mul_matches_reference(shape, dtype):
+    from tokenselect.kernels.silu_mul import silu_mul, silu_mul_ref
+
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    gate, up = (4 * torch.randn(2, *shape, generator=gen)).to(DEVICE, dtype)
+    got = silu_mul(gate, up)
+    assert got.shape == gate.shape and got.dtype == dtype
+    torch.testing.assert_close(got, silu_mul_ref(gate, up), **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                                               else {"atol": 1e-2, "rtol": 8e-3}))
+
+
 def test_paged_dot_reference_is_the_definition():
     gen = torch.Generator().manual_seed(3)
     q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]

@@ -27,7 +27,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _rounded(v, dtype: tl.constexpr):
+def rounded(v, dtype: tl.constexpr):
     """fp32 v rounded to ``dtype`` (to nearest, ties to even), as fp32. Triton 3.6's CPU interpreter
     casts fp32 to bf16 by truncation, so there the rounding is done on the bits."""
     if INTERPRETED and dtype == tl.bfloat16:
@@ -45,9 +45,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
     ok = cols < dim
     x = tl.load(x_ptr + row + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
-    h = _rounded(x * rstd, x_ptr.dtype.element_ty)
+    h = rounded(x * rstd, x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = _rounded(h * w, out_ptr.dtype.element_ty)
+    y = rounded(h * w, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
