@@ -144,6 +144,28 @@ def test_silu_mul_matches_reference(shape, dtype):
                                                                else {"atol": 1e-2, "rtol": 8e-3}))
 
 
+@pytest.mark.parametrize("n", [64, 1000, 4096])  # query sizes n_heads * head_dim, one ragged
+def test_selection_check_matches_reference(n):
+    from tokenselect.kernels.selection_check import selection_check, selection_check_ref
+
+    gen = torch.Generator().manual_seed(n)
+    rows, layers = 5, 3
+    unit = torch.nn.functional.normalize(torch.randn(rows, layers, n, generator=gen), dim=-1).to(DEVICE)
+    valid = (torch.rand(rows, layers, generator=gen) < 0.7).to(DEVICE)
+    counts = {name: torch.zeros(2, dtype=torch.int64, device=DEVICE) for name in ("triton", "torch")}
+    for trial in range(12):
+        row, layer = trial % rows, trial % layers
+        cached = unit[row, layer].cpu()
+        q = (cached * torch.randn(1, generator=gen) + 0.7 * torch.randn(n, generator=gen) / n ** 0.5).to(DEVICE)
+        theta = float(torch.empty(1).uniform_(-0.5, 0.95, generator=gen))
+        row_t = torch.tensor(row, device=DEVICE)
+        got = selection_check(q, unit, valid, row_t, layer, theta, counts["triton"])
+        want = selection_check_ref(q, unit, valid, row_t, layer, theta, counts["torch"])
+        assert got.shape == () and got.dtype == torch.bool and bool(got) == bool(want)
+    assert torch.equal(counts["triton"], counts["torch"]) and counts["torch"].sum() == 12
+    assert 0 < counts["torch"][0] < 12  # both outcomes were exercised
+
+
 def test_paged_dot_reference_is_the_definition():
     gen = torch.Generator().manual_seed(3)
     q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]

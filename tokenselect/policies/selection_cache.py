@@ -6,16 +6,18 @@ A miss recomputes the selection and stores it with the new query.
 
 The entries live on the device, one row per sequence: for every layer the cached query scaled to unit
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
-decision is then one small product, which an eager step reads back once (``lookup``) and a decode step
-captured as a CUDA graph keeps on the device (``miss``, which a conditional node branches on, see
-``decode_graphs.py``); both see the same entries, so a sequence may move between the two paths.
+decision (``miss``: one kernel on a GPU, ``kernels/selection_check.py``) stays on the device and counts
+hits and misses there; an eager step reads it back once (``lookup``), a decode step captured as a CUDA
+graph branches on it with a conditional node (``decode_graphs.py``). Both see the same entries, so a
+sequence may move between the two paths.
 """
 
 from __future__ import annotations
 
 import torch
 
-EPS = 1e-8  # as torch.nn.functional.cosine_similarity: a zero vector has cosine 0 with anything
+from ..kernels.selection_check import EPS, selection_check, selection_check_ref
+
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 
 
@@ -25,11 +27,11 @@ class SelectionCache:
         width: the length of a stored selection."""
         self.theta, self.n_layers, self.width = theta, n_layers, width
         self._rows: dict[int, int] = {}  # sequence id -> row
-        self._counts = [0, 0]  # hits, misses of eager lookups
         self.unit: torch.Tensor | None = None  # [rows, n_layers, n] fp32: the cached queries / |q|
         self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
         self.valid: torch.Tensor | None = None  # [rows, n_layers] bool
-        self.device_counts: torch.Tensor | None = None  # [2] int64: hits, misses counted on the device
+        self.device_counts: torch.Tensor | None = None  # [2] int64: hits, misses
+        self._row_index: torch.Tensor | None = None  # [rows] int64: 0, 1, ...: a row as a device scalar
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -50,6 +52,7 @@ class SelectionCache:
         self.unit = torch.zeros(rows, self.n_layers, n, dtype=torch.float32, device=dev)
         self.selection = torch.zeros(rows, self.n_layers, self.width, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(rows, self.n_layers, dtype=torch.bool, device=dev)
+        self._row_index = torch.arange(rows, device=dev)
         if old[0] is not None:
             for new, kept in zip((self.unit, self.selection, self.valid), old):
                 new[:kept.shape[0]] = kept
@@ -62,20 +65,14 @@ class SelectionCache:
 
     # ---- the decision -------------------------------------------------------------------------
 
-    def hit(self, row: int | torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """bool []: the entry is set and cos(q, its query) >= theta. q: [n_heads, head_dim] fp32."""
-        q = q.flatten()
-        dot = torch.dot(self.unit[row, layer], q)
-        return self.valid[row, layer] & (dot >= self.theta * torch.linalg.vector_norm(q).clamp_min(EPS))
-
     def miss(self, row: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor | None:
-        """On the device, without a host read: bool [], True where the layer must select anew, counted
-        in ``device_counts``. row: int64 []. None when the cache is off (always select)."""
+        """On the device, without a host read: bool [], True where the layer must select anew (no entry,
+        or cos(q, its query) < theta), counted in ``device_counts``. row: int64 []; q: [n_heads, head_dim]
+        fp32. None when the cache is off (always select)."""
         if self.theta is None:
             return None
-        miss = ~self.hit(row, layer, q)
-        self.device_counts += torch.stack([~miss, miss])
-        return miss
+        check = selection_check if q.is_cuda else selection_check_ref
+        return check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
 
     def lookup(self, seq_id: int, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """The eager check (one host read). q: [n_heads, head_dim] fp32. Returns the stored selection
@@ -83,11 +80,9 @@ class SelectionCache:
         if self.theta is None:
             return None
         row = self.row(seq_id, q.numel(), q.device)
-        if self.hit(row, layer, q).item():
-            self._counts[0] += 1
-            return self.selection[row, layer]
-        self._counts[1] += 1
-        return None
+        if self.miss(self._row_index[row], layer, q).item():
+            return None
+        return self.selection[row, layer]
 
     def store(self, row: int | torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
         """q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns."""
@@ -99,12 +94,8 @@ class SelectionCache:
     # ---- counters -----------------------------------------------------------------------------
 
     def counts(self) -> tuple[int, int]:
-        """(hits, misses) of eager lookups and device decisions together (reads the device's counters)."""
-        hits, misses = self._counts
-        if self.device_counts is not None:
-            device_hits, device_misses = self.device_counts.tolist()
-            hits, misses = hits + device_hits, misses + device_misses
-        return hits, misses
+        """(hits, misses) so far (a host read of the device's counters)."""
+        return (0, 0) if self.device_counts is None else tuple(self.device_counts.tolist())
 
     @property
     def hits(self) -> int:

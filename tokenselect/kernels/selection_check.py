@@ -1,0 +1,58 @@
+"""The Selection Cache's decision for one (sequence, layer) as one kernel.
+
+    hit  = valid[row, layer] and  <q, unit[row, layer]> >= theta * max(|q|, eps)
+    miss = not hit;   counts += (hit, miss)
+
+``unit`` holds the cached queries scaled to unit length, so the test is cos(q, q_cached) >= theta.
+In PyTorch this is about a dozen tiny kernels (two gathers, a dot, a norm, comparisons, the counters);
+in a decode step captured as one CUDA graph that is a dozen graph nodes per layer on every step, hit or
+miss, where the kernel is one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+EPS = 1e-8  # as torch.nn.functional.cosine_similarity: a zero vector has cosine 0 with anything
+BLOCK = 1024
+
+
+def selection_check_ref(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, row: torch.Tensor, layer: int,
+                        theta: float, counts: torch.Tensor) -> torch.Tensor:
+    """q: [n] fp32; unit: [rows, n_layers, n] fp32; valid: [rows, n_layers] bool; row: int64 [];
+    counts: [2] int64 (hits, misses), incremented in place. Returns miss: bool []."""
+    dot = torch.dot(unit[row, layer], q)
+    miss = ~(valid[row, layer] & (dot >= theta * torch.linalg.vector_norm(q).clamp_min(EPS)))
+    counts += torch.stack([~miss, miss])
+    return miss
+
+
+@triton.jit
+def _selection_check_kernel(q_ptr, unit_ptr, valid_ptr, row_ptr, counts_ptr, miss_ptr, layer, n_layers, n, theta,
+                            EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the dot product and the query's squared norm in fp32, then the decision."""
+    entry = tl.load(row_ptr) * n_layers + layer
+    dot = tl.zeros((BLOCK,), dtype=tl.float32)
+    sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ok = i < n
+        q = tl.load(q_ptr + i, mask=ok, other=0.0)
+        dot += q * tl.load(unit_ptr + entry * n + i, mask=ok, other=0.0)
+        sq += q * q
+    norm = tl.maximum(tl.sqrt(tl.sum(sq, axis=0)), EPS)
+    hit = (tl.load(valid_ptr + entry) != 0) & (tl.sum(dot, axis=0) >= theta * norm)
+    tl.store(miss_ptr, (~hit).to(tl.uint8))
+    tl.store(counts_ptr, tl.load(counts_ptr) + hit.to(tl.int64))
+    tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + (~hit).to(tl.int64))
+
+
+def selection_check(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, row: torch.Tensor, layer: int,
+                    theta: float, counts: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`selection_check_ref` (same arguments, same result up to rounding)."""
+    miss = torch.empty((), dtype=torch.bool, device=q.device)
+    _selection_check_kernel[(1,)](q.contiguous(), unit, valid.view(torch.uint8), row, counts, miss.view(torch.uint8),
+                                  layer, unit.shape[1], q.numel(), float(theta), EPS=EPS, BLOCK=BLOCK)
+    return miss
