@@ -1,0 +1,81 @@
+"""Compile every Triton kernel variant the engine launches for an H100 (sm_90), without a GPU.
+
+Run by tests/test_kernel_compile.py in a process of its own with TRITON_INTERPRET=0: the CPU interpreter
+that the other kernel tests use accepts code that the compiler rejects, and CI has no GPU. Triton's
+wheel carries ptxas, so this goes down to a cubin. Prints one line per kernel; exits non-zero on the first
+failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
+        ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check")}
+
+
+def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **options) -> None:
+    fn = getattr(mods[module], kernel)
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H100, options=options)
+    print(f"compiled {kernel} {constexprs}", flush=True)
+
+
+def main() -> None:
+    i32, f32, i64p = "i32", "fp32", "*i64"
+    for kv, dot, ieee in (("bf16", tl.bfloat16, False), ("fp8e4nv", tl.bfloat16, False), ("fp32", tl.float32, True)):
+        q = "fp32" if ieee else "bf16"
+        for stats, masked in ((True, True), (True, False), (False, False)):
+            compile_one("paged_dot", "_scores_kernel", {
+                "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
+                "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
+                "stride_slot": i32, "stride_kvh": i32},
+                {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "IEEE": ieee,
+                 "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4, num_stages=2 if ieee else 3)
+        for rotated, split, tile in ((False, True, (16, 16, 4, 3)), (True, False, (32, 32, 4, 2) if ieee else (64, 64, 4, 3))):
+            block_r, block_n, warps, stages = tile
+            compile_one("sparse_attention", "_sparse_attention_kernel", {
+                "q_ptr": f"*{q}", "k_ptr": f"*{q if rotated else kv}", "v_ptr": f"*{kv}", "slot_ptr": i64p,
+                "kpos_ptr": i64p, "qpos_ptr": i64p, "inv_freq_ptr": "*fp32", "out_ptr": f"*{'fp32' if split else q}",
+                "m_ptr": "*fp32", "l_ptr": "*fp32", "C": i32, "N": i32, "G": i32, "H": i32, "keys_per_split": i32,
+                "rope_scale": f32, "qk_scale": f32, "k_stride_row": i32, "k_stride_kvh": i32, "v_stride_slot": i32,
+                "v_stride_kvh": i32},
+                {"HALF": 64, "HALF_P": 64, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot,
+                 "IEEE": ieee, "ROTATED": rotated, "SPLIT": split}, num_warps=warps, num_stages=stages)
+        compile_one("sparse_attention", "_rotate_keys_kernel", {
+            "k_ptr": f"*{kv}", "slot_ptr": i64p, "kpos_ptr": i64p, "inv_freq_ptr": "*fp32", "out_ptr": f"*{q}",
+            "N": i32, "n_kv": i32, "rope_scale": f32, "k_stride_slot": i32, "k_stride_kvh": i32},
+            {"HALF": 64, "HALF_P": 64, "BLOCK_N": 32})
+    compile_one("sparse_attention", "_merge_kernel", {
+        "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "rows": i32, "splits": i32},
+        {"D": 128, "D_P": 128, "SPLITS_P": 32, "BLOCK_S": 32, "BLOCK_ROWS": 2})
+    compile_one("head_vote", "_head_totals_kernel", {
+        "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_blocks": i32},
+        {"BLOCK": 1024})
+    for masked in (True, False):
+        compile_one("head_vote", "_vote_kernel", {
+            "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
+            "H": i32, "N": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
+    for dt in ("bf16", "fp32"):
+        compile_one("rms_norm", "_rms_norm_kernel", {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                                                     "dim": i32, "eps": f32}, {"BLOCK": 4096}, num_warps=8)
+        compile_one("silu_mul", "_silu_mul_kernel", {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                                                     "n": i32}, {"BLOCK": 1024})
+    compile_one("selection_check", "_selection_check_kernel", {
+        "q_ptr": "*fp32", "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
+        "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
