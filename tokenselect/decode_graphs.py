@@ -121,8 +121,11 @@ def _restore(tensors, saved) -> None:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Integers (slots, flags, counts) exactly; floats to 1% of their norm: the graph runs the eager
+    step's kernels, but a library may pick another algorithm under capture, so rounding may differ,
+    while a wrong attended list or a skipped selection moves the result far more."""
     if a.is_floating_point():
-        return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+        return bool((a.float() - b.float()).norm() <= 1e-2 * b.float().norm() + 1e-6)
     return torch.equal(a, b)
 
 
