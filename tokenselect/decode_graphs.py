@@ -183,8 +183,8 @@ class _DecodeStep:
             failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
             if failure is None and not all(_same(t, kept) for t, kept in zip(state, after)):
                 failure = "the replay left the policy's state (Selection Cache) unlike the eager step"
-        except RuntimeError as err:
-            failure = f"recording failed ({err})"
+        except Exception as err:  # a CUDA error under capture, an op that cannot be captured
+            failure = f"recording failed ({type(err).__name__}: {err})"
         if failure is not None:
             self.graph = None
             _restore(state, after)
