@@ -20,6 +20,9 @@ from tokenselect.policies.tokenselect import TokenSelect
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TORCH = get_kernels("torch")
+# on a GPU the engine records decode graphs only where torch can capture conditional nodes
+needs_graphs = pytest.mark.skipif(torch.cuda.is_available() and not decode_graphs.conditional_nodes(),
+                                  reason="this torch build cannot capture CUDA graph conditional nodes")
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -64,6 +67,7 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     assert torch.equal(got, want.slots)
 
 
+@needs_graphs
 def test_which_steps_run_as_decode_graphs(tiny_llama):
     """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
@@ -88,6 +92,7 @@ def test_which_steps_run_as_decode_graphs(tiny_llama):
     llm.abort(seq)
 
 
+@needs_graphs
 @pytest.mark.parametrize("attention,settings", [
     ("tokenselect", {"theta": 0.5}),
     ("tokenselect", {"theta": None, "selector": "topk"}),
@@ -124,6 +129,7 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         assert (graphed["selection_cache_hits"] > 0) is True
 
 
+@needs_graphs
 def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
     """theta = -1 hits whenever an entry exists: one miss per layer for the whole request, however its
     decode steps alternate between the graph and the eager path."""
@@ -141,6 +147,7 @@ def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
     assert llm.stats()["selection_cache_misses"] == 2 * 2  # 2 layers; the other request's first decode too
 
 
+@needs_graphs
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA graphs")
 def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_llama, monkeypatch):
     """A graph recorded without its selection bodies (a broken conditional) fails its check: a warning,
