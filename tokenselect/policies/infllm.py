@@ -109,8 +109,8 @@ class InfLLM(SelectivePolicy):
         k_pool = self.cache.k[layer]
         # the plan's context ends with the local window, so tokens lo..t-1 are the last columns
         attended = torch.cat([context, seq.past[t0:t]])
-        n, w = attended.numel(), t - lo
-        key_index = torch.arange(lo, t, device=attended.device)
+        n, w, dev = attended.numel(), t - lo, attended.device
+        key_index = torch.arange(lo, t, device=dev)
         scale = 1.0 / math.sqrt(q.shape[-1])
         block = max(1, SCORE_ELEMENTS // (n_heads * n))
         for s in range(0, c, block):
@@ -118,13 +118,15 @@ class InfLLM(SelectivePolicy):
             b = part.shape[0]
             # head-major rows keep the GQA mapping row -> kv head equal to h // group
             rows = part.transpose(0, 1).reshape(n_heads * b, -1)
-            logits = self.kernels.paged_dot(rows, k_pool, attended).view(n_heads, b, n) * scale
-            query_index = torch.arange(t0 + s, t0 + s + b, device=attended.device)
-            causal = torch.ones(b, n, dtype=torch.bool, device=attended.device)
-            causal[:, n - c:] = torch.arange(c, device=attended.device)[None, :] <= (query_index - t0)[:, None]
-            lse = logits.masked_fill(~causal, float("-inf")).logsumexp(dim=-1, keepdim=True)  # [H, b, 1]
+            logits = self.kernels.paged_dot(rows, k_pool, attended).view(n_heads, b, n).mul_(scale)
+            query_index = torch.arange(t0 + s, t0 + s + b, device=dev)
+            # the chunk's own keys (the last c columns) are causal; the context before them is all visible.
+            # In place, on the one [H, b, n] tensor: at 128K it is ~150M floats a layer and chunk.
+            future = torch.arange(c, device=dev)[None, :] > (query_index - t0)[:, None]  # [b, c]
+            logits[..., n - c:].masked_fill_(future, float("-inf"))
+            lse = logits.logsumexp(dim=-1, keepdim=True)  # [H, b, 1]
             dist = query_index[:, None] - key_index[None, :]  # [b, w]
-            weights = (logits[..., n - w:] - lse).exp() * ((dist >= 0) & (dist < self.n_local))
+            weights = logits[..., n - w:].sub_(lse).exp_().mul_((dist >= 0) & (dist < self.n_local))
             mem.scores[lo - start:t - start] += weights.sum(dim=1).T
 
     def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
