@@ -161,3 +161,22 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
         got = graphed.generate([ids(70, 1)], params)
     assert got[0].token_ids == want[0].token_ids
     assert graphed.decode_graphs.failure.startswith("the replay") and not graphed.decode_graphs._steps
+
+
+@needs_graphs
+def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, batch_invariant_matmuls):
+    """Two requests with different per-request settings (two policy instances) cannot share a graph:
+    their joint steps take the pieces; once one has finished, the other's steps run as decode graphs."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 16)]
+    own = [{"theta": 0.5}, {"theta": -1.0, "k": 24}]
+    outputs = []
+    for graphs in (False, True):
+        llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dtype="float32",
+                  cuda_graphs=graphs)
+        seqs = [llm.add_request(ids(80 + 10 * i, 20 + i), p, s) for i, (p, s) in enumerate(zip(params, own))]
+        while not all(s.finished for s in seqs):
+            llm.step()
+        outputs.append([s.output_ids for s in seqs])
+        if graphs:
+            assert [key[0] for key in llm.decode_graphs._steps] == [1]  # the longer request alone
+    assert outputs[0] == outputs[1]
