@@ -177,7 +177,9 @@ class _DecodeStep:
         _restore(state, before)
         try:
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.owner.pool):
+            # thread_local: another thread's CUDA calls (the server's /health reading the Selection Cache's
+            # counters) neither fail nor spoil the capture
+            with torch.cuda.graph(self.graph, pool=self.owner.pool, capture_error_mode="thread_local"):
                 self.out = self.forward(_conditional(self.graph))
             self.graph.replay()
             failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
