@@ -16,10 +16,11 @@ Batches of at most MAX_BATCH decode sequences sharing one policy instance run he
 threshold) runs through ``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function
 runs eagerly and a conditional is a host read: that is how the tests exercise the plumbing on a CPU.
 
-The graph chooses what the eager step chooses, except among exact ties in the vote (tokens whose keys
-are equal, as a repeated token's are in the first layer): ``torch.topk`` over the table's fixed-length
-span may keep another of the tied tokens than over the exact middle, and the attended list, hence the
-output, can then differ in the last bits (greedy text can change where two continuations are close).
+The graph chooses what the eager step chooses, except among tokens whose votes tie (equal keys, as a
+repeated token's are in the first layer) or, with the PyTorch reference kernels, differ by rounding (a
+softmax over the padded span sums in another order): ``torch.topk`` over the table's fixed-length span
+may then keep another of them than over the exact middle. Both are the method's choice; greedy text
+can differ between the two paths where such a swap changes a close call.
 
 Each graph checks itself when recorded: the step it records is also run eagerly (conditionals read on
 the host), and the replay must reproduce that step's output and the policy's state (the Selection
