@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .attention import BatchAttention, Chunk, RopeFrequencies
 from .config import ModelConfig
+from .decode_graphs import DecodeGraphs
 from .errors import ContextTooLong
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
@@ -24,7 +25,6 @@ from .policies import AttentionPolicy, default_chunk, make_policy
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
-from .decode_graphs import DecodeGraphs
 from .step_graphs import StepGraphs
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
@@ -196,20 +196,21 @@ class LLM:
             chunks.append(Chunk(seq, row, n, seq.n_cached))
             row += n
         new_slots = torch.cat(new_slots)
-        ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, new_slots)
         # Rows that need logits: every row of a sequence recording them, else the last row of a
         # sequence that reached the end of its known tokens (it samples next).
         wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
                   else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                   for ch in chunks]
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
         if self.decode_graphs is not None and self.decode_graphs.usable(chunks):
             logits = self.model.logits(self.decode_graphs.run(chunks, ids, new_slots)[logit_rows])
-        elif self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
-            logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
         else:
-            logits = self.model(input_ids, ctx, logit_rows)
+            ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, new_slots)
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
+                logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
+            else:
+                logits = self.model(input_ids, ctx, logit_rows)
         logits = logits.split([len(w) for w in wanted])
         stepped = []
         for ch, row_logits in zip(chunks, logits):
