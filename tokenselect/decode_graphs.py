@@ -54,6 +54,7 @@ class DecodeGraphs:
     def __init__(self, model, cache, kernels, rope, device: torch.device, capture: bool | None = None):
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
         self.capture = device.type == "cuda" if capture is None else capture
+        self.recordable = not self.capture or conditional_nodes()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
         self._arange = torch.arange(0, device=device)
@@ -64,7 +65,7 @@ class DecodeGraphs:
         """chunks: the step's ``attention.Chunk``s."""
         if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none":
             return False
-        if self.rope.spec.kind == "dynamic" or (self.capture and not conditional_nodes()):
+        if self.rope.spec.kind == "dynamic" or not self.recordable:
             return False
         policy = chunks[0].seq.policy
         return all(ch.length == 1 and ch.decode and ch.seq.policy is policy and policy.graph_ready(ch.past)
@@ -80,22 +81,23 @@ class DecodeGraphs:
         capacity = -(-(longest + 1) // GRAIN) * GRAIN
         key = (batch, capacity, id(policy))
         step = self._steps.get(key)
-        self.steps_run += 1
         if step is None or step.state != _pointers(policy.graph_state()):
             for old in [k for k in self._steps if (k[0], k[2]) == (batch, id(policy))]:
                 del self._steps[old]  # the smaller capacity is outgrown: free its memory
             step = self._steps[key] = _DecodeStep(self, policy, batch, capacity)
             step.feed(chunks, ids, rows, new_slots)
             try:
-                return step.record()
+                out = step.record()
             except GraphCheckFailed as failed:
                 self.failure = str(failed)
-                self.steps_run -= 1
                 self._steps.clear()
                 warnings.warn(f"decode CUDA graphs turned off: {failed}; decode steps run through StepGraphs")
                 return failed.output
-        step.feed(chunks, ids, rows, new_slots)
-        return step.replay()
+        else:
+            step.feed(chunks, ids, rows, new_slots)
+            out = step.replay()
+        self.steps_run += 1
+        return out
 
     def clear(self) -> None:
         """Drop every recorded graph (their policies are being replaced)."""
