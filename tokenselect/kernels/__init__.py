@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 from .head_vote import head_soft_vote, head_soft_vote_ref  # noqa: E402
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref  # noqa: E402
+from .selection_check import selection_check, selection_check_ref  # noqa: E402
 from .sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
 from .topk import topk_ref  # noqa: E402
 
@@ -30,18 +31,20 @@ class Kernels:
     """paged_dot(q [H, d], k_pool [S, H_kv, d], slots [N]) -> [H, N] fp32;
     head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32; topk(scores [N], k) -> indices [min(k, N)];
     sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
-    rope_scale, sm_scale) -> [c, H, d]."""
+    rope_scale, sm_scale) -> [c, H, d]; selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss
+    (the Selection Cache's decision, ``selection_check.py``)."""
 
     name: str
     paged_dot: Callable
     head_soft_vote: Callable
     topk: Callable
     sparse_attention: Callable
+    selection_check: Callable
 
 
 KERNELS = {
-    "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref),
-    "triton": Kernels("triton", paged_dot, head_soft_vote, topk_ref, sparse_attention),
+    "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref),
+    "triton": Kernels("triton", paged_dot, head_soft_vote, topk_ref, sparse_attention, selection_check),
 }
 
 

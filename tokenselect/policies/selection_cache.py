@@ -6,7 +6,7 @@ A miss recomputes the selection and stores it with the new query.
 
 The entries live on the device, one row per sequence: for every layer the cached query scaled to unit
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
-decision (``miss``: one kernel on a GPU, ``kernels/selection_check.py``) stays on the device and counts
+decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
 hits and misses there; an eager step reads it back once (``lookup``), a decode step captured as a CUDA
 graph branches on it with a conditional node (``decode_graphs.py``). Both see the same entries, so a
 sequence may move between the two paths.
@@ -14,18 +14,20 @@ sequence may move between the two paths.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from ..kernels.selection_check import EPS, selection_check, selection_check_ref
+from ..kernels.selection_check import EPS, selection_check_ref
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 
 
 class SelectionCache:
-    def __init__(self, theta: float | None, n_layers: int, width: int):
+    def __init__(self, theta: float | None, n_layers: int, width: int, check: Callable = selection_check_ref):
         """theta: similarity threshold; None turns the cache off (every decode step selects).
-        width: the length of a stored selection."""
-        self.theta, self.n_layers, self.width = theta, n_layers, width
+        width: the length of a stored selection; check: the decision's kernel (``Kernels.selection_check``)."""
+        self.theta, self.n_layers, self.width, self.check = theta, n_layers, width, check
         self._rows: dict[int, int] = {}  # sequence id -> row
         self.unit: torch.Tensor | None = None  # [rows, n_layers, n] fp32: the cached queries / |q|
         self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
@@ -71,8 +73,7 @@ class SelectionCache:
         fp32. None when the cache is off (always select)."""
         if self.theta is None:
             return None
-        check = selection_check if q.is_cuda else selection_check_ref
-        return check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
+        return self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
 
     def lookup(self, seq_id: int, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """The eager check (one host read). q: [n_heads, head_dim] fp32. Returns the stored selection

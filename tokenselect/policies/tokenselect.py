@@ -39,7 +39,8 @@ class TokenSelect(SelectivePolicy):
         # an entry: the [sinks | chosen] head of a miss's plan, its slots (and with "original" positions
         # its token indices after them)
         n_head = n_init + k
-        self.selection_cache = SelectionCache(theta, cache.k.shape[0], n_head * (2 if positions == "original" else 1))
+        self.selection_cache = SelectionCache(theta, cache.k.shape[0], n_head * (2 if positions == "original" else 1),
+                                              kernels.selection_check)
 
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
         """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the
