@@ -11,6 +11,7 @@ import torch
 from tokenselect import LLM, SamplingParams
 from tokenselect import decode_graphs
 from tokenselect.attention import Chunk
+from tokenselect.decode_graphs import _eager_when as eager_when  # a conditional read on the host
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
@@ -27,11 +28,6 @@ needs_graphs = pytest.mark.skipif(torch.cuda.is_available() and not decode_graph
 
 def ids(n: int, seed: int) -> list[int]:
     return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def eager_when(pred, fn):
-    if pred is None or bool(pred):
-        fn()
 
 
 @pytest.mark.parametrize("selector", ["soft_vote", "topk"])  # hard_vote's integer counts tie: any of the tied may go
