@@ -59,10 +59,10 @@ def main() -> None:
     compile_one("sparse_attention", "_merge_kernel", {
         "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "rows": i32, "splits": i32},
         {"D": 128, "D_P": 128, "SPLITS_P": 32, "BLOCK_S": 32, "BLOCK_ROWS": 2})
-    compile_one("head_vote", "_head_totals_kernel", {
-        "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_blocks": i32},
-        {"BLOCK": 1024})
     for masked in (True, False):
+        compile_one("head_vote", "_head_totals_kernel", {
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_valid_ptr": i64p,
+            "n_blocks": i32, "block_n": i32}, {"BLOCK": 1024, "MASKED": masked})
         compile_one("head_vote", "_vote_kernel", {
             "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
             "H": i32, "N": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})

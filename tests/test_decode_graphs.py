@@ -1,7 +1,7 @@
 """Decode steps captured whole (``DecodeGraphs``): the policy plans on the device from a slot table of
-fixed size, and the Selection Cache's decision is a conditional. On a CPU the step function runs
-eagerly (the conditional is a host read); on a GPU the same tests record and replay CUDA graphs with
-conditional nodes. Either way it must choose what the eager path chooses and generate its tokens."""
+fixed size, and the Selection Cache's decision gates the selection work. On a CPU the step function
+runs eagerly; on a GPU the same tests record and replay CUDA graphs. Either way it must choose what the
+eager path chooses and generate its tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 from tokenselect import LLM, SamplingParams
 from tokenselect import decode_graphs
 from tokenselect.attention import Chunk
-from tokenselect.decode_graphs import _eager_when as eager_when  # a conditional read on the host
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
@@ -21,9 +20,6 @@ from tokenselect.policies.tokenselect import TokenSelect
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TORCH = get_kernels("torch")
-# on a GPU the engine records decode graphs only where torch can capture conditional nodes
-needs_graphs = pytest.mark.skipif(torch.cuda.is_available() and not decode_graphs.conditional_nodes(),
-                                  reason="this torch build cannot capture CUDA graph conditional nodes")
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -48,7 +44,7 @@ def test_graph_plan_equals_the_eager_plan(selector):
     for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
         assert graph.graph_ready(t)
         want = eager.plan(0, SeqView(5, slots[:t], decode=True), query)
-        got = graph.graph_slots(0, GraphSeq(table, torch.tensor(t), row, eager_when), query)
+        got = graph.graph_slots(0, GraphSeq(table, torch.tensor(t), row), query)
         assert torch.equal(got, want.slots)
         assert torch.equal(want.positions, torch.arange(got.numel()))  # the graph's fixed positions
     assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
@@ -59,11 +55,10 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     slots = cache.allocate(300)[torch.randperm(300)]
     policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
     want = policy.plan(0, SeqView(0, slots[:250], decode=True), torch.randn(1, 4, 16))
-    got = policy.graph_slots(0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), eager_when), torch.randn(1, 4, 16))
+    got = policy.graph_slots(0, GraphSeq(slots, torch.tensor(250), torch.tensor(0)), torch.randn(1, 4, 16))
     assert torch.equal(got, want.slots)
 
 
-@needs_graphs
 def test_which_steps_run_as_decode_graphs(tiny_llama):
     """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
@@ -88,7 +83,6 @@ def test_which_steps_run_as_decode_graphs(tiny_llama):
     llm.abort(seq)
 
 
-@needs_graphs
 @pytest.mark.parametrize("attention,settings", [
     ("tokenselect", {"theta": 0.5}),
     ("tokenselect", {"theta": None, "selector": "topk"}),
@@ -125,7 +119,6 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         assert (graphed["selection_cache_hits"] > 0) is True
 
 
-@needs_graphs
 def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
     """theta = -1 hits whenever an entry exists: one miss per layer for the whole request, however its
     decode steps alternate between the graph and the eager path."""
@@ -143,12 +136,20 @@ def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
     assert llm.stats()["selection_cache_misses"] == 2 * 2  # 2 layers; the other request's first decode too
 
 
-@needs_graphs
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA graphs")
-def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_llama, monkeypatch):
-    """A graph recorded without its selection bodies (a broken conditional) fails its check: a warning,
-    decode graphs off for good, and the tokens of the plain path all the same."""
-    monkeypatch.setattr(decode_graphs, "_conditional", lambda graph: lambda pred, fn: None)
+def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_llama, batch_invariant_matmuls,
+                                                                        monkeypatch):
+    """A graph that leaves work out (here: under capture the policy returns its stored selection without
+    checking or selecting, as a host read baked into the graph would) fails its check: a warning, decode
+    graphs off for good, and the tokens of the plain path all the same."""
+    honest = TokenSelect.graph_head
+
+    def graph_head(self, layer, seq, q):
+        if torch.cuda.is_current_stream_capturing():
+            return self.selection_cache.entry(seq.row, layer)
+        return honest(self, layer, seq, q)
+
+    monkeypatch.setattr(TokenSelect, "graph_head", graph_head)
     settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)
@@ -159,7 +160,6 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     assert graphed.decode_graphs.failure.startswith("the replay") and not graphed.decode_graphs._steps
 
 
-@needs_graphs
 def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, batch_invariant_matmuls):
     """Two requests with different per-request settings (two policy instances) cannot share a graph:
     their joint steps take the pieces; once one has finished, the other's steps run as decode graphs."""

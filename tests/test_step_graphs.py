@@ -9,7 +9,6 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.bench.dense import DenseRunner
-from tokenselect.decode_graphs import conditional_nodes
 from tokenselect.step_graphs import DECODE_BUCKETS, StepGraphs
 
 
@@ -65,7 +64,7 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     assert 32 in graphed.graphs._buckets
     if attention == "full":
         assert 4 in graphed.graphs._buckets and not graphed.decode_graphs._steps
-    elif not torch.cuda.is_available() or conditional_nodes():  # else decode steps stay on these pieces
+    else:
         assert 3 in [key[0] for key in graphed.decode_graphs._steps]
         assert graphed.stats()["selection_cache_hits"] > 0 and graphed.stats()["selection_cache_misses"] > 0
         assert graphed.stats()["selection_cache_hits"] == plain.stats()["selection_cache_hits"]

@@ -5,16 +5,18 @@ step. For a decode step of a policy that can plan on the device alone (``Attenti
 TokenSelect and StreamingLLM with positions by index in the list) nothing has to leave the GPU: the
 attended list has a fixed length (sinks + k chosen + local window) and fixed positions 0..n-1 whatever
 the context's length; the sequence's slot table goes in as a buffer of fixed size with its length as a
-device scalar; and the Selection Cache's decision becomes a conditional node, so the body that votes
-over the middle, takes the top k and stores the new entry runs only on a miss. A decode step is then
-one graph launch with no host read per layer.
+device scalar; and the Selection Cache's decision gates the selection instead of branching: on a hit
+the vote has no live candidate (its kernels read no key and skip their blocks) and the new entry is not
+stored, while the top-k runs over nothing and is discarded. A decode step is then one graph launch with
+no host read per layer. (CUDA graph conditional nodes would skip the top-k too; torch 2.11, what the GPU
+runs, cannot capture them.)
 
 A graph is recorded per (batch size, table capacity, policy). The capacity is the longest sequence's
 length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a larger one replaces it.
 Batches of at most MAX_BATCH decode sequences sharing one policy instance run here; every other step
 (prefill chunks, other policies, value offload, dynamic NTK, a sequence not yet past the selection
 threshold) runs through ``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function
-runs eagerly and a conditional is a host read: that is how the tests exercise the plumbing on a CPU.
+runs eagerly: that is how the tests exercise what the graphs run on a CPU.
 
 The graph chooses what the eager step chooses, except among tokens whose votes tie (equal keys, as a
 repeated token's are in the first layer) or, with the PyTorch reference kernels, differ by rounding (a
@@ -22,16 +24,14 @@ softmax over the padded span sums in another order): ``torch.topk`` over the tab
 may then keep another of them than over the exact middle. Both are the method's choice; greedy text
 can differ between the two paths where such a swap changes a close call.
 
-Each graph checks itself when recorded: the step it records is also run eagerly (conditionals read on
-the host), and the replay must reproduce that step's output and the policy's state (the Selection
-Cache's entries and counts). If recording fails or the two differ, a warning says why and decode steps
+Each graph checks itself when recorded: the step it records is also run eagerly, and the replay must
+reproduce that step's output and the policy's state (the Selection Cache's entries and counts). If recording fails or the two differ, a warning says why and decode steps
 go back to ``StepGraphs`` for the rest of the engine's life; the step is answered from the eager run.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
 
 import torch
 
@@ -42,19 +42,12 @@ MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nod
 GRAIN = 4096  # slot-table capacities are multiples of this
 
 
-def conditional_nodes() -> bool:
-    """Whether this torch build captures conditional nodes (CUDA >= 12.4)."""
-    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
-    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and version >= (12, 4)
-
-
 class DecodeGraphs:
     """``usable(chunks)`` says whether a step can run here; ``run(...)`` runs it."""
 
     def __init__(self, model, cache, kernels, rope, device: torch.device, capture: bool | None = None):
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
         self.capture = device.type == "cuda" if capture is None else capture
-        self.recordable = not self.capture or conditional_nodes()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
         self._arange = torch.arange(0, device=device)
@@ -65,7 +58,7 @@ class DecodeGraphs:
         """chunks: the step's ``attention.Chunk``s."""
         if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none":
             return False
-        if self.rope.spec.kind == "dynamic" or not self.recordable:
+        if self.rope.spec.kind == "dynamic":
             return False
         policy = chunks[0].seq.policy
         return all(ch.length == 1 and ch.decode and ch.seq.policy is policy and policy.graph_ready(ch.past)
@@ -158,18 +151,17 @@ class _DecodeStep:
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:
-            self.out = self.forward(_eager_when)
+            self.out = self.forward()
         else:
             self.graph.replay()
         return self.out
 
     def record(self) -> torch.Tensor:
         """Run the fed step and return its output; with capture, by recording and replaying the graph,
-        checked against the same step run eagerly. On a side stream the step runs once with every
-        conditional body taken (compiling all its kernels outside the capture), then once as the
-        reference; the policy's state is put back before each run and before the capture (the cache
-        writes repeat the same values). Raises GraphCheckFailed, with the state left as the eager step
-        left it."""
+        checked against the same step run eagerly: on a side stream the step runs once (compiling its
+        kernels outside the capture, and giving the reference), the policy's state is put back and the
+        capture follows (a correct graph's cache writes repeat the eager step's). Raises
+        GraphCheckFailed, with the policy's state and the step's cache rows as the eager step left them."""
         if not self.owner.capture:
             return self.replay()
         state = self.policy.graph_state()
@@ -177,47 +169,53 @@ class _DecodeStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(lambda pred, fn: fn())
-            _restore(state, before)
-            want = self.forward(_eager_when).clone()
+            want = self.forward().clone()
         torch.cuda.current_stream().wait_stream(stream)
         after = [t.clone() for t in state]
+        cache = self.owner.cache  # the step's keys and values, as the eager step wrote them
+        written = [pool[:, self.new_slots].clone() for pool in (cache.k, cache.v)]
         _restore(state, before)
         try:
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA calls (the server's /health reading the Selection Cache's
             # counters) neither fail nor spoil the capture
             with torch.cuda.graph(self.graph, pool=self.owner.pool, capture_error_mode="thread_local"):
-                self.out = self.forward(_conditional(self.graph))
+                self.out = self.forward()
             self.graph.replay()
             failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
             if failure is None and not all(_same(t, kept) for t, kept in zip(state, after)):
                 failure = "the replay left the policy's state (Selection Cache) unlike the eager step"
         except Exception as err:  # a CUDA error under capture, an op that cannot be captured
+            while err.__context__ is not None:  # the capture's end reports only that an op failed before
+                err = err.__context__
             failure = f"recording failed ({type(err).__name__}: {err})"
         if failure is not None:
+            # back to the eager step's state, its cache rows included: a wrong graph writes other keys
+            # and values for the layers after its error
             self.graph = None
             _restore(state, after)
+            for pool, kept in zip((cache.k, cache.v), written):
+                pool[:, self.new_slots] = kept
             raise GraphCheckFailed(failure, want)
         return self.out
 
-    def forward(self, when: Callable) -> torch.Tensor:
+    def forward(self) -> torch.Tensor:
         """The model over the batch's tokens -> the last layer's output [B, hidden]."""
         model = self.owner.model.model
         x = model.embed_tokens(self.meta[0])
         for i, layer in enumerate(model.layers):
             q, k, v = layer.attention_inputs(x)
-            x = layer.finish(x, self.attention(i, q, k, v, when))
+            x = layer.finish(x, self.attention(i, q, k, v))
         return x
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, when: Callable) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, n_heads, d], k, v: [B, n_kv_heads, d] un-rotated -> [B, n_heads, d]: each sequence attends
         its policy's list, then its own token, at positions 0..n."""
         owner, cache = self.owner, self.owner.cache
         cache.write(layer, self.new_slots, k, v)
         outs = []
         for b in range(self.batch):
-            seq = GraphSeq(self.table[b], self.meta[1, b], self.meta[2, b], when)
+            seq = GraphSeq(self.table[b], self.meta[1, b], self.meta[2, b])
             context = self.policy.graph_slots(layer, seq, q[b:b + 1])
             n = context.numel()
             positions = owner.positions(n + 1)
@@ -227,23 +225,3 @@ class _DecodeStep:
                 positions, positions[n:], inv_freq, scale))
         return torch.cat(outs)
 
-
-def _eager_when(pred: torch.Tensor | None, fn: Callable[[], None]) -> None:
-    if pred is None or bool(pred):
-        fn()
-
-
-def _conditional(graph: torch.cuda.CUDAGraph) -> Callable:
-    """``when`` during capture: fn's kernels go into the body of a conditional node on ``pred``."""
-
-    def when(pred: torch.Tensor | None, fn: Callable[[], None]) -> None:
-        if pred is None:
-            fn()
-            return
-        graph.begin_capture_to_if_node(pred)
-        try:
-            fn()
-        finally:
-            graph.end_capture_to_conditional_node()
-
-    return when

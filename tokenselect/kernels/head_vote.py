@@ -17,15 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_dot import paged_dot_ref, scores_with_stats
+from .paged_dot import paged_dot_ref, scores_block, scores_with_stats
 
 
 def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
                        n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n_heads, head_dim], k_pool: [n_slots, n_kv_heads, head_dim], slots: [N] -> vote [N] fp32.
 
-    n_valid: None, or an int64 tensor [] (>= 1) on q's device: only ``slots[:n_valid]`` are candidates (a
-    slot list of fixed length, as a CUDA graph needs, of which a prefix is live); the rest vote -inf."""
+    n_valid: None, or an int64 tensor [] on q's device: only ``slots[:n_valid]`` are candidates (a slot
+    list of fixed length, as a CUDA graph needs, of which a prefix is live); the rest vote -inf, all of
+    them when it is 0 (a decode graph's Selection Cache hit)."""
     scores = paged_dot_ref(q, k_pool, slots) * scale
     if n_valid is None:
         return torch.softmax(scores, dim=-1).sum(dim=0)
@@ -35,11 +36,15 @@ def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tenso
 
 
 @triton.jit
-def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_blocks, BLOCK: tl.constexpr):
+def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_blocks, block_n,
+                        BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """Program = head h: combine the per-block (max, sum of exp) into the head's max M[h] and
-    1 / sum_t exp(s[h, t] - M[h])."""
+    1 / sum_t exp(s[h, t] - M[h]); MASKED: over the blocks (of block_n tokens) that hold any of the
+    first *n_valid_ptr tokens only, the others' stats are not written."""
     h = tl.program_id(0)
     row = h.to(tl.int64) * n_blocks
+    if MASKED:
+        n_blocks = tl.minimum(tl.cdiv(tl.load(n_valid_ptr).to(tl.int32), block_n), n_blocks)
     top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for start in range(0, n_blocks, BLOCK):
         b = start + tl.arange(0, BLOCK)
@@ -58,18 +63,20 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_blocks, BLOCK:
 def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr):
     """Pass 2, program = block of tokens: vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf
-    for t >= *n_valid_ptr."""
+    for t >= *n_valid_ptr, whose scores are not read."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
+    if MASKED:
+        col_ok = col_ok & (cols < tl.load(n_valid_ptr).to(tl.int32))
     s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], mask=head_ok[:, None] & col_ok[None, :],
                 other=float("-inf"))
     m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
     inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
     vote = tl.sum(tl.exp(s - m[:, None]) * inv_l[:, None], axis=0)
     if MASKED:
-        vote = tl.where(cols < tl.load(n_valid_ptr).to(tl.int32), vote, float("-inf"))
-    tl.store(out_ptr + cols, vote, mask=col_ok)
+        vote = tl.where(col_ok, vote, float("-inf"))
+    tl.store(out_ptr + cols, vote, mask=cols < N)
 
 
 def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
@@ -82,7 +89,8 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
     scores, m, l = scores_with_stats(q, k_pool, slots, scale, stats=True, n_valid=n_valid)
     m_head = torch.empty(n_heads, dtype=torch.float32, device=q.device)
     inv_l = torch.empty_like(m_head)
-    _head_totals_kernel[(n_heads,)](m, l, m_head, inv_l, m.shape[1], BLOCK=1024)
+    _head_totals_kernel[(n_heads,)](m, l, m_head, inv_l, n_valid, m.shape[1], scores_block(q, k_pool),
+                                    BLOCK=1024, MASKED=n_valid is not None)
     block_h = triton.next_power_of_2(n_heads)
     block_n = max(16, 4096 // block_h)
     _vote_kernel[(triton.cdiv(n, block_n),)](scores, m_head, inv_l, out, n_valid, n_heads, n, BLOCK_H=block_h,

@@ -45,18 +45,21 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
     m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
     compiler fetch the next block's keys while this one is scored. MASKED: only the first
-    ``*n_valid_ptr`` slots are live; the others are not read and score -inf (m = -inf, l = 0 for a
-    block without live slots)."""
+    ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
+    and blocks without any are skipped (their scores, m and l are not written: with none live, the
+    kernel does nothing)."""
     group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
     n_live = N
+    last = n_blocks
     if MASKED:
         n_live = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+        last = tl.cdiv(n_live, BLOCK_N)
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
     q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, n_blocks)):
+    for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, last)):
         cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok, live = cols < N, cols < n_live
         slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
@@ -81,17 +84,24 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
 SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
 
 
+def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
+    """The slots per block of the scores kernel (the stats' column unit) for these operands."""
+    block_n = (FP32_SCORES_TILE if torch.float32 in (q.dtype, k_pool.dtype) else SCORES_TILE)[0]
+    return block_n if q.shape[1] <= 128 else block_n // 2
+
+
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
                       n_valid: torch.Tensor | None = None):
     """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None).
-    n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live (see the kernel)."""
+    n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
+    of the blocks past them are left unwritten (see the kernel)."""
     n_heads, d = q.shape
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
     out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
     ieee = torch.float32 in (q.dtype, k_pool.dtype)
-    block_n, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
-    block_n = block_n if d <= 128 else block_n // 2
+    _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
+    block_n = scores_block(q, k_pool)
     n_blocks = triton.cdiv(n, block_n)
     m = torch.empty(n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
     l = torch.empty_like(m) if stats else None

@@ -13,7 +13,6 @@ positions is done here once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -58,14 +57,11 @@ class GraphSeq:
         and must never be attended (they hold some valid slot, so reading them is harmless).
     length: int64 [], the tokens in the cache before this step.
     row: int64 [], the sequence's row in the policy's per-sequence state (``graph_row``).
-    when: ``when(pred, fn)`` runs ``fn()`` only where the bool [] tensor ``pred`` is true (a conditional
-        node when captured, a host read when run eagerly); ``pred=None`` runs it always.
     """
 
     table: torch.Tensor
     length: torch.Tensor
     row: torch.Tensor
-    when: Callable[[torch.Tensor | None, Callable[[], None]], None]
 
 
 class AttentionPolicy:

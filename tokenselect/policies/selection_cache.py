@@ -8,7 +8,7 @@ The entries live on the device, one row per sequence: for every layer the cached
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
 decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
 hits and misses there; an eager step reads it back once (``lookup``), a decode step captured as a CUDA
-graph branches on it with a conditional node (``decode_graphs.py``). Both see the same entries, so a
+graph gates its selection work with it (``decode_graphs.py``). Both see the same entries, so a
 sequence may move between the two paths.
 """
 
@@ -85,12 +85,27 @@ class SelectionCache:
             return None
         return self.selection[row, layer]
 
-    def store(self, row: int | torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
-        """q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns."""
+    def store(self, row: int | torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor,
+              where: torch.Tensor | None = None) -> None:
+        """q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns. where: None (row is
+        an int), or a bool [] on the device: store only if it is true, row an int64 [] on the device too
+        (a decode graph stores without a branch or a host read)."""
         q = q.flatten().float()
-        self.unit[row, layer] = q / torch.linalg.vector_norm(q).clamp_min(EPS)
-        self.selection[row, layer] = selection
-        self.valid[row, layer] = self._true
+        unit = q / torch.linalg.vector_norm(q).clamp_min(EPS)
+        if where is None:
+            self.unit[row, layer] = unit
+            self.selection[row, layer] = selection
+            self.valid[row, layer] = self._true
+            return
+        index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
+        for table, new in ((self.unit[:, layer], unit), (self.selection[:, layer], selection)):
+            table.index_copy_(0, index, torch.where(where, new, table.index_select(0, index)[0])[None])
+        valid = self.valid[:, layer]
+        valid.index_copy_(0, index, valid.index_select(0, index) | where)
+
+    def entry(self, row: torch.Tensor, layer: int) -> torch.Tensor:
+        """The stored selection [width] of ``row``, an int64 [] on the device, without a host read."""
+        return self.selection[:, layer].index_select(0, row.view(1))[0]
 
     # ---- counters -----------------------------------------------------------------------------
 

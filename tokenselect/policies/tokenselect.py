@@ -75,21 +75,21 @@ class TokenSelect(SelectivePolicy):
         return Plan(slots, positions, q_positions)
 
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """The decode plan of ``plan`` on the device: the Selection Cache's decision stays there, and only
-        where it says "miss" (a conditional node in the graph) are the middle's votes, top-k and the new
-        entry computed. The middle is the table's fixed span, of which the first length - n_init - n_local
-        slots are live."""
+        """The decode plan of ``plan`` on the device, without a branch: the Selection Cache's decision
+        gates the work instead. On a hit the vote sees no live candidate (its kernels read no key) and
+        the new entry is not written; the top-k and sort still run, over nothing, and are discarded. The middle is
+        the table's fixed span, of which the first length - n_init - n_local slots are live."""
         sc = self.selection_cache
         query = selection_query(q)
-
-        def select():
-            middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
-            live = seq.length - self.n_init - self.n_local
-            chosen = self.choose(query.to(q.dtype), self.cache.k[layer], middle, live)
-            sc.store(seq.row, layer, query, torch.cat([seq.table[:self.n_init], middle[chosen]]))
-
-        seq.when(sc.miss(seq.row, layer, query), select)
-        return sc.selection[seq.row, layer]
+        miss = sc.miss(seq.row, layer, query)  # None: the cache is off, every step selects
+        middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
+        live = seq.length - self.n_init - self.n_local
+        chosen = self.choose(query.to(q.dtype), self.cache.k[layer], middle, live if miss is None else live * miss)
+        selection = torch.cat([seq.table[:self.n_init], middle[chosen]])
+        if miss is None:
+            return selection
+        sc.store(seq.row, layer, query, selection, where=miss)
+        return sc.entry(seq.row, layer)
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
         return self.selection_cache.row(seq_id, query_size, device)
