@@ -5,6 +5,8 @@ eager path chooses and generate its tokens."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tokenselect.attention import Chunk
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
-from tokenselect.policies.base import GraphSeq
+from tokenselect.policies.base import GraphSeq, arange
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
 
@@ -48,6 +50,19 @@ def test_graph_plan_equals_the_eager_plan(selector):
         assert torch.equal(got, want.slots)
         assert torch.equal(want.positions, torch.arange(got.numel()))  # the graph's fixed positions
     assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
+
+
+def test_a_grown_arange_keeps_the_one_graphs_read():
+    """Plans and graphs take index runs from one arange per device. When a longer one is needed the
+    shorter must stay allocated: a recorded CUDA graph reads it by address, and freed memory would be
+    handed to the next allocation of its size."""
+    dev = torch.device("cpu")
+    current = arange(1, dev)
+    shorter, size = weakref.ref(current._base), current._base.numel()
+    del current
+    grown = arange(size + 1, dev)
+    assert torch.equal(grown, torch.arange(size + 1))
+    assert shorter() is not None and grown._base is not shorter()
 
 
 def test_streaming_graph_plan_equals_the_eager_plan():

@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from .policies import AttentionPolicy
-from .policies.base import GraphSeq
+from .policies.base import GraphSeq, arange
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
 GRAIN = 4096  # slot-table capacities are multiples of this
@@ -50,7 +50,6 @@ class DecodeGraphs:
         self.capture = device.type == "cuda" if capture is None else capture
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
-        self._arange = torch.arange(0, device=device)
         self.failure: str | None = None  # why decode graphs were turned off, if they were
         self.steps_run = 0  # decode steps that ran here (as one graph each, when capturing)
 
@@ -95,12 +94,6 @@ class DecodeGraphs:
     def clear(self) -> None:
         """Drop every recorded graph (their policies are being replaced)."""
         self._steps.clear()
-
-    def positions(self, n: int) -> torch.Tensor:
-        """0..n-1 (int64) on the device: a view of an arange grown outside any capture (the warm-up)."""
-        if self._arange.numel() < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
-        return self._arange[:n]
 
 
 class GraphCheckFailed(RuntimeError):
@@ -218,7 +211,7 @@ class _DecodeStep:
             seq = GraphSeq(self.table[b], self.meta[1, b], self.meta[2, b])
             context = self.policy.graph_slots(layer, seq, q[b:b + 1])
             n = context.numel()
-            positions = owner.positions(n + 1)
+            positions = arange(n + 1, owner.device)
             inv_freq, scale = owner.rope(positions[n:])
             outs.append(owner.kernels.sparse_attention(
                 q[b:b + 1], cache.k[layer], cache.v[layer], torch.cat([context, self.new_slots[b:b + 1]]),

@@ -55,8 +55,10 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
         b = start + tl.arange(0, BLOCK)
         m = tl.load(m_ptr + row + b, mask=b < n_blocks, other=float("-inf"))
         total += tl.load(l_ptr + row + b, mask=b < n_blocks, other=0.0) * tl.exp(m - m_head)
-    tl.store(m_out_ptr + h, m_head)
-    tl.store(inv_l_out_ptr + h, 1.0 / tl.sum(total, axis=0))
+    total = tl.sum(total, axis=0)
+    # no live token (a decode graph's Selection Cache hit): 0 and 0, so that the vote computes no inf - inf
+    tl.store(m_out_ptr + h, tl.where(total > 0, m_head, 0.0))
+    tl.store(inv_l_out_ptr + h, tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0))
 
 
 @triton.jit

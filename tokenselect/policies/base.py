@@ -130,7 +130,6 @@ class SelectivePolicy(AttentionPolicy):
         if min(n_init, n_local, budget) < 0:
             raise ValueError("n_init, n_local and the selection budget must be >= 0")
         self.n_init, self.n_local, self.budget, self.positions = n_init, n_local, budget, positions
-        self._indices: dict[torch.device, torch.Tensor] = {}
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         """Choose from the middle of the cache. q: [c, n_heads, head_dim]; middle: [M] slots.
@@ -148,7 +147,7 @@ class SelectivePolicy(AttentionPolicy):
         """The plan attending ``[sinks | middle[chosen] | local window]`` of ``seq.past`` for a chunk of
         ``c`` queries. chosen: sorted indices into the middle, ``seq.past[n_init:t - n_local]``."""
         t, dev = seq.past.numel(), seq.past.device
-        index = self.indices(t, dev)
+        index = arange(t, dev)
         order = torch.cat([index[:self.n_init], chosen.to(dev) + self.n_init, index[t - self.n_local:]])
         positions, q_positions = self.place(order, t, c)
         return Plan(seq.past[order], positions, q_positions)
@@ -156,9 +155,9 @@ class SelectivePolicy(AttentionPolicy):
     def place(self, order: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE positions for the attended tokens ``order: [n]`` (token indices) and the chunk."""
         if self.positions == "original":
-            return order, self.indices(t + c, order.device)[t:]
+            return order, arange(t + c, order.device)[t:]
         n = order.numel()
-        index = self.indices(n + c, order.device)
+        index = arange(n + c, order.device)
         return index[:n], index[n:]
 
     def graph_ready(self, t: int) -> bool:
@@ -170,21 +169,26 @@ class SelectivePolicy(AttentionPolicy):
     def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
         """[sinks | chosen | local window]: the head from ``graph_head``, the window gathered at the
         sequence's current length."""
-        window = seq.table[seq.length - self.n_local + self.indices(self.n_local, q.device)]
+        window = seq.table[seq.length - self.n_local + arange(self.n_local, q.device)]
         return torch.cat([self.graph_head(layer, seq, q), window])
 
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
         """The [sinks | chosen middle tokens] slots [n_init + budget] of a decode step, on the device."""
         raise NotImplementedError
 
-    def indices(self, n: int, device: torch.device) -> torch.Tensor:
-        """0, 1, ..., n - 1 (int64) on ``device``: a read-only view of an arange kept per device, so that
-        plans take their index runs and positions without a kernel launch each."""
-        cached = self._indices.get(device)
-        if cached is None or cached.numel() < n:
-            cached = self._indices[device] = torch.arange(max(n, 2 * (0 if cached is None else cached.numel()), 4096),
-                                                          device=device)
-        return cached[:n]
+
+
+_ARANGES: dict[torch.device, list[torch.Tensor]] = {}  # per device, every arange grown, the longest last
+
+
+def arange(n: int, device: torch.device) -> torch.Tensor:
+    """0, 1, ..., n - 1 (int64) on ``device``: a read-only view of an arange kept per device, so that
+    plans take their index runs and positions without a kernel launch each. One that has to grow is
+    replaced by a longer one but kept: a recorded CUDA graph holds the address of what it read."""
+    grown = _ARANGES.setdefault(device, [])
+    if not grown or grown[-1].numel() < n:
+        grown.append(torch.arange(max(n, 2 * grown[-1].numel() if grown else 0, 4096), device=device))
+    return grown[-1][:n]
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
+from .base import GraphSeq, Plan, SelectivePolicy, SeqView, arange, selection_query
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -70,7 +70,7 @@ class TokenSelect(SelectivePolicy):
         slots = torch.cat([head[:n_head], seq.past[t - self.n_local:]])
         # "reindex" places by index in the list, for which ``place`` reads only the list's length
         order = slots if self.positions == "reindex" else torch.cat([head[n_head:],
-                                                                     self.indices(t, slots.device)[t - self.n_local:]])
+                                                                     arange(t, slots.device)[t - self.n_local:]])
         positions, q_positions = self.place(order, t, c)
         return Plan(slots, positions, q_positions)
 
@@ -111,7 +111,7 @@ class TokenSelect(SelectivePolicy):
         if self.selector == "soft_vote":
             return kern.head_soft_vote(query, k_pool, middle, self.scale, live)
         scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
-        dead = None if live is None else self.indices(middle.numel(), middle.device) >= live
+        dead = None if live is None else arange(middle.numel(), middle.device) >= live
         if dead is not None:
             scores = scores.masked_fill(dead, float("-inf"))
         if self.selector == "topk":
