@@ -25,8 +25,9 @@ may then keep another of them than over the exact middle. Both are the method's 
 can differ between the two paths where such a swap changes a close call.
 
 Each graph checks itself when recorded: the step it records is also run eagerly, and the replay must
-reproduce that step's output and the policy's state (the Selection Cache's entries and counts). If recording fails or the two differ, a warning says why and decode steps
-go back to ``StepGraphs`` for the rest of the engine's life; the step is answered from the eager run.
+reproduce that step's output and the policy's state (the Selection Cache's entries and counts). If
+recording fails or the two differ, a warning says why and decode steps go back to ``StepGraphs`` for the
+rest of the engine's life; the step is answered from the eager run, its cache rows restored.
 """
 
 from __future__ import annotations
