@@ -177,7 +177,6 @@ class SelectivePolicy(AttentionPolicy):
         raise NotImplementedError
 
 
-
 _ARANGES: dict[torch.device, list[torch.Tensor]] = {}  # per device, every arange grown, the longest last
 
 

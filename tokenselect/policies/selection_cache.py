@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..kernels.selection_check import EPS, selection_check_ref
+from .base import arange
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 
@@ -33,7 +34,6 @@ class SelectionCache:
         self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
         self.valid: torch.Tensor | None = None  # [rows, n_layers] bool
         self.device_counts: torch.Tensor | None = None  # [2] int64: hits, misses
-        self._row_index: torch.Tensor | None = None  # [rows] int64: 0, 1, ...: a row as a device scalar
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -54,13 +54,11 @@ class SelectionCache:
         self.unit = torch.zeros(rows, self.n_layers, n, dtype=torch.float32, device=dev)
         self.selection = torch.zeros(rows, self.n_layers, self.width, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(rows, self.n_layers, dtype=torch.bool, device=dev)
-        self._row_index = torch.arange(rows, device=dev)
         if old[0] is not None:
             for new, kept in zip((self.unit, self.selection, self.valid), old):
                 new[:kept.shape[0]] = kept
         else:
             self.device_counts = torch.zeros(2, dtype=torch.int64, device=dev)
-            self._true = torch.ones((), dtype=torch.bool, device=dev)
 
     def release(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
@@ -81,7 +79,7 @@ class SelectionCache:
         if self.theta is None:
             return None
         row = self.row(seq_id, q.numel(), q.device)
-        if self.miss(self._row_index[row], layer, q).item():
+        if self.miss(arange(row + 1, q.device)[row], layer, q).item():  # the row as a device scalar
             return None
         return self.selection[row, layer]
 
@@ -95,7 +93,7 @@ class SelectionCache:
         if where is None:
             self.unit[row, layer] = unit
             self.selection[row, layer] = selection
-            self.valid[row, layer] = self._true
+            self.valid[row, layer] = True
             return
         index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
         for table, new in ((self.unit[:, layer], unit), (self.selection[:, layer], selection)):
