@@ -21,7 +21,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
-        ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check")}
+        ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check", "topk",
+         "window_mass")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **options) -> None:
@@ -56,6 +57,12 @@ def main() -> None:
             "k_ptr": f"*{kv}", "slot_ptr": i64p, "kpos_ptr": i64p, "inv_freq_ptr": "*fp32", "out_ptr": f"*{q}",
             "N": i32, "n_kv": i32, "rope_scale": f32, "k_stride_slot": i32, "k_stride_kvh": i32},
             {"HALF": 64, "HALF_P": 64, "BLOCK_N": 32})
+        block_r, block_n, warps, stages = mods["window_mass"].FP32_TILE if ieee else mods["window_mass"].TILE
+        compile_one("window_mass", "_window_mass_kernel", {
+            "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "C": i32, "N": i32, "W": i32,
+            "n_local": i32, "G": i32, "H": i32, "qk_scale": f32, "k_stride_slot": i32, "k_stride_kvh": i32},
+            {"D": 128, "D_P": 128, "G_P": 4, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot, "IEEE": ieee},
+            num_warps=warps, num_stages=stages)
     compile_one("sparse_attention", "_merge_kernel", {
         "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "rows": i32, "splits": i32},
         {"D": 128, "D_P": 128, "SPLITS_P": 32, "BLOCK_S": 32, "BLOCK_ROWS": 2})
@@ -71,6 +78,15 @@ def main() -> None:
                                                      "dim": i32, "eps": f32}, {"BLOCK": 4096}, num_warps=8)
         compile_one("silu_mul", "_silu_mul_kernel", {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                                                      "n": i32}, {"BLOCK": 1024})
+    topk = {"scores_ptr": "*fp32", "hist_ptr": "*i32", "n_valid_ptr": i64p}
+    for masked in (True, False):
+        for p in range(4):
+            compile_one("topk", "_histogram_kernel", {**topk, "N": i32, "k": i32},
+                        {"PASS": p, "BLOCK": 2048, "MASKED": masked})
+        compile_one("topk", "_count_kernel", {**topk, "counts_ptr": "*i32", "N": i32, "k": i32},
+                    {"BLOCK": 2048, "MASKED": masked})
+        compile_one("topk", "_write_kernel", {**topk, "counts_ptr": "*i32", "out_ptr": i64p, "N": i32, "k": i32,
+                                              "n_blocks": i32}, {"BLOCK": 2048, "BLOCK_C": 1024, "MASKED": masked})
     compile_one("selection_check", "_selection_check_kernel", {
         "q_ptr": "*fp32", "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
         "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})

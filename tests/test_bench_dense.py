@@ -57,8 +57,51 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
     table = (tmp_path / "e2e_t.md").read_text()
     dense = rows[0]
     want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
-    assert f"| 2K | tokenselect | {rows[2]['prefill_s']:.2f} | {want} |" in table
+    assert rows[0]["kv"] == "bf16" and rows[2]["kv"] == "fp32"  # dense's rotated cache; the engine's pool
+    assert f"| 2K | tokenselect | fp32 | {rows[2]['prefill_s']:.2f} | {want} |" in table
     assert "| 3/3 |" in table and "| 0/3 |" in table
+
+
+def test_bench_e2e_merges_runs_into_one_table(tmp_path):
+    """Runs made one device call each (here: two lengths, two KV settings) become one table and plot, in order
+    of length, each row with its own KV setting and its ratio against the dense row of its own length."""
+    import argparse
+    import json
+
+    from tokenselect.bench import e2e
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    common = ["--config", "tiny", "--decode-steps", "2", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
+              "--output", str(tmp_path)]
+    for length, tag, kv in (("2k", "long", "fp8"), ("1k", "short", "auto")):
+        args = parser.parse_args(["e2e", "--lengths", length, "--policies", "dense,streaming", "--kv-dtype", kv,
+                                  "--tag", tag, *common])
+        assert args.func(args) == 0
+    args = parser.parse_args(["e2e", "--merge", str(tmp_path / "e2e_long.json"), str(tmp_path / "e2e_short.json"),
+                              "--output", str(tmp_path), "--tag", "all"])
+    assert args.func(args) == 0
+    merged = json.loads((tmp_path / "e2e_all.json").read_text())
+    rows = merged["rows"]
+    assert [(r["length"], r["policy"], r["kv"]) for r in rows] == [
+        (1024, "dense", "bf16"), (1024, "streaming", "fp32"), (2048, "dense", "bf16"), (2048, "streaming", "fp8")]
+    assert merged["merged"] == ["e2e_long.json", "e2e_short.json"]
+    table = (tmp_path / "e2e_all.md").read_text()
+    assert "merged from e2e_long, e2e_short" in table
+    for dense, sparse in (rows[:2], rows[2:]):
+        n = f"{sparse['length'] // 1024}K"
+        ratio = f"{dense['prefill_s'] / sparse['prefill_s']:.2f}x"
+        assert f"| {n} | streaming | {sparse['kv']} | {sparse['prefill_s']:.2f} | {ratio} |" in table
+    assert (tmp_path / "e2e_all.png").stat().st_size > 0
+    # a rerun of one row (here: the short run's streaming row, measured again) replaces it in place
+    rerun = json.loads((tmp_path / "e2e_short.json").read_text())
+    rerun["rows"] = [{**rerun["rows"][1], "prefill_s": 123.0}]
+    (tmp_path / "e2e_rerun.json").write_text(json.dumps(rerun))
+    args = parser.parse_args(["e2e", "--merge", str(tmp_path / "e2e_long.json"), str(tmp_path / "e2e_short.json"),
+                              str(tmp_path / "e2e_rerun.json"), "--output", str(tmp_path), "--tag", "all"])
+    assert args.func(args) == 0
+    again = json.loads((tmp_path / "e2e_all.json").read_text())["rows"]
+    assert [r["prefill_s"] for r in again] == [rows[0]["prefill_s"], 123.0, rows[2]["prefill_s"], rows[3]["prefill_s"]]
 
 
 def test_policy_specs_carry_their_own_settings():
@@ -83,3 +126,31 @@ def test_bench_e2e_refuses_an_unknown_policy(tmp_path):
     with pytest.raises(SystemExit, match="unknown policy 'tokenselekt:k=8'"):
         args.func(args)
     assert not list(tmp_path.iterdir())  # refused before measuring anything
+
+
+def test_bench_e2e_frees_each_length_engine_before_the_next(tmp_path, monkeypatch):
+    """The engine built for one length (its KV pool) is gone before the next length's engine is built: on a GPU a
+    leftover pool would be counted in the next length's peak memory and could make it not fit."""
+    import argparse
+    import weakref
+
+    from tokenselect.bench import e2e
+    from tokenselect.engine import LLM
+
+    pools, alive_at_build = [], []
+    build = LLM.random.__func__
+
+    def recording(cls, *args, **kwargs):
+        alive_at_build.append([ref() is not None for ref in pools])
+        llm = build(cls, *args, **kwargs)
+        pools.append(weakref.ref(llm.cache.k))
+        return llm
+
+    monkeypatch.setattr(LLM, "random", classmethod(recording))
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "1k,2k", "--policies", "tokenselect",
+                              "--decode-steps", "2", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
+                              "--output", str(tmp_path), "--cuda-graphs"])
+    assert args.func(args) == 0
+    assert alive_at_build == [[], [False]]

@@ -5,8 +5,6 @@ eager path chooses and generate its tokens."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from tokenselect.attention import Chunk
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
-from tokenselect.policies.base import GraphSeq, arange
+from tokenselect.policies.base import _ARANGES, GraphSeq, arange
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
 
@@ -57,12 +55,11 @@ def test_a_grown_arange_keeps_the_one_graphs_read():
     shorter must stay allocated: a recorded CUDA graph reads it by address, and freed memory would be
     handed to the next allocation of its size."""
     dev = torch.device("cpu")
-    current = arange(1, dev)
-    shorter, size = weakref.ref(current._base), current._base.numel()
-    del current
+    address = arange(1, dev).data_ptr()
+    size = _ARANGES[dev][-1].numel()  # the longest so far (an earlier test may have grown it)
     grown = arange(size + 1, dev)
-    assert torch.equal(grown, torch.arange(size + 1))
-    assert shorter() is not None and grown._base is not shorter()
+    assert torch.equal(grown, torch.arange(size + 1)) and grown.data_ptr() != address
+    assert address in [kept.data_ptr() for kept in _ARANGES[dev]]  # still allocated: nothing can reuse it
 
 
 def test_streaming_graph_plan_equals_the_eager_plan():

@@ -177,13 +177,57 @@ def test_paged_dot_reference_is_the_definition():
             assert ref[h, t].item() == pytest.approx((q[h] @ k_pool[slots[t], h // 4]).item(), abs=1e-5)
 
 
-def test_topk_returns_the_largest():
-    gen = torch.Generator().manual_seed(6)
-    scores = torch.randn(1000, generator=gen).to(DEVICE)
-    for kernels in (TRITON, TORCH):
-        got = kernels.topk(scores, 50)
-        assert set(got.tolist()) == set(scores.argsort(descending=True)[:50].tolist())
-        assert kernels.topk(scores[:7], 50).numel() == 7
+@pytest.mark.parametrize("n, k", [(1, 1), (7, 3), (7, 50), (2047, 2047), (2048, 100), (5000, 2048), (9000, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_matches_reference(n, k, dtype):
+    """Distinct random scores: exactly the reference's positions, ascending."""
+    gen = torch.Generator().manual_seed(n + k)
+    bits = torch.randperm(2 * n, generator=gen)[:n] + 0x3000  # distinct bfloat16 bit patterns: no ties in either dtype
+    scores = bits.to(torch.int16).view(torch.bfloat16).to(DEVICE, dtype)
+    got, ref = TRITON.topk(scores, k), TORCH.topk(scores, k)
+    assert got.dtype == torch.int64 and torch.equal(got, ref)
+    assert torch.equal(ref, scores.argsort(descending=True)[:k].sort().values)
+
+
+@pytest.mark.parametrize("n, k", [(10, 4), (3000, 700), (5000, 4999)])
+def test_topk_takes_the_first_of_tied_scores(n, k):
+    """Scores from a handful of values, so the k-th largest is tied: every score above it, then the first
+    of the tied ones in order until k are chosen."""
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.randint(0, 5, (n,), generator=gen).float()
+    kth = scores.sort(descending=True).values[k - 1]
+    above = (scores > kth).nonzero().flatten()
+    ties = (scores == kth).nonzero().flatten()[:k - above.numel()]
+    got = TRITON.topk(scores.to(DEVICE), k).cpu()
+    assert torch.equal(got, torch.cat([above, ties]).sort().values)
+    ref = TORCH.topk(scores.to(DEVICE), k).cpu()  # torch.topk may take any of the tied ones
+    assert torch.equal(scores[ref].sort().values, scores[got].sort().values) and torch.equal(ref, ref.unique())
+
+
+@pytest.mark.parametrize("n, live, k", [(5000, 3000, 100), (5000, 4097, 2048), (300, 1, 1), (5000, 1000, 1500)])
+def test_topk_over_a_live_prefix(n, live, k):
+    """Only scores[:live] are read; the rest count as -inf, taken (first ones first) only when fewer than k
+    are live."""
+    gen = torch.Generator().manual_seed(live)
+    scores = torch.randn(n, generator=gen).to(DEVICE)
+    n_valid = torch.tensor(live, device=DEVICE)
+    got, ref = TRITON.topk(scores, k, n_valid), TORCH.topk(scores, k, n_valid)
+    if live >= k:
+        assert torch.equal(got, ref) and got.max() < live
+    else:
+        assert torch.equal(got, torch.cat([torch.arange(live), torch.arange(live, k)]).to(DEVICE))
+        assert torch.equal(ref[:live], got[:live])
+    poisoned = scores.clone()
+    poisoned[live:] = float("inf")  # not read
+    assert torch.equal(TRITON.topk(poisoned, k, n_valid), got)
+
+
+def test_topk_of_nothing_live():
+    """A decode graph's Selection Cache hit: no score is read, the first k positions come back."""
+    scores = torch.randn(3000, device=DEVICE)
+    assert torch.equal(TRITON.topk(scores, 2048, torch.tensor(0, device=DEVICE)).cpu(), torch.arange(2048))
+    assert torch.equal(TRITON.topk(torch.full_like(scores, float("-inf")), 2048).cpu(), torch.arange(2048))
+    assert TRITON.topk(scores[:0], 5).numel() == 0
 
 
 def rope_inputs(c: int, n: int, d: int, gen: torch.Generator):
@@ -274,6 +318,87 @@ def test_sparse_attention_reference_equals_naive_loop(c, n, group):
     args = (q, k_pool, v_pool, slots, key_pos, key_pos[-c:], inv_freq, scale)
     want = naive_attention(*args, sm_scale=1 / math.sqrt(d))
     torch.testing.assert_close(sparse_attention_ref(*args).double(), want, atol=1e-5, rtol=1e-5)
+
+
+# (chunk c, list length n, n_local, window columns w): one query alone, a window shorter than the chunk,
+# the whole list, the longest window (n_local + c - 1), one wider than that, ragged everywhere
+WINDOW_SHAPES = [(1, 1, 1, 1), (1, 45, 8, 8), (1, 60, 8, 20), (7, 37, 64, 37), (33, 150, 7, 20), (40, 300, 50, 89),
+                 (24, 200, 9, 120)]
+
+
+def window_inputs(c: int, n: int, d: int, group: int, dtype: torch.dtype, k_dtype: torch.dtype, gen: torch.Generator):
+    """q [c, N_KV * group, d], an unsorted list of n slots into a larger pool."""
+    k_pool = pool(n + 100, d, torch.float32, gen).to(k_dtype)
+    return query((c, N_KV * group, d), dtype, gen), k_pool, slot_list(n, n + 100, gen)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("c,n,n_local,w", WINDOW_SHAPES)
+def test_window_mass_matches_reference(c, n, n_local, w, group, dtype, d):
+    gen = torch.Generator().manual_seed(c * 1000 + n + group + d)
+    q, k_pool, slots = window_inputs(c, n, d, group, dtype, dtype, gen)
+    t0 = 5000
+    args = (q, k_pool, slots, c, t0, t0 + c - w, n_local, d ** -0.5)
+    got = TRITON.window_mass(*args)
+    assert got.shape == (w, N_KV * group) and got.dtype == torch.float32
+    torch.testing.assert_close(got, TORCH.window_mass(*args), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("q_dtype,k_dtype,d,group", [(torch.bfloat16, torch.float8_e4m3fn, 64, 4),
+                                                     (torch.float32, torch.bfloat16, 80, 3),
+                                                     (torch.bfloat16, torch.float32, 16, 2)])
+@pytest.mark.parametrize("c", [1, 19])
+def test_window_mass_mixed_dtypes_and_odd_shapes(q_dtype, k_dtype, d, group, c):
+    """An fp8 pool (keys upcast, the query kept as it is), keys and queries of different precisions,
+    a head_dim that is no power of two, a GQA group of 3; a chunk and a decode step's single query."""
+    gen = torch.Generator().manual_seed(d + group)
+    q, k_pool, slots = window_inputs(c, 230, d, group, q_dtype, k_dtype, gen)
+    args = (q, k_pool, slots, c, 700, 640, 60, 0.1)
+    torch.testing.assert_close(TRITON.window_mass(*args), TORCH.window_mass(*args), atol=1e-5, rtol=1e-4)
+
+
+def test_window_mass_reference_is_the_definition():
+    """Query i (token t0 + i) sees the context and the chunk up to itself; key j' (token lo + j', the list's
+    column n - w + j') gets the query's softmax weight when 0 <= (t0 + i) - (lo + j') < n_local."""
+    gen = torch.Generator().manual_seed(12)
+    c, n, n_local, t0, lo, group, d = 4, 11, 3, 20, 17, 2, 16
+    q, k_pool = torch.randn(c, 2 * group, d, generator=gen), torch.randn(30, 2, d, generator=gen)
+    slots = torch.randperm(30, generator=gen)[:n]
+    w = t0 + c - lo
+    want = torch.zeros(w, 2 * group, dtype=torch.float64)
+    for h in range(2 * group):
+        for i in range(c):
+            seen = slots[:n - c + i + 1]
+            p = torch.softmax(k_pool[seen, h // group].double() @ q[i, h].double() * 0.3, dim=0)
+            for jw in range(w):
+                if 0 <= (t0 + i) - (lo + jw) < n_local:
+                    want[jw, h] += p[n - w + jw]
+    got = TORCH.window_mass(q, k_pool, slots, c, t0, lo, n_local, 0.3)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_infllm_counts_the_same_with_either_kernel_set():
+    """InfLLM's local scores, hence its block representatives and choices, agree between the kernel sets."""
+    from tokenselect.policies.infllm import InfLLM
+
+    gen = torch.Generator().manual_seed(13)
+    t, n_heads, d = 150, 8, 16
+    cache = KVCache(1, t, N_KV, d, torch.float32, torch.device(DEVICE))
+    slots = cache.allocate(t)[torch.randperm(t, generator=gen).to(DEVICE)]
+    cache.write(0, slots, *torch.randn(2, t, N_KV, d, generator=gen).to(DEVICE))
+    policies = [InfLLM(cache, kern, window=1000, k=16, n_init=4, n_local=16, block_size=8, repr_keys=2)
+                for kern in (TRITON, TORCH)]
+    for t0 in range(0, t, 30):
+        q = query((30, n_heads, d), torch.float32, gen)
+        plans = [p.plan(0, SeqView(0, slots[:t0], decode=False), q) for p in policies]
+        assert torch.equal(plans[0].slots, plans[1].slots)
+    for p in policies:
+        p.plan(0, SeqView(0, slots, decode=True), q[:1])  # counts the last chunk
+    ours, ref = (p._memory[0][0] for p in policies)
+    torch.testing.assert_close(ours.scores, ref.scores, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.reprs, ref.reprs, atol=1e-5, rtol=1e-4)
 
 
 def test_triton_policy_equals_torch_policy(tiny_llama):

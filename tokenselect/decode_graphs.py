@@ -33,6 +33,7 @@ rest of the engine's life; the step is answered from the eager run, its cache ro
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -129,7 +130,8 @@ class _DecodeStep:
 
     def __init__(self, owner: DecodeGraphs, policy: AttentionPolicy, batch: int, capacity: int):
         dev = owner.device
-        self.owner, self.policy, self.batch = owner, policy, batch
+        # a proxy: the owner keeps its steps, and a cycle would keep a dropped engine's KV pool until the next gc
+        self.owner, self.policy, self.batch = weakref.proxy(owner), policy, batch
         self.meta = torch.zeros(3, batch, dtype=torch.int64, device=dev)  # token ids, lengths, state rows
         self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
         self.new_slots = torch.zeros(batch, dtype=torch.int64, device=dev)

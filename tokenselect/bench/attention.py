@@ -162,7 +162,7 @@ class Layer:
         query = q.float().mean(dim=0).to(torch.bfloat16)
         k_pool = self.k_select if fp8 else self.k_pool
         vote = kern.head_soft_vote(query, k_pool, middle, 1.0)
-        slots = torch.cat([init, middle[kern.topk(vote, self.args.k).sort().values], recent])
+        slots = torch.cat([init, middle[kern.topk(vote, self.args.k)], recent])
         return {"vote": lambda: kern.head_soft_vote(query, k_pool, middle, 1.0),
                 "topk": lambda: kern.topk(vote, self.args.k),
                 "attention": lambda: self.attend(kern, q, slots)}

@@ -77,7 +77,7 @@ def profiled(llm, done: Callable[[], bool]) -> str:
     ops = prof.key_averages()
     tables = [ops.table(sort_by="self_cpu_time_total", row_limit=15)]
     if cuda:
-        tables.append(ops.table(sort_by="self_device_time_total", row_limit=15))
+        tables.append(ops.table(sort_by="self_device_time_total", row_limit=30))
     return "\n".join(tables)
 
 
@@ -179,7 +179,7 @@ def measure_dense(config: dict, ids: list[int], args) -> dict:
 
 
 def run_dense(config: dict, length: int, args) -> dict:
-    row = {"length": length, "policy": "dense"}
+    row = {"length": length, "policy": "dense", "kv": "bf16"}
     try:
         row.update(measure_dense(config, text_prompt(length, config["vocab_size"]), args))
     except torch.OutOfMemoryError:
@@ -215,10 +215,11 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     print(f"{length} tokens: engine with a {llm.cache.n_slots}-slot KV pool (offload {args.kv_offload}) built in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     ids = text_prompt(length, config["vocab_size"])
+    kv = kv_label(llm.kv_dtype, args.kv_offload)
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
-        row = {"length": length, "policy": policy}
+        row = {"length": length, "policy": policy, "kv": kv}
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
             row["error"] = f"skipped: would copy {copies / 1e9:,.0f} GB of values from host"
@@ -235,6 +236,12 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def kv_label(dtype: torch.dtype, offload: str) -> str:
+    """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host'."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp8")
+    return name + (", V on host" if offload == "values" else "")
 
 
 def policy_spec(text: str) -> tuple[str, dict]:
@@ -256,12 +263,12 @@ def policy_spec(text: str) -> tuple[str, dict]:
 def table(rows: list[dict]) -> str:
     """Markdown table with speedups against ``dense`` at the same length."""
     dense = {r["length"]: r for r in rows if r["policy"] == "dense" and "error" not in r}
-    lines = ["| tokens | policy | prefill s | prefill x | decode ms/tok | decode x | SC hit rate | one-graph decode "
-             "| peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | SC hit rate "
+             "| one-graph decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['length'] // 1024}K"
         if "error" in r:
-            lines.append(f"| {n} | {r['policy']} | {r['error']} | | | | | | |")
+            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | |")
             continue
         d = dense.get(r["length"])
         px = f"{d['prefill_s'] / r['prefill_s']:.2f}x" if d else "dense n/a"
@@ -269,7 +276,7 @@ def table(rows: list[dict]) -> str:
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
         whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
-        lines.append(f"| {n} | {r['policy']} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} | {dx} | {hit} "
+        lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} | {dx} | {hit} "
                      f"| {whole} | {peak} |")
     return "\n".join(lines)
 
@@ -302,15 +309,19 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     rows so far; returns the table."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
-    report = (f"# End-to-end: {args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, "
-              f"KV offload {args.kv_offload}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
-              f"{'CUDA graphs' if graphs else 'eager'}, on {device}\n\n{table(rows)}\n")
-    out = Path(args.output)
+    title = (f"{args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, KV offload {args.kv_offload}, "
+             f"chunk {args.chunk_size}, {args.decode_steps} decode steps, {'CUDA graphs' if graphs else 'eager'}")
+    return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload},
+                rows)
+
+
+def save(out: Path, tag: str, title: str, device: str, meta: dict, rows: list[dict]) -> str:
+    """Write out/e2e_<tag>.{md,json,png} (and _profile.txt) for the rows; returns the markdown."""
+    report = f"# End-to-end: {title}, on {device}\n\n{table(rows)}\n"
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"e2e_{args.tag}" if args.tag else "e2e"
+    stem = f"e2e_{tag}" if tag else "e2e"
     plain = [{k: v for k, v in r.items() if k != "profile"} for r in rows]
-    (out / f"{stem}.json").write_text(json.dumps({"device": device, "config": args.config,
-                                                  "kv_offload": args.kv_offload, "rows": plain}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"device": device, **meta, "rows": plain}, indent=1))
     (out / f"{stem}.md").write_text(report)
     if any("error" not in r for r in rows):
         plot([r for r in rows if "error" not in r], out / f"{stem}.png")
@@ -321,7 +332,25 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     return report
 
 
+def merge(args: argparse.Namespace) -> int:
+    """One table and plot from the JSON of several runs (e.g. one per length, each a device call of its
+    own): rows in order of length, each keeping its own KV setting; dense ratios within each length. A row
+    measured again in a later file (same length, policy and KV) replaces the earlier one in place."""
+    runs = [json.loads(Path(f).read_text()) for f in args.merge]
+    devices, configs = {r["device"] for r in runs}, {r["config"] for r in runs}
+    if len(devices) > 1 or len(configs) > 1:
+        raise SystemExit(f"cannot merge runs of different devices or models: {sorted(devices)}, {sorted(configs)}")
+    latest = {(row["length"], row["policy"], row.get("kv")): row for r in runs for row in r["rows"]}
+    rows = sorted(latest.values(), key=lambda row: row["length"])
+    names = ", ".join(Path(f).stem for f in args.merge)
+    print(save(Path(args.output), args.tag, f"{configs.pop()}, merged from {names}", devices.pop(),
+               {"config": runs[0]["config"], "merged": [Path(f).name for f in args.merge]}, rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge(args)
     config = CONFIGS[args.config] if args.config in CONFIGS else json.loads(Path(args.config).read_text())
     if args.layers:
         config = {**config, "num_hidden_layers": args.layers}
@@ -366,4 +395,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--output", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix for the output files")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="measure nothing: write one table and plot from the .json files of earlier runs")
     p.set_defaults(func=run)

@@ -23,16 +23,20 @@ from .head_vote import head_soft_vote, head_soft_vote_ref  # noqa: E402
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref  # noqa: E402
 from .selection_check import selection_check, selection_check_ref  # noqa: E402
 from .sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
-from .topk import topk_ref  # noqa: E402
+from .topk import topk, topk_ref  # noqa: E402
+from .window_mass import window_mass, window_mass_ref  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Kernels:
     """paged_dot(q [H, d], k_pool [S, H_kv, d], slots [N]) -> [H, N] fp32;
-    head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32; topk(scores [N], k) -> indices [min(k, N)];
+    head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32;
+    topk(scores [N], k, n_valid=None) -> indices [min(k, N)] of the largest scores, ascending;
     sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
     rope_scale, sm_scale) -> [c, H, d]; selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss
-    (the Selection Cache's decision, ``selection_check.py``)."""
+    (the Selection Cache's decision, ``selection_check.py``);
+    window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
+    local score, ``window_mass.py``)."""
 
     name: str
     paged_dot: Callable
@@ -40,11 +44,13 @@ class Kernels:
     topk: Callable
     sparse_attention: Callable
     selection_check: Callable
+    window_mass: Callable
 
 
 KERNELS = {
-    "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref),
-    "triton": Kernels("triton", paged_dot, head_soft_vote, topk_ref, sparse_attention, selection_check),
+    "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
+                      window_mass_ref),
+    "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, window_mass),
 }
 
 

@@ -1,12 +1,146 @@
-"""Top-k over the vote. On the GPU, torch.topk (a radix select) is used for both kernel sets:
-``tokenselect bench attention`` times it beside the vote, which has to read every key and so
-costs several times more at every length measured."""
+"""Top-k over the vote: the positions of the k largest scores, in ascending order (the order the chosen
+tokens are attended in).
+
+The reference is ``torch.topk`` then a sort of the k positions. The Triton version is a radix select that
+writes its picks in order, so nothing is sorted. Each fp32 score maps to a uint32 key with the same order;
+four passes histogram one byte of the keys each (from the top), over the keys that share the bytes found
+so far, which pins the k-th largest key byte by byte; then two small kernels write the picks: per block of
+scores, count the keys above the k-th and equal to it; every block then knows where its picks start from
+the counts of the blocks before it and writes them through a prefix sum. Ties at the k-th key are taken
+in order until k are chosen, so the result is always k distinct positions.
+
+With ``n_valid`` only scores[:n_valid] are read; the others count as -inf (a decode graph's fixed-length
+span, whose live prefix is 0 on a Selection Cache hit: then no score is read and the first k positions
+come back).
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
-def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores: [N] -> indices [min(k, N)] int64 of the largest scores (any order)."""
-    return torch.topk(scores, min(k, scores.numel()), sorted=False).indices
+def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """scores: [N] -> indices [min(k, N)] int64 of the largest scores, ascending (ties: any of them).
+    n_valid: None, or an int64 tensor []: scores[n_valid:] count as -inf."""
+    if n_valid is not None:
+        scores = scores.masked_fill(torch.arange(scores.numel(), device=scores.device) >= n_valid, float("-inf"))
+    return torch.topk(scores, min(k, scores.numel()), sorted=False).indices.sort().values
+
+
+@triton.jit
+def _live_count(n_valid_ptr, N, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+    return N
+
+
+@triton.jit
+def _keys(scores_ptr, i, n_live):
+    """uint32 keys of scores[i] ordered as the scores are; positions at or past n_live are -inf, not read."""
+    x = tl.load(scores_ptr + i, mask=i < n_live, other=float("-inf")).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    flip = (bits >> 31) | -2147483648  # all bits of a negative score, the sign bit of any other
+    return (bits ^ flip).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _found(hist_ptr, k, PASSES: tl.constexpr):
+    """From the histograms of passes 0..PASSES-1: the top 8 * PASSES bits of the k-th largest key, and how
+    many of the keys that share them are still to be taken."""
+    bins = tl.arange(0, 256)
+    prefix = tl.full((), 0, tl.uint32)
+    rest = k
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + p * 256 + bins)
+        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys whose byte p is >= each bin
+        digit = tl.max(tl.where(at_least >= rest, bins, 0), axis=0)
+        rest -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
+        prefix = prefix * 256 + digit.to(tl.uint32)
+    return prefix, rest
+
+
+@triton.jit
+def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexpr, BLOCK: tl.constexpr,
+                      MASKED: tl.constexpr):
+    """Program = block of scores: add the histogram of byte PASS of its keys that share the bytes found by the
+    passes before into hist[PASS]. Program 0 also adds the scores past n_valid (all -inf, not read)."""
+    n_live = _live_count(n_valid_ptr, N, MASKED)
+    prefix, rest = _found(hist_ptr, k, PASS)
+    shift: tl.constexpr = 24 - 8 * PASS
+    start = tl.program_id(0) * BLOCK
+    if start < n_live:
+        i = start + tl.arange(0, BLOCK)
+        key = _keys(scores_ptr, i, n_live)
+        match = i < n_live
+        if PASS > 0:
+            match = match & ((key >> (shift + 8)) == prefix)
+        part = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part)
+    if MASKED:
+        dead = tl.full((), 0x007FFFFF, tl.uint32)  # the key of -inf
+        add = tl.program_id(0) == 0
+        if PASS > 0:
+            add = add & ((dead >> (shift + 8)) == prefix)
+        if add:
+            tl.atomic_add(hist_ptr + PASS * 256 + ((dead >> shift) & 255).to(tl.int32), N - n_live)
+
+
+@triton.jit
+def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Program = block b of scores: counts[b] = (#keys above the k-th largest, #keys equal to it)."""
+    kth, _ = _found(hist_ptr, k, 4)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    key = _keys(scores_ptr, i, _live_count(n_valid_ptr, N, MASKED))
+    ok = i < N
+    tl.store(counts_ptr + 2 * tl.program_id(0), tl.sum((ok & (key > kth)).to(tl.int32), axis=0))
+    tl.store(counts_ptr + 2 * tl.program_id(0) + 1, tl.sum((ok & (key == kth)).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, out_ptr, N, k, n_blocks, BLOCK: tl.constexpr,
+                  BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
+    """Program = block b of scores: write the positions it picks to out, after the picks of blocks < b. A key
+    above the k-th largest is picked; one equal to it while fewer than the ties wanted came before it."""
+    b = tl.program_id(0)
+    kth, ties_wanted = _found(hist_ptr, k, 4)
+    above_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    ties_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    for start in range(0, b, BLOCK_C):
+        j = start + tl.arange(0, BLOCK_C)
+        above_before += tl.load(counts_ptr + 2 * j, mask=j < b, other=0)
+        ties_before += tl.load(counts_ptr + 2 * j + 1, mask=j < b, other=0)
+    ties_before = tl.sum(ties_before, axis=0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    key = _keys(scores_ptr, i, _live_count(n_valid_ptr, N, MASKED))
+    tie = (ok & (key == kth)).to(tl.int32)
+    tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie  # tied keys before this one, in every block
+    pick = ((ok & (key > kth)) | ((tie > 0) & (tie_rank < ties_wanted))).to(tl.int32)
+    first = tl.sum(above_before, axis=0) + tl.minimum(ties_before, ties_wanted)  # picks of the blocks before
+    tl.store(out_ptr + first + tl.cumsum(pick, axis=0) - pick, i.to(tl.int64), mask=pick > 0)
+
+
+BLOCK, BLOCK_C = 2048, 1024
+
+
+def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of :func:`topk_ref` (same arguments; the same positions where no two scores tie at the
+    k-th largest, otherwise the first of the tied ones). scores: fp32, bf16 or fp16."""
+    n = scores.numel()
+    k = min(k, n)
+    out = torch.empty(k, dtype=torch.int64, device=scores.device)
+    if k == 0:
+        return out
+    scores = scores.contiguous()
+    n_blocks = triton.cdiv(n, BLOCK)
+    hist = torch.zeros(4, 256, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(n_blocks, 2, dtype=torch.int32, device=scores.device)
+    masked = n_valid is not None
+    for p in range(4):
+        _histogram_kernel[(n_blocks,)](scores, hist, n_valid, n, k, PASS=p, BLOCK=BLOCK, MASKED=masked)
+    _count_kernel[(n_blocks,)](scores, hist, n_valid, counts, n, k, BLOCK=BLOCK, MASKED=masked)
+    _write_kernel[(n_blocks,)](scores, hist, n_valid, counts, out, n, k, n_blocks, BLOCK=BLOCK, BLOCK_C=BLOCK_C,
+                               MASKED=masked)
+    return out

@@ -33,8 +33,6 @@ from ..kernels import Kernels
 from ..kv_cache import KVCache
 from .base import Plan, SelectivePolicy, SeqView, selection_query
 
-SCORE_ELEMENTS = 1 << 24  # attention weights recomputed per block of queries, at most this many floats
-
 
 @dataclass
 class Memory:
@@ -100,34 +98,17 @@ class InfLLM(SelectivePolicy):
         """Add the pending chunk's local-window attention weights to ``mem.scores``."""
         q, context, t0 = mem.pending
         mem.pending = None
-        c, n_heads = q.shape[0], q.shape[1]
+        c = q.shape[0]
         t = t0 + c  # the chunk's keys are seq.past[t0:t] now
         start = self.tracked_from(mem)
         lo = max(start, t0 - self.n_local + 1)  # oldest tracked key inside some query's window
         if lo >= t:
             return
-        k_pool = self.cache.k[layer]
         # the plan's context ends with the local window, so tokens lo..t-1 are the last columns
         attended = torch.cat([context, seq.past[t0:t]])
-        n, w, dev = attended.numel(), t - lo, attended.device
-        key_index = torch.arange(lo, t, device=dev)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        block = max(1, SCORE_ELEMENTS // (n_heads * n))
-        for s in range(0, c, block):
-            part = q[s:s + block].to(k_pool.dtype)  # [b, H, d]
-            b = part.shape[0]
-            # head-major rows keep the GQA mapping row -> kv head equal to h // group
-            rows = part.transpose(0, 1).reshape(n_heads * b, -1)
-            logits = self.kernels.paged_dot(rows, k_pool, attended).view(n_heads, b, n).mul_(scale)
-            query_index = torch.arange(t0 + s, t0 + s + b, device=dev)
-            # the chunk's own keys (the last c columns) are causal; the context before them is all visible.
-            # In place, on the one [H, b, n] tensor: at 128K it is ~150M floats a layer and chunk.
-            future = torch.arange(c, device=dev)[None, :] > (query_index - t0)[:, None]  # [b, c]
-            logits[..., n - c:].masked_fill_(future, float("-inf"))
-            lse = logits.logsumexp(dim=-1, keepdim=True)  # [H, b, 1]
-            dist = query_index[:, None] - key_index[None, :]  # [b, w]
-            weights = logits[..., n - w:].sub_(lse).exp_().mul_((dist >= 0) & (dist < self.n_local))
-            mem.scores[lo - start:t - start] += weights.sum(dim=1).T
+        mem.scores[lo - start:t - start] += self.kernels.window_mass(q, self.cache.k[layer], attended, c, t0, lo,
+                                                                     self.n_local, scale)
 
     def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
         """Give representatives to the blocks 0..n_full-1 of the middle that have none yet."""
@@ -147,8 +128,8 @@ class InfLLM(SelectivePolicy):
         mem = self._memory[seq.id][layer]
         n_full = middle.numel() // self.block_size
         self.close_blocks(layer, seq, mem, n_full)
-        scores = torch.einsum("hd,bhd->b", selection_query(q), mem.reprs)  # [n_full]
-        blocks = self.kernels.topk(scores, self.n_blocks).sort().values
+        scores = mem.reprs.flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
+        blocks = self.kernels.topk(scores, self.n_blocks)
         offsets = torch.arange(self.block_size, device=middle.device)
         tokens = (blocks[:, None] * self.block_size + offsets[None, :]).flatten()
         remainder = torch.arange(n_full * self.block_size, middle.numel(), device=middle.device)

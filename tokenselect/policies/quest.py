@@ -41,7 +41,7 @@ class Quest(SelectivePolicy):
         lo, hi = self.page_bounds(layer, seq.id, middle)
         pages = self.kernels.topk(self.page_scores(selection_query(q), lo, hi), self.k // self.page_size)
         offsets = torch.arange(self.page_size, device=middle.device)
-        tokens = (pages.sort().values[:, None] * self.page_size + offsets[None, :]).flatten()
+        tokens = (pages[:, None] * self.page_size + offsets[None, :]).flatten()
         return tokens[tokens < middle.numel()]
 
     def page_bounds(self, layer: int, seq_id: int, middle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

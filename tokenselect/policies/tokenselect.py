@@ -125,7 +125,7 @@ class TokenSelect(SelectivePolicy):
     def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
                live: torch.Tensor | None = None) -> torch.Tensor:
         """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live])."""
-        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k).sort().values
+        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live)
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
