@@ -6,10 +6,10 @@ TokenSelect and StreamingLLM with positions by index in the list) nothing has to
 attended list has a fixed length (sinks + k chosen + local window) and fixed positions 0..n-1 whatever
 the context's length; the sequence's slot table goes in as a buffer of fixed size with its length as a
 device scalar; and the Selection Cache's decision gates the selection instead of branching: on a hit
-the vote has no live candidate (its kernels read no key and skip their blocks) and the new entry is not
-stored, while the top-k runs over nothing and is discarded. A decode step is then one graph launch with
-no host read per layer. (CUDA graph conditional nodes would skip the top-k too; torch 2.11, what the GPU
-runs, cannot capture them.)
+the vote and the top-k have no live candidate (their kernels read no score or key and skip their blocks)
+and the new entry is not stored. A decode step is then one graph launch with no host read per layer.
+(CUDA graph conditional nodes would skip even the launches; torch 2.11, what the GPU runs, cannot capture
+them.)
 
 A graph is recorded per (batch size, table capacity, policy). The capacity is the longest sequence's
 length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a larger one replaces it.
@@ -18,11 +18,11 @@ Batches of at most MAX_BATCH decode sequences sharing one policy instance run he
 threshold) runs through ``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function
 runs eagerly: that is how the tests exercise what the graphs run on a CPU.
 
-The graph chooses what the eager step chooses, except among tokens whose votes tie (equal keys, as a
-repeated token's are in the first layer) or, with the PyTorch reference kernels, differ by rounding (a
-softmax over the padded span sums in another order): ``torch.topk`` over the table's fixed-length span
-may then keep another of them than over the exact middle. Both are the method's choice; greedy text
-can differ between the two paths where such a swap changes a close call.
+The graph chooses what the eager step chooses. With the PyTorch reference kernels it may differ among
+tokens whose votes tie (equal keys, as a repeated token's are in the first layer) or differ by rounding (a
+softmax over the padded span sums in another order): ``torch.topk`` over the table's fixed-length span may
+keep another of them than over the exact middle (the Triton top-k takes the first of tied tokens on both
+paths). Both are the method's choice; greedy text can differ where such a swap changes a close call.
 
 Each graph checks itself when recorded: the step it records is also run eagerly, and the replay must
 reproduce that step's output and the policy's state (the Selection Cache's entries and counts). If

@@ -31,6 +31,7 @@ def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) 
 
 @triton.jit
 def _live_count(n_valid_ptr, N, MASKED: tl.constexpr):
+    """How many scores are live: min(*n_valid_ptr, N) with MASKED, else N."""
     if MASKED:
         return tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
     return N

@@ -76,8 +76,8 @@ class TokenSelect(SelectivePolicy):
 
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
         """The decode plan of ``plan`` on the device, without a branch: the Selection Cache's decision
-        gates the work instead. On a hit the vote sees no live candidate (its kernels read no key) and
-        the new entry is not written; the top-k and sort still run, over nothing, and are discarded.
+        gates the work instead. On a hit the vote and the top-k see no live candidate (their kernels read
+        nothing; the top-k's positions are discarded) and the new entry is not written.
         The middle is the table's fixed span, of which the first length - n_init - n_local slots are live."""
         sc = self.selection_cache
         query = selection_query(q)
