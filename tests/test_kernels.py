@@ -119,6 +119,26 @@ def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
     assert torch.equal(fp8.select(0, seq, q, middle), bf16.select(0, seq, q, middle))
 
 
+@pytest.mark.parametrize("kernels", [TRITON, TORCH], ids=lambda k: k.name)
+def test_reattention_selects_over_an_fp8_pool_with_unquantized_queries(kernels):
+    """ReAttention scores every chunk query: over an fp8 pool it picks what it picks over the same key values
+    in bf16 (the queries are not rounded to fp8)."""
+    from tokenselect.policies.reattention import ReAttention
+
+    gen = torch.Generator().manual_seed(9)
+    n, d, group = 600, 64, 4
+    cache = KVCache(1, n, N_KV, d, torch.float8_e4m3fn, torch.device(DEVICE))
+    cache.k[0].copy_(torch.randn(n, N_KV, d, generator=gen).to(DEVICE, torch.float8_e4m3fn))
+    same_keys = KVCache(1, n, N_KV, d, torch.bfloat16, torch.device(DEVICE))
+    same_keys.k[0].copy_(cache.k[0].to(torch.bfloat16))
+    q = query((6, N_KV * group, d), torch.bfloat16, gen)
+    middle = slot_list(500, n, gen)
+    fp8, bf16 = (ReAttention(c, kernels, window=4096, n_init=4, n_local=16, span=4, n_spans=30, chunk=6)
+                 for c in (cache, same_keys))
+    seq = SeqView(0, middle, decode=False)
+    assert torch.equal(fp8.select(0, seq, q, middle), bf16.select(0, seq, q, middle))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 4096), (7, 80), (3, 5, 16), (0, 64)])  # a decode row, ragged, per head, none
 def test_rms_norm_matches_reference(shape, dtype):

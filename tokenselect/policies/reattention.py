@@ -40,7 +40,7 @@ class ReAttention(SelectivePolicy):
         block = max(1, SCORE_ELEMENTS // (n_heads * m))
         picks = []
         for start in range(0, q.shape[0], block):
-            part = q[start:start + block].to(k_pool.dtype)  # [b, n_heads, d]
+            part = q[start:start + block]  # [b, n_heads, d], in its own dtype (an fp8 pool's keys are upcast)
             # head-major rows: row h*b + i is head h, so the GQA mapping row -> kv head stays h // group
             rows = part.transpose(0, 1).reshape(n_heads * part.shape[0], -1)
             scores = self.kernels.paged_dot(rows, k_pool, middle)  # [n_heads * b, M]
