@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+FIRST = ("e2e_h100", "attention_h100")  # the headline tables, in this order; the others follow by name
 
 
 def summary(md: Path) -> str:
@@ -28,7 +29,9 @@ def summary(md: Path) -> str:
 
 
 def results_section() -> str:
-    parts = [s for s in (summary(md) for md in sorted(RESULTS.glob("*.md"))) if s]
+    files = sorted(RESULTS.glob("*.md"), key=lambda md: (FIRST.index(md.stem) if md.stem in FIRST else len(FIRST),
+                                                          md.name))
+    parts = [s for s in (summary(md) for md in files) if s]
     return "\n\n".join(parts) or "No results committed yet."
 
 
