@@ -13,21 +13,15 @@ from pathlib import Path
 
 import torch
 
+from tokenselect.bench.attention import timer
 from tokenselect.kernels.topk import topk, topk_ref
 
 K, CALLS, REPLAYS = 2048, 20, 10
 
 
 def timed(fn) -> tuple[float, float]:
-    """(eager, in-graph) microseconds per call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    eager = (time.perf_counter() - start) / 50 * 1e6
+    """(eager: the median of ``tokenselect bench attention``'s timer, in-graph) microseconds per call."""
+    eager = timer(torch.device("cuda"))(fn) * 1e3
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

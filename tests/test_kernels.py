@@ -19,6 +19,7 @@ from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
+from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.tokenselect import TokenSelect
 from tokenselect.rope import RopeSpec
 
@@ -97,16 +98,22 @@ def test_head_soft_vote_reads_fp8_keys():
                                TORCH.head_soft_vote(q, k_pool, slots, 0.1), atol=1e-5, rtol=1e-4)
 
 
+def fp8_pool_and_its_bf16_twin(n: int, d: int, gen: torch.Generator) -> tuple[KVCache, KVCache]:
+    """A one-layer cache with random fp8 keys, and one holding the same key values in bf16."""
+    cache = KVCache(1, n, N_KV, d, torch.float8_e4m3fn, torch.device(DEVICE))
+    cache.k[0].copy_(torch.randn(n, N_KV, d, generator=gen).to(DEVICE, torch.float8_e4m3fn))
+    same_keys = KVCache(1, n, N_KV, d, torch.bfloat16, torch.device(DEVICE))
+    same_keys.k[0].copy_(cache.k[0].to(torch.bfloat16))
+    return cache, same_keys
+
+
 @pytest.mark.parametrize("kernels", [TRITON, TORCH], ids=lambda k: k.name)
 def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
     """An fp8 KV pool: the vote must be the one over the same key values in bf16 (the keys upcast on
     load), with the query in its own dtype; quantizing the query to fp8 changes it far more."""
     gen = torch.Generator().manual_seed(8)
     n, d, group = 600, 64, 4
-    cache = KVCache(1, n, N_KV, d, torch.float8_e4m3fn, torch.device(DEVICE))
-    cache.k[0].copy_(torch.randn(n, N_KV, d, generator=gen).to(DEVICE, torch.float8_e4m3fn))
-    same_keys = KVCache(1, n, N_KV, d, torch.bfloat16, torch.device(DEVICE))
-    same_keys.k[0].copy_(cache.k[0].to(torch.bfloat16))
+    cache, same_keys = fp8_pool_and_its_bf16_twin(n, d, gen)
     q = query((3, N_KV * group, d), torch.bfloat16, gen)  # a chunk of the model's (bf16) queries
     middle = slot_list(500, n, gen)
     fp8, bf16 = (TokenSelect(c, kernels, k=40, score_scale="sqrt_d") for c in (cache, same_keys))
@@ -123,14 +130,9 @@ def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
 def test_reattention_selects_over_an_fp8_pool_with_unquantized_queries(kernels):
     """ReAttention scores every chunk query: over an fp8 pool it picks what it picks over the same key values
     in bf16 (the queries are not rounded to fp8)."""
-    from tokenselect.policies.reattention import ReAttention
-
     gen = torch.Generator().manual_seed(9)
     n, d, group = 600, 64, 4
-    cache = KVCache(1, n, N_KV, d, torch.float8_e4m3fn, torch.device(DEVICE))
-    cache.k[0].copy_(torch.randn(n, N_KV, d, generator=gen).to(DEVICE, torch.float8_e4m3fn))
-    same_keys = KVCache(1, n, N_KV, d, torch.bfloat16, torch.device(DEVICE))
-    same_keys.k[0].copy_(cache.k[0].to(torch.bfloat16))
+    cache, same_keys = fp8_pool_and_its_bf16_twin(n, d, gen)
     q = query((6, N_KV * group, d), torch.bfloat16, gen)
     middle = slot_list(500, n, gen)
     fp8, bf16 = (ReAttention(c, kernels, window=4096, n_init=4, n_local=16, span=4, n_spans=30, chunk=6)

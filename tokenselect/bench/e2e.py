@@ -243,8 +243,10 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
 
 
 def kv_label(dtype: torch.dtype, offload: str) -> str:
-    """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host'."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp8")
+    """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host' (the names of ``--kv-dtype``)."""
+    from ..engine import KV_DTYPES
+
+    name = next(name for name, kv_dtype in KV_DTYPES.items() if kv_dtype == dtype)
     return name + (", V on host" if offload == "values" else "")
 
 
