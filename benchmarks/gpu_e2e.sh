@@ -3,15 +3,16 @@
 # fits a 10-minute device command. Each part writes OUTDIR/e2e_<tag>.{md,json,png}; copy them to
 # benchmarks/results, add the notes, then run benchmarks/update_readme.py.
 # Usage: benchmarks/gpu_e2e.sh OUTDIR PART
-#   tests    the GPU tests of the kernels, decode graphs (really captured and checked) and InfLLM, then the top-k
-#            timed against torch.topk + sort (benchmarks/topk_gpu.py)
+#   tests    the GPU tests of the kernels, whole-step graphs (really captured and checked) and InfLLM, then the
+#            top-k timed against torch.topk + sort (benchmarks/topk_gpu.py); OUTDIR/tests.log as it goes (did not
+#            finish within 7 minutes: give it the whole 10-minute limit)
 #   profile  128K TokenSelect (every step selecting, and the hit path) with 2 prefill chunks and 2 decode steps
 #            under torch.profiler (writes e2e_128k_profile_h100_profile.txt: what a missed target is explained with)
-#   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 5 minutes)
+#   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 3 minutes)
 #   512k     512K with an fp8 KV pool (dense's bf16 cache does not fit): TokenSelect, its hit path, streaming and
-#            InfLLM                                                                        (about 6 minutes)
-#   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 8 minutes)
-#   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 8 minutes)
+#            InfLLM                                                                        (about 3 minutes)
+#   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 5 minutes)
+#   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 5 minutes)
 #   merge    (no GPU) those of OUTDIR's e2e_{128k,512k,1m,1m_more}_h100.json that exist -> one table and plot,
 #            e2e_h100.{md,json,png}
 set -euo pipefail
@@ -20,8 +21,8 @@ part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 e2e=(python3 -m tokenselect.cli bench e2e --decode-steps 32 --output "$out")
 offload=(--kv-dtype fp8 --kv-offload values --decode-steps 16)
 case "$part" in
-  tests) python3 -m pytest -q tests/test_kernels.py tests/test_decode_graphs.py tests/test_step_graphs.py \
-           tests/test_selection_cache.py tests/test_baselines.py 2>&1 | tail -15
+  tests) python3 -m pytest -q tests/test_kernels.py tests/test_whole_graphs.py tests/test_step_graphs.py \
+           tests/test_selection_cache.py tests/test_baselines.py 2>&1 | tee "$out/tests.log" | tail -15
          python3 benchmarks/topk_gpu.py "$out" ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
              --profile-steps 2 ;;

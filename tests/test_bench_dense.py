@@ -48,7 +48,7 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
                               "--output", str(tmp_path), "--tag", "t", "--cuda-graphs"])  # on a CPU: run eagerly
     assert args.func(args) == 0
     rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
-    # tokenselect's timed decode steps ran as whole steps (decode_graphs.py), full's through the pieces
+    # tokenselect's timed decode steps ran as whole steps (whole_graphs.py), full's through the pieces
     assert [r.get("whole_graph_steps") for r in rows] == [None, 0, 3, 3]
     assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect", "tokenselect:theta=-1"]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)

@@ -53,7 +53,7 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     """Three prompts (prefilled in chunks of 32, one after another, then decoding together) give the
     tokens of the plain path. Full attention decodes in bucket 4 (one padding row); tokenselect with a
     small budget selects or reuses (Selection Cache) on every decode step, its decode steps captured
-    whole (``DecodeGraphs``, batch 3)."""
+    whole (``WholeGraphs``, batch 3)."""
     settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5} if attention == "tokenselect" else {}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -63,9 +63,9 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert 32 in graphed.graphs._buckets
     if attention == "full":
-        assert 4 in graphed.graphs._buckets and not graphed.decode_graphs._steps
+        assert 4 in graphed.graphs._buckets and not graphed.whole_graphs._steps
     else:
-        assert 3 in [key[0] for key in graphed.decode_graphs._steps]
+        assert 3 in [key[1] for key in graphed.whole_graphs._steps]
         assert graphed.stats()["selection_cache_hits"] > 0 and graphed.stats()["selection_cache_misses"] > 0
         assert graphed.stats()["selection_cache_hits"] == plain.stats()["selection_cache_hits"]
 

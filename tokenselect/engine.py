@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 
 from .attention import BatchAttention, Chunk, RopeFrequencies
 from .config import ModelConfig
-from .decode_graphs import DecodeGraphs
 from .errors import ContextTooLong
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
@@ -26,6 +25,8 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .step_graphs import StepGraphs
+from .transfer import to_device
+from .whole_graphs import WholeGraphs
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
@@ -46,8 +47,8 @@ class LLM:
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling,
         cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
-        steps of TokenSelect / StreamingLLM as one graph each, attention included, ``DecodeGraphs``;
-        default on CUDA; on a CPU the same code runs eagerly) (engine) and the policy's own settings."""
+        steps and a long prompt's full prefill chunks of TokenSelect / StreamingLLM as one graph each,
+        attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs eagerly) (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
 
@@ -101,8 +102,8 @@ class LLM:
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.graphs = StepGraphs(self.model, self.device, self.chunk_size) if cuda_graphs else None
-        self.decode_graphs = (DecodeGraphs(self.model, self.cache, self.kernels, self.rope, self.device)
-                              if cuda_graphs else None)
+        self.whole_graphs = (WholeGraphs(self.model, self.cache, self.kernels, self.rope, self.device,
+                                         self.chunk_size) if cuda_graphs else None)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -114,8 +115,8 @@ class LLM:
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
         self.attention, self.policy_settings = attention, policy_settings
-        if getattr(self, "decode_graphs", None) is not None:
-            self.decode_graphs.clear()
+        if getattr(self, "whole_graphs", None) is not None:
+            self.whole_graphs.clear()
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
         self._policies = {(): self.policy}  # one instance per distinct per-request settings
 
@@ -201,12 +202,12 @@ class LLM:
         wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
                   else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                   for ch in chunks]
-        logit_rows = torch.tensor(sum(wanted, []), dtype=torch.int64, device=self.device)
-        if self.decode_graphs is not None and self.decode_graphs.usable(chunks):
-            logits = self.model.logits(self.decode_graphs.run(chunks, ids, new_slots)[logit_rows])
+        logit_rows = to_device(sum(wanted, []), self.device)
+        if self.whole_graphs is not None and self.whole_graphs.usable(chunks):
+            logits = self.model.logits(self.whole_graphs.run(chunks, ids, new_slots)[logit_rows])
         else:
             ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, new_slots)
-            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            input_ids = to_device(ids, self.device)
             if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
                 logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
             else:

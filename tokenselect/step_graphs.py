@@ -114,7 +114,7 @@ class _Bucket:
         graphs = []
         for i, piece in enumerate(self.pieces):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # as decode_graphs.py
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # as whole_graphs.py
                 self.outputs[i] = piece(self.outputs[i - 1] if i else None)
             graphs.append(graph)
         self.graphs = graphs

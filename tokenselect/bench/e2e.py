@@ -119,16 +119,16 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         llm.step()
     sync(dev)
     prefill = time.perf_counter() - start
-    llm.step()  # untimed: the first decode step at this length records its CUDA graph (decode_graphs.py)
+    llm.step()  # untimed: the first decode step at this length records its CUDA graph (whole_graphs.py)
     sync(dev)
-    whole = llm.decode_graphs.steps_run if llm.decode_graphs is not None else None
+    whole = llm.whole_graphs.steps_run if llm.whole_graphs is not None else None
     start = time.perf_counter()
     while len(seq.output_ids) <= decode_steps + 1:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
     if whole is not None:
-        whole = llm.decode_graphs.steps_run - whole
+        whole = llm.whole_graphs.steps_run - whole
     stats = llm.policy.stats()
     if profile_steps:
         profile["decode"] = profiled(llm, lambda: seq.finished)
@@ -138,7 +138,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         "prefill_s": prefill,
         "decode_ms": decode * 1e3,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
-        "whole_graph_steps": whole,  # of the timed decode steps, those run as one graph (decode_graphs.py)
+        "whole_graph_steps": whole,  # of the timed decode steps, those run as one graph (whole_graphs.py)
         "decode_steps": decode_steps,
         "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
     }

@@ -50,23 +50,25 @@ class SeqView:
 
 @dataclass
 class GraphSeq:
-    """A decode sequence inside a step captured as one CUDA graph (``decode_graphs.py``): what a policy
-    reads, as device tensors of shapes fixed for the graph's life.
+    """A sequence inside a step captured as one CUDA graph (``whole_graphs.py``): what a policy reads, as
+    device tensors of shapes fixed for the graph's life.
 
     table: [C] slots of the sequence's tokens 0..C-1; entries from ``length`` on are not the sequence's
         and must never be attended (they hold some valid slot, so reading them is harmless).
     length: int64 [], the tokens in the cache before this step.
     row: int64 [], the sequence's row in the policy's per-sequence state (``graph_row``).
+    decode: True for a decode step (one query), False for a prefill chunk (which never reuses a selection).
     """
 
     table: torch.Tensor
     length: torch.Tensor
     row: torch.Tensor
+    decode: bool = True
 
 
 class AttentionPolicy:
-    """Base class. Subclasses set ``name`` and implement ``plan``; those that can plan a decode step on
-    the device alone (``graph_ready``) also implement ``graph_slots``."""
+    """Base class. Subclasses set ``name`` and implement ``plan``; those that can plan a step on the device
+    alone (``graph_ready``) also implement ``graph_slots``."""
 
     name = "base"
 
@@ -86,12 +88,14 @@ class AttentionPolicy:
     # ---- decode steps captured as CUDA graphs -------------------------------------------------
 
     def graph_ready(self, t: int) -> bool:
-        """Whether a decode step after ``t`` cached tokens can be planned by ``graph_slots``."""
+        """Whether a step (a decode token or a prefill chunk) after ``t`` cached tokens can be planned by
+        ``graph_slots``."""
         return False
 
     def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """The context slots [n] (n fixed) a decode query q: [1, n_heads, head_dim] attends, in attention
-        order at positions 0..n-1 (the query at n), as ``plan`` would choose them, computed on the device."""
+        """The context slots [n] (n fixed) that the queries q: [c, n_heads, head_dim] (a decode token, c = 1,
+        or a prefill chunk, per ``seq.decode``) attend, in attention order at positions 0..n-1 (the queries
+        at n..n+c-1), as ``plan`` would choose them, computed on the device."""
         raise NotImplementedError
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
@@ -161,8 +165,8 @@ class SelectivePolicy(AttentionPolicy):
         return index[:n], index[n:]
 
     def graph_ready(self, t: int) -> bool:
-        """Subclasses that implement ``graph_head`` can plan a decode step on the device once the cache
-        is past the selection threshold, with positions by index in the list (which then never move)."""
+        """Subclasses that implement ``graph_head`` can plan a step on the device once the cache is past the
+        selection threshold, with positions by index in the list (which then never move)."""
         return (type(self).graph_head is not SelectivePolicy.graph_head and self.positions == "reindex"
                 and t > self.n_init + self.budget + self.n_local)
 
@@ -173,7 +177,7 @@ class SelectivePolicy(AttentionPolicy):
         return torch.cat([self.graph_head(layer, seq, q), window])
 
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """The [sinks | chosen middle tokens] slots [n_init + budget] of a decode step, on the device."""
+        """The [sinks | chosen middle tokens] slots [n_init + budget] of a step, on the device."""
         raise NotImplementedError
 
 

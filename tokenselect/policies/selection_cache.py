@@ -8,7 +8,7 @@ The entries live on the device, one row per sequence: for every layer the cached
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
 decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
 hits and misses there; an eager step reads it back once (``lookup``), a decode step captured as a CUDA
-graph gates its selection work with it (``decode_graphs.py``). Both see the same entries, so a
+graph gates its selection work with it (``whole_graphs.py``). Both see the same entries, so a
 sequence may move between the two paths.
 """
 

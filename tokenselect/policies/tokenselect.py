@@ -75,13 +75,14 @@ class TokenSelect(SelectivePolicy):
         return Plan(slots, positions, q_positions)
 
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """The decode plan of ``plan`` on the device, without a branch: the Selection Cache's decision
-        gates the work instead. On a hit the vote and the top-k see no live candidate (their kernels read
-        nothing; the top-k's positions are discarded) and the new entry is not written.
-        The middle is the table's fixed span, of which the first length - n_init - n_local slots are live."""
+        """``plan``'s choice on the device, without a branch. A prefill chunk selects. A decode step goes
+        through the Selection Cache, whose decision gates the work: on a hit the vote and the top-k see no
+        live candidate (their kernels read nothing; the top-k's positions are discarded) and the new entry
+        is not written. The middle is the table's fixed span, of which the first length - n_init - n_local
+        slots are live."""
         sc = self.selection_cache
         query = selection_query(q)
-        miss = sc.miss(seq.row, layer, query)  # None: the cache is off, every step selects
+        miss = sc.miss(seq.row, layer, query) if seq.decode else None  # None: select, store nothing
         middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
         live = seq.length - self.n_init - self.n_local
         chosen = self.choose(query.to(q.dtype), self.cache.k[layer], middle, live if miss is None else live * miss)

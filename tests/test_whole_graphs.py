@@ -1,7 +1,7 @@
-"""Decode steps captured whole (``DecodeGraphs``): the policy plans on the device from a slot table of
-fixed size, and the Selection Cache's decision gates the selection work. On a CPU the step function
-runs eagerly; on a GPU the same tests record and replay CUDA graphs. Either way it must choose what the
-eager path chooses and generate its tokens."""
+"""Steps captured whole (``WholeGraphs``): decode steps and a long prompt's full prefill chunks. The
+policy plans on the device from a slot table of fixed size, and in decode the Selection Cache's decision
+gates the selection work. On a CPU the step function runs eagerly; on a GPU the same tests record and
+replay CUDA graphs. Either way it must choose what the eager path chooses and generate its tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenselect import LLM, SamplingParams
-from tokenselect import decode_graphs
+from tokenselect import whole_graphs
 from tokenselect.attention import Chunk
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
@@ -50,6 +50,29 @@ def test_graph_plan_equals_the_eager_plan(selector):
     assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
 
 
+@pytest.mark.parametrize("selector", ["soft_vote", "topk"])
+def test_prefill_chunk_graph_plan_equals_the_eager_plan(selector):
+    """A prefill chunk (8 queries) planned on the device from the padded table selects what the eager plan
+    selects, with its mean query, and leaves the Selection Cache alone: no lookup, nothing stored."""
+    torch.manual_seed(4)
+    t0, n_init, n_local, k = 150, 4, 8, 16
+    cache = KVCache(1, 400, 2, 16, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(300)[torch.randperm(300)]
+    cache.write(0, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
+    settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
+    eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
+    row = torch.tensor(graph.graph_row(7, 4 * 16, torch.device("cpu")))
+    for t in (t0, t0 + 8, t0 + 16):
+        q = torch.randn(8, 4, 16)
+        want = eager.plan(0, SeqView(7, slots[:t], decode=False), q)
+        got = graph.graph_slots(0, GraphSeq(slots, torch.tensor(t), row, decode=False), q)
+        assert torch.equal(got, want.slots)
+        assert torch.equal(want.positions, torch.arange(got.numel()))
+        assert torch.equal(want.q_positions, torch.arange(got.numel(), got.numel() + 8))
+    assert graph.selection_cache.counts() == eager.selection_cache.counts() == (0, 0)
+    assert not graph.selection_cache.valid.any()
+
+
 def test_a_grown_arange_keeps_the_one_graphs_read():
     """Plans and graphs take index runs from one arange per device. When a longer one is needed the
     shorter must stay allocated: a recorded CUDA graph reads it by address, and freed memory would be
@@ -71,7 +94,7 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     assert torch.equal(got, want.slots)
 
 
-def test_which_steps_run_as_decode_graphs(tiny_llama):
+def test_which_steps_run_as_whole_graphs(tiny_llama):
     """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
@@ -82,17 +105,60 @@ def test_which_steps_run_as_decode_graphs(tiny_llama):
         while any(s.prefilling for s in seqs):
             llm.step()
         decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
-        assert llm.decode_graphs.usable(decode) is works, policy
-        assert not llm.decode_graphs.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
-        assert not llm.decode_graphs.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
+        assert llm.whole_graphs.usable(decode) is works, policy
+        assert not llm.whole_graphs.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
+        assert not llm.whole_graphs.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
         for s in seqs:
             llm.abort(s)
     llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16)
     seq = llm.add_request(ids(80, 9), SamplingParams(max_tokens=3, ignore_eos=True))
     while seq.prefilling:
         llm.step()
-    assert not llm.decode_graphs.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
+    assert not llm.whole_graphs.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
     llm.abort(seq)
+
+
+def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
+    """A prompt of at least PREFILL_MIN_CHUNKS chunks runs its full chunks past the selection threshold as
+    whole steps, alone in the step; its first chunks, its last partial chunk, shorter prompts and chunks
+    sharing a step with a decode token take StepGraphs."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, cuda_graphs=True)
+    graphs = llm.whole_graphs
+    seq = llm.add_request(ids(150, 1), SamplingParams(max_tokens=2, ignore_eos=True))
+    usable = []
+    while seq.prefilling:
+        usable.append(graphs.usable([Chunk(seq, 0, min(32, 150 - seq.n_cached), seq.n_cached)]))
+        llm.step()
+    assert usable == [False, False, True, True, False]  # past 0, 32 (inside 4 + 16 + 16), 64, 96, last 22 rows
+    assert graphs.steps_run == 2 and [key[0] for key in graphs._steps] == [False]  # one prefill graph
+    short = llm.add_request(ids(100, 2), SamplingParams(max_tokens=2, ignore_eos=True))  # 4 chunks, not 5
+    mixed = [Chunk(seq, 0, 1, seq.n_cached)] + [Chunk(short, 1, 32, 64)]
+    assert not graphs.usable([Chunk(short, 0, 32, 64)]) and not graphs.usable(mixed)
+
+
+@pytest.mark.parametrize("attention,settings", [("tokenselect", {"theta": 0.5}),
+                                                ("tokenselect", {"theta": None, "selector": "topk"}),
+                                                ("streaming", {})])
+def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, batch_invariant_matmuls, monkeypatch,
+                                                                   attention, settings):
+    """Every prompt position's logits, and then the generated tokens, are the plain path's when the prompt's
+    chunks run as whole steps; the Selection Cache then decodes with the same hits and misses."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    sizes = {"k": 16, "n_init": 4, "n_local": 16} if attention == "tokenselect" else {"n_init": 4, "n_local": 16}
+    engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
+               for graphs in (False, True)]
+    prompt = ids(200, 6)
+    logits = [llm.prompt_logits(prompt) for llm in engines]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    # the full chunks past the threshold (4 + 16 + 16 tokens, streaming's 4 + 16): from 64 (32), 96, 128, 160;
+    # not the last 8 tokens
+    assert engines[1].whole_graphs.steps_run == (4 if attention == "tokenselect" else 5)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
+    assert outs[1] == outs[0]
+    counts = [{k: v for k, v in llm.stats().items() if k.startswith("selection_cache")} for llm in engines]
+    assert counts[1] == counts[0]
 
 
 @pytest.mark.parametrize("attention,settings", [
@@ -105,7 +171,7 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
     """Requests arriving at different times (so steps alternate between decode graphs and mixed steps
     with a prefill chunk, and the batch size changes) decode what the plain path decodes, with the same
     Selection Cache hits and misses. A small GRAIN makes the tables outgrow their capacity mid-run."""
-    monkeypatch.setattr(decode_graphs, "GRAIN", 16)
+    monkeypatch.setattr(whole_graphs, "GRAIN", 16)
     sizes = {"k": 16, "n_init": 4, "n_local": 16} if attention == "tokenselect" else {"n_init": 4, "n_local": 16}
     engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
                for graphs in (False, True)]
@@ -121,9 +187,9 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         outputs.append(([s.output_ids for s in first + [late]], llm.stats()))
     (want, plain), (got, graphed) = outputs
     assert got == want
-    assert engines[1].decode_graphs.failure is None  # on a GPU: every recorded graph passed its check
-    steps = engines[1].decode_graphs._steps
-    assert steps and all(capacity % 16 == 0 for _, capacity, _ in steps)
+    assert engines[1].whole_graphs.failure is None  # on a GPU: every recorded graph passed its check
+    steps = engines[1].whole_graphs._steps
+    assert steps and all(capacity % 16 == 0 for _, _, capacity, _ in steps)
     if attention == "tokenselect" and settings["theta"] is not None:
         assert graphed["selection_cache_hits"] == plain["selection_cache_hits"]
         assert graphed["selection_cache_misses"] == plain["selection_cache_misses"]
@@ -166,10 +232,10 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)
     graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, **settings)
-    with pytest.warns(UserWarning, match="decode CUDA graphs turned off"):
+    with pytest.warns(UserWarning, match="whole-step CUDA graphs turned off"):
         got = graphed.generate([ids(70, 1)], params)
     assert got[0].token_ids == want[0].token_ids
-    assert graphed.decode_graphs.failure.startswith("the replay") and not graphed.decode_graphs._steps
+    assert graphed.whole_graphs.failure.startswith("the replay") and not graphed.whole_graphs._steps
 
 
 def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, batch_invariant_matmuls):
@@ -186,5 +252,5 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
             llm.step()
         outputs.append([s.output_ids for s in seqs])
         if graphs:
-            assert [key[0] for key in llm.decode_graphs._steps] == [1]  # the longer request alone
+            assert [key[1] for key in llm.whole_graphs._steps] == [1]  # the longer request alone
     assert outputs[0] == outputs[1]

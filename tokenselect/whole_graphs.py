@@ -1,22 +1,29 @@
-"""Decode steps captured whole as CUDA graphs: selection and sparse attention inside.
+"""Engine steps captured whole as CUDA graphs: selection and sparse attention inside.
 
 ``StepGraphs`` leaves attention out of its graphs, because what a step attends changes from step to
-step. For a decode step of a policy that can plan on the device alone (``AttentionPolicy.graph_ready``:
-TokenSelect and StreamingLLM with positions by index in the list) nothing has to leave the GPU: the
-attended list has a fixed length (sinks + k chosen + local window) and fixed positions 0..n-1 whatever
-the context's length; the sequence's slot table goes in as a buffer of fixed size with its length as a
-device scalar; and the Selection Cache's decision gates the selection instead of branching: on a hit
-the vote and the top-k have no live candidate (their kernels read no score or key and skip their blocks)
-and the new entry is not stored. A decode step is then one graph launch with no host read per layer.
-(CUDA graph conditional nodes would skip even the launches; torch 2.11, what the GPU runs, cannot capture
-them.)
+step. For a policy that can plan on the device alone (``AttentionPolicy.graph_ready``: TokenSelect and
+StreamingLLM with positions by index in the list) nothing has to leave the GPU once a sequence is past
+the selection threshold: the attended list has a fixed length (sinks + k chosen + local window) and
+fixed positions 0..n-1 whatever the context's length; the sequence's slot table goes in as a buffer of
+fixed size with its length as a device scalar. Two kinds of step run here, each as one graph launch
+with no host read per layer:
 
-A graph is recorded per (batch size, table capacity, policy). The capacity is the longest sequence's
-length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a larger one replaces it.
-Batches of at most MAX_BATCH decode sequences sharing one policy instance run here; every other step
-(prefill chunks, other policies, value offload, dynamic NTK, a sequence not yet past the selection
-threshold) runs through ``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function
-runs eagerly: that is how the tests exercise what the graphs run on a CPU.
+- decode steps: one token for each of up to MAX_BATCH sequences sharing one policy instance. The
+  Selection Cache's decision gates the selection instead of branching: on a hit the vote and the
+  top-k have no live candidate (their kernels read no score or key and skip their blocks) and the
+  new entry is not stored. (CUDA graph conditional nodes would skip even the launches; torch 2.11,
+  what the GPU runs, cannot capture them.)
+- prefill chunks: a step that is one sequence's full chunk (``chunk_size`` tokens) of a prompt of at
+  least PREFILL_MIN_CHUNKS chunks. The chunk always selects (no Selection Cache), with its mean query.
+  Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU.
+
+A graph is recorded per (batch size, tokens per sequence, table capacity, policy). A decode graph's
+capacity is the longest sequence's length rounded up to GRAIN tokens, so one graph serves up to GRAIN
+steps before a larger one replaces it; a prefill graph's is the prompt's length rounded up likewise, so
+one graph serves the whole prompt. Every other step (mixed batches, partial chunks, other policies,
+value offload, dynamic NTK, a sequence not yet past the selection threshold) runs through
+``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function runs eagerly: that is
+how the tests exercise what the graphs run on a CPU.
 
 The graph chooses what the eager step chooses. With the PyTorch reference kernels it may differ among
 tokens whose votes tie (equal keys, as a repeated token's are in the first layer) or differ by rounding (a
@@ -26,7 +33,7 @@ paths). Both are the method's choice; greedy text can differ where such a swap c
 
 Each graph checks itself when recorded: the step it records is also run eagerly, and the replay must
 reproduce that step's output and the policy's state (the Selection Cache's entries and counts). If
-recording fails or the two differ, a warning says why and decode steps go back to ``StepGraphs`` for the
+recording fails or the two differ, a warning says why and every step goes back to ``StepGraphs`` for the
 rest of the engine's life; the step is answered from the eager run, its cache rows restored.
 """
 
@@ -39,53 +46,64 @@ import torch
 
 from .policies import AttentionPolicy
 from .policies.base import GraphSeq, arange
+from .transfer import to_device
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
 GRAIN = 4096  # slot-table capacities are multiples of this
+PREFILL_MIN_CHUNKS = 16  # prompts of fewer chunks prefill through StepGraphs: a recording would not pay off
 
 
-class DecodeGraphs:
+class WholeGraphs:
     """``usable(chunks)`` says whether a step can run here; ``run(...)`` runs it."""
 
-    def __init__(self, model, cache, kernels, rope, device: torch.device, capture: bool | None = None):
+    def __init__(self, model, cache, kernels, rope, device: torch.device, chunk_size: int,
+                 capture: bool | None = None):
+        """chunk_size: the engine's prefill chunk, the only chunk length run here."""
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
+        self.chunk_size = chunk_size
         self.capture = device.type == "cuda" if capture is None else capture
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
-        self.failure: str | None = None  # why decode graphs were turned off, if they were
-        self.steps_run = 0  # decode steps that ran here (as one graph each, when capturing)
+        self._steps: dict[tuple[bool, int, int, int], _GraphStep] = {}  # (decode, batch, capacity, id(policy))
+        self.failure: str | None = None  # why whole-step graphs were turned off, if they were
+        self.steps_run = 0  # steps that ran here (as one graph each, when capturing)
 
     def usable(self, chunks) -> bool:
-        """chunks: the step's ``attention.Chunk``s."""
+        """chunks: the step's ``attention.Chunk``s: decode tokens of one policy, or one full prefill chunk."""
         if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none":
             return False
         if self.rope.spec.kind == "dynamic":
             return False
         policy = chunks[0].seq.policy
-        return all(ch.length == 1 and ch.decode and ch.seq.policy is policy and policy.graph_ready(ch.past)
-                   for ch in chunks)
+        if not all(ch.seq.policy is policy and policy.graph_ready(ch.past) for ch in chunks):
+            return False
+        if len(chunks) == 1 and not chunks[0].decode:
+            ch = chunks[0]
+            return ch.length == self.chunk_size and len(ch.seq.prompt_ids) >= PREFILL_MIN_CHUNKS * self.chunk_size
+        return all(ch.length == 1 and ch.decode for ch in chunks)
 
     def run(self, chunks, ids: list[int], new_slots: torch.Tensor) -> torch.Tensor:
-        """One decode token per chunk: ids [B] (host list), new_slots: [B] their cache slots -> the last
-        layer's output [B, hidden] (a static buffer, valid until the next run)."""
+        """Decode tokens (one per chunk) or one prefill chunk: ids [B * w] (host list; w tokens per
+        chunk), new_slots: [B * w] their cache slots -> the last layer's output [B * w, hidden] (a static
+        buffer, valid until the next run)."""
         policy: AttentionPolicy = chunks[0].seq.policy
         cfg = self.model.config
         rows = [policy.graph_row(ch.seq.id, cfg.n_heads * cfg.head_dim, self.device) for ch in chunks]
-        batch, longest = len(chunks), max(ch.past for ch in chunks)
-        capacity = -(-(longest + 1) // GRAIN) * GRAIN
-        key = (batch, capacity, id(policy))
+        batch, decode = len(chunks), chunks[0].decode
+        longest = max(ch.past for ch in chunks) + 1 if decode else len(chunks[0].seq.prompt_ids)
+        capacity = -(-longest // GRAIN) * GRAIN
+        key = (decode, batch, capacity, id(policy))
         step = self._steps.get(key)
         if step is None or step.state != _pointers(policy.graph_state()):
-            for old in [k for k in self._steps if (k[0], k[2]) == (batch, id(policy))]:
-                del self._steps[old]  # the smaller capacity is outgrown: free its memory
-            step = self._steps[key] = _DecodeStep(self, policy, batch, capacity)
+            for old in [k for k in self._steps if (k[0], k[1], k[3]) == (decode, batch, id(policy))]:
+                del self._steps[old]  # another capacity: free its memory
+            step = self._steps[key] = _GraphStep(self, policy, batch, chunks[0].length, capacity, decode)
             step.feed(chunks, ids, rows, new_slots)
             try:
                 out = step.record()
             except GraphCheckFailed as failed:
                 self.failure = str(failed)
                 self._steps.clear()
-                warnings.warn(f"decode CUDA graphs turned off: {failed}; decode steps run through StepGraphs")
+                warnings.warn(f"whole-step CUDA graphs turned off: {failed}; steps run through StepGraphs")
                 return failed.output
         else:
             step.feed(chunks, ids, rows, new_slots)
@@ -99,7 +117,7 @@ class DecodeGraphs:
 
 
 class GraphCheckFailed(RuntimeError):
-    """A decode graph could not be recorded, or its replay differed from the eager step. ``output``:
+    """A whole-step graph could not be recorded, or its replay differed from the eager step. ``output``:
     the step's output from the eager run."""
 
     def __init__(self, reason: str, output: torch.Tensor):
@@ -125,22 +143,27 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-class _DecodeStep:
-    """The static inputs, the step function and (when capturing) the graph of one batch size and capacity."""
+class _GraphStep:
+    """The static inputs, the step function and (when capturing) the graph of one kind (decode or
+    prefill), batch size, width (tokens per sequence) and capacity."""
 
-    def __init__(self, owner: DecodeGraphs, policy: AttentionPolicy, batch: int, capacity: int):
+    def __init__(self, owner: WholeGraphs, policy: AttentionPolicy, batch: int, width: int, capacity: int,
+                 decode: bool):
         dev = owner.device
         # a proxy: the owner keeps its steps, and a cycle would keep a dropped engine's KV pool until the next gc
-        self.owner, self.policy, self.batch = weakref.proxy(owner), policy, batch
-        self.meta = torch.zeros(3, batch, dtype=torch.int64, device=dev)  # token ids, lengths, state rows
+        self.owner, self.policy, self.batch, self.width = weakref.proxy(owner), policy, batch, width
+        self.decode = decode
+        self.ids = torch.zeros(batch * width, dtype=torch.int64, device=dev)
+        self.meta = torch.zeros(2, batch, dtype=torch.int64, device=dev)  # lengths, state rows
         self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
-        self.new_slots = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.new_slots = torch.zeros(batch * width, dtype=torch.int64, device=dev)
         self.state = _pointers(policy.graph_state())
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
     def feed(self, chunks, ids: list[int], rows: list[int], new_slots: torch.Tensor) -> None:
-        self.meta.copy_(torch.tensor([ids, [ch.past for ch in chunks], rows], dtype=torch.int64))
+        self.ids.copy_(to_device(ids, self.ids.device))
+        self.meta.copy_(to_device([[ch.past for ch in chunks], rows], self.meta.device))
         for b, ch in enumerate(chunks):
             self.table[b, :ch.past].copy_(ch.seq.slots[:ch.past])
         self.new_slots.copy_(new_slots)
@@ -196,28 +219,29 @@ class _DecodeStep:
         return self.out
 
     def forward(self) -> torch.Tensor:
-        """The model over the batch's tokens -> the last layer's output [B, hidden]."""
+        """The model over the batch's tokens -> the last layer's output [B * w, hidden]."""
         model = self.owner.model.model
-        x = model.embed_tokens(self.meta[0])
+        x = model.embed_tokens(self.ids)
         for i, layer in enumerate(model.layers):
             q, k, v = layer.attention_inputs(x)
             x = layer.finish(x, self.attention(i, q, k, v))
         return x
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, n_heads, d], k, v: [B, n_kv_heads, d] un-rotated -> [B, n_heads, d]: each sequence attends
-        its policy's list, then its own token, at positions 0..n."""
-        owner, cache = self.owner, self.owner.cache
+        """q: [B * w, n_heads, d], k, v: [B * w, n_kv_heads, d] un-rotated -> [B * w, n_heads, d]: each
+        sequence's w tokens attend its policy's list of n at positions 0..n-1, then their own tokens
+        causally at n..n+w-1."""
+        owner, cache, w = self.owner, self.owner.cache, self.width
         cache.write(layer, self.new_slots, k, v)
         outs = []
         for b in range(self.batch):
-            seq = GraphSeq(self.table[b], self.meta[1, b], self.meta[2, b])
-            context = self.policy.graph_slots(layer, seq, q[b:b + 1])
+            rows = slice(b * w, (b + 1) * w)
+            seq = GraphSeq(self.table[b], self.meta[0, b], self.meta[1, b], decode=self.decode)
+            context = self.policy.graph_slots(layer, seq, q[rows])
             n = context.numel()
-            positions = arange(n + 1, owner.device)
+            positions = arange(n + w, owner.device)
             inv_freq, scale = owner.rope(positions[n:])
             outs.append(owner.kernels.sparse_attention(
-                q[b:b + 1], cache.k[layer], cache.v[layer], torch.cat([context, self.new_slots[b:b + 1]]),
+                q[rows], cache.k[layer], cache.v[layer], torch.cat([context, self.new_slots[rows]]),
                 positions, positions[n:], inv_freq, scale))
         return torch.cat(outs)
-
