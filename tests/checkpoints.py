@@ -57,3 +57,10 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
     model.save_pretrained(path)
     save_tokenizer(path)
     return Path(path)
+
+
+def distinct_tokens(n: int, seed: int) -> list[int]:
+    """n token ids of these checkpoints, none repeated (n <= VOCAB - 2; ids 0 and 1 are special). A repeated
+    token has equal keys in the first layer, whose votes tie: where a test compares two paths' choices, the
+    reference top-k may keep a different one of the tied on each."""
+    return (torch.randperm(VOCAB - 2, generator=torch.Generator().manual_seed(seed))[:n] + 2).tolist()

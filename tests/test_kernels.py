@@ -16,6 +16,7 @@ import torch
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
 from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
+from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
@@ -454,3 +455,34 @@ def test_paged_dot_with_a_whole_chunk_of_rows_per_kv_head(dtype):
     got = TRITON.paged_dot(q, k_pool, slots)
     assert got.shape == (N_KV * group, 150)
     torch.testing.assert_close(got, TORCH.paged_dot(q, k_pool, slots), atol=1e-3, rtol=1e-4)
+
+
+def raw_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (fp8 has no equality kernel in every build)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("row", [(8, 128), (2, 16), (3, 5), (1, 1)])  # word rows, and rows of odd byte counts
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_gather_and_scatter_rows_match_reference(n, row, dtype):
+    """Fresh random rows and slots (gathers repeat slots; scatters never do), ragged n, every KV dtype."""
+    gen = torch.Generator().manual_seed(n * 31 + row[1])
+    pool = torch.randn(n + 40, *row, generator=gen).to(DEVICE, dtype)
+    index = torch.randint(0, n + 40, (n,), generator=gen).to(DEVICE)
+    assert raw_equal(gather_rows(pool, index), gather_rows_ref(pool, index))
+    index = torch.randperm(n + 40, generator=gen)[:n].to(DEVICE)
+    rows = torch.randn(n, *row, generator=gen).to(DEVICE, dtype)
+    got, want = pool.clone(), pool.clone()
+    scatter_rows(rows, got, index)
+    scatter_rows_ref(rows, want, index)
+    assert raw_equal(got, want) and raw_equal(got[index], rows)
+
+
+def test_row_copy_reference_is_the_definition():
+    pool = torch.randn(10, 2, 3)
+    index = torch.tensor([4, 0, 4, 9])
+    torch.testing.assert_close(gather_rows_ref(pool, index), pool[index], atol=0, rtol=0)
+    scatter_rows_ref(torch.ones(2, 2, 3), pool, torch.tensor([1, 7]))
+    assert (pool[[1, 7]] == 1).all()
+    assert gather_rows(pool, torch.empty(0, dtype=torch.int64)).shape == (0, 2, 3)

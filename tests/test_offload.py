@@ -2,7 +2,8 @@
 
 On a machine without a GPU the "offloaded" pool is a second CPU tensor, but every step of the
 offload path runs: new values are written to that pool, and attention reads K and V rows staged
-for its slot list (``KVCache.stage``) instead of the pools.
+for its slot list (``KVCache.stage``) instead of the pools. On a GPU the host pool is mapped for the
+GPU, whose kernels write and gather its rows.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import pytest
 import torch
 
 from tokenselect import LLM, SamplingParams
-from tokenselect import engine, kv_cache
+from tokenselect import engine, kv_cache, whole_graphs
 from tokenselect.bench import e2e
+from tokenselect.kernels.row_copy import gather_rows_ref
 from tokenselect.kv_cache import HostMemoryError, KVCache
 from tokenselect.policies import add_policy_args, policy_kwargs
+
+from checkpoints import distinct_tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 CPU = torch.device("cpu")
@@ -101,20 +105,53 @@ def test_stage_gathers_the_key_and_value_rows_of_a_slot_list(dtype):
     assert k_rows.dtype == v_rows.dtype == dtype and k_rows.shape == v_rows.shape == (4, 2, 8)
     torch.testing.assert_close(k_rows.float(), k[order].to(dtype).float(), atol=0, rtol=0)
     torch.testing.assert_close(v_rows.float(), v[order].to(dtype).float(), atol=0, rtol=0)
-    more = cache.stage(1, slots)[1]  # more rows than the staging buffer held: it grows
-    torch.testing.assert_close(more.float(), v.to(dtype).float(), atol=0, rtol=0)
-    torch.testing.assert_close(v_rows.float(), v[order].to(dtype).float(), atol=0, rtol=0)  # untouched
+    k_pool, v_pool, at = cache.attention_pools(1, slots[order])
+    assert torch.equal(at, torch.arange(4)) and torch.equal(v_pool.float(), v_rows.float())
+    assert cache.attention_pools(1, slots)[1].shape == (10, 2, 8)
 
 
-def test_written_values_reach_the_host_pool_by_the_next_write_or_flush():
+def test_written_values_are_in_the_host_pool_at_once():
     cache = KVCache(2, 16, 2, 8, torch.float32, CPU, offload="values")
     slots = cache.allocate(4)
     v0, v1 = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     cache.write(0, slots, torch.randn(4, 2, 8), v0)
     cache.write(1, slots, torch.randn(4, 2, 8), v1)
     torch.testing.assert_close(cache.v[0, slots], v0, atol=0, rtol=0)
-    cache.flush()
     torch.testing.assert_close(cache.v[1, slots], v1, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs host memory mapped for a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_gpu_writes_and_gathers_the_host_value_pool_in_place(dtype):
+    """The V pool is page-locked host memory that the GPU's kernels write and read over the bus."""
+    cuda = torch.device("cuda")
+    cache = KVCache(2, 4096, 8, 128, dtype, cuda, offload="values")
+    assert cache.v.device == CPU and cache.v.is_pinned()
+    slots = cache.allocate(300)[torch.randperm(300, device=cuda)]
+    v = torch.randn(300, 8, 128, device=cuda)
+    cache.write(1, slots, torch.randn(300, 8, 128, device=cuda), v)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(gather_rows_ref(cache.v[1], slots.cpu()).float(), v.to(dtype).float().cpu(), atol=0,
+                               rtol=0)
+    order = torch.randint(0, 300, (1000,), device=cuda)
+    k_rows, v_rows = cache.stage(1, slots[order])
+    assert v_rows.device.type == "cuda"
+    torch.testing.assert_close(v_rows.float(), v[order].to(dtype).float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["tokenselect", "streaming"])
+def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_llama, monkeypatch, attention):
+    """With the values on the host, a long prompt's chunks and the decode steps still run whole (on a GPU
+    as CUDA graphs that gather the values themselves), with the tokens and logits of the plain path."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    ids = distinct_tokens(300, 5)  # the graph's padded span must not break ties another way
+    sizes = {"n_init": 4, "n_local": 16, **({"k": 16} if attention == "tokenselect" else {})}
+    plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **sizes)
+    graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
+    assert graphed.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids
+    assert graphed.whole_graphs.failure is None
+    assert {key[0] for key in graphed.whole_graphs._steps} == {False, True}  # prefill and decode graphs
+    torch.testing.assert_close(graphed.prompt_logits(ids), plain.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 
 
 def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, monkeypatch):

@@ -4,8 +4,8 @@ The model hands each layer's un-rotated q, k, v here. The new k, v go into the p
 per sequence, its policy (``seq.policy``: the engine's, or one built for the request's own settings)
 plans what the chunk attends and the sparse attention kernel runs over
 ``[planned context slots..., the chunk's own slots...]`` with RoPE at the planned positions. With
-value offload the kernel reads those slots' K and V rows staged on the device (``KVCache.stage``)
-at slots ``0..n-1`` instead of the pools.
+value offload the kernel reads those slots' K and V rows staged on the device
+(``KVCache.attention_pools``) instead of the pools.
 """
 
 from __future__ import annotations
@@ -74,11 +74,7 @@ class BatchAttention:
             slots = torch.cat([plan.slots, seq_slots[ch.past:ch.past + ch.length]])
             positions = torch.cat([plan.positions, plan.q_positions])
             inv_freq, scale = self.rope(plan.q_positions)
-            if self.cache.offload == "values":
-                k_pool, v_pool = self.cache.stage(layer, slots)
-                slots = torch.arange(slots.numel(), device=slots.device)
-            else:
-                k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+            k_pool, v_pool, slots = self.cache.attention_pools(layer, slots)
             out[rows] = self.kernels.sparse_attention(
                 q[rows], k_pool, v_pool, slots, positions, plan.q_positions, inv_freq, scale)
         return out

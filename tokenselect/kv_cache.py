@@ -5,11 +5,12 @@ head_dim]``. Keys are stored *before* RoPE, so any attention policy can rotate t
 positions it chooses. A sequence owns an ordered list of slots (its slot table, in the engine);
 the allocator hands out and takes back slots through a free list.
 
-Value offload (``offload="values"``) keeps the V pool in host memory (page-locked when the device
-is a GPU) and only K on the device: selection reads every key, but attention needs the values of
-the attended slots alone, so ``stage`` copies just those rows to the device for each chunk and
-layer. Policies read ``k`` only, never ``v``. The values of a ``write`` reach the host pool at the
-next ``stage`` (or ``flush``), which waits for the device anyway, so writing never blocks the host.
+Value offload (``offload="values"``) keeps the V pool in host memory and only K on the device:
+selection reads every key, but attention needs the values of the attended slots alone, so ``stage``
+gathers just those rows for each chunk and layer. Policies read ``k`` only, never ``v``. With a GPU
+the host pool is page-locked and mapped into the GPU's address space, and the GPU itself writes new
+values into it and gathers the attended rows from it (``kernels/row_copy.py``), in the step's stream:
+the host never waits, and a step with offloaded values can run as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import weakref
 import torch
 
 from .errors import KVPoolFull
+from .kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 
 OFFLOAD_MODES = ("none", "values")
 
@@ -41,8 +43,12 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write the memory in place
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised page-locked host tensor of exactly its size.
+    """An uninitialised page-locked host tensor of exactly its size, mapped into the GPU's address space
+    (with unified addressing, as on every 64-bit CUDA platform, at the same address).
 
     ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
     every allocation up to a power of two: a pool of 32.1 GiB would pin 64 GiB. So this pins an
@@ -50,21 +56,11 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     t = torch.empty(shape, dtype=dtype)
     cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+    err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, CUDA_HOST_REGISTER_MAPPED))
     if err:
         raise HostMemoryError(f"could not pin {t.nbytes / 2**30:.1f} GiB of host memory (cudaError {err})")
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
-
-
-def take_rows(pool: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``pool[index]`` along dim 0, copied as raw bytes (index_select has no fp8 kernel in every build).
-
-    pool: [S, *row] contiguous; index: [n] int64 on pool's device; out: [n, *row] of pool's dtype,
-    or None for a new tensor. Returns [n, *row] in pool's dtype.
-    """
-    raw = torch.index_select(pool.view(torch.uint8), 0, index, out=None if out is None else out.view(torch.uint8))
-    return raw.view(pool.dtype)
 
 
 class KVCache:
@@ -84,12 +80,6 @@ class KVCache:
         # Free list as a stack: slots [0, _top) of _stack are free; allocation pops from the top.
         self._stack = torch.arange(n_slots - 1, -1, -1, dtype=torch.int64, device=device)
         self._top = n_slots
-        # Value offload: the last write's (layer, slots, values) still on the device; a host buffer
-        # that V rows are gathered into before their copy to the device, and the event of the last
-        # such copy (the buffer is reused only once it has completed).
-        self._unflushed: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self._staging: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
 
     def _host_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The offloaded V pool: pinned when K is on a GPU. Raises HostMemoryError up front if the host
@@ -122,44 +112,31 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store un-rotated ``k, v: [n, n_kv_heads, head_dim]`` at ``slots: [n]`` (cast to the pool's
-        dtype, e.g. fp8 storage). With value offload, V reaches the host pool at the next stage/flush."""
+        dtype, e.g. fp8 storage); with value offload the values go straight to the host pool."""
         self.k[layer, slots] = k.to(self.k.dtype)
         if self.offload == "values":
-            self.flush()
-            self._unflushed = (layer, slots, v.to(self.v.dtype))
+            self._scatter(v.to(self.v.dtype), self.v[layer], slots)
         else:
             self.v[layer, slots] = v.to(self.v.dtype)
 
-    def flush(self) -> None:
-        """Value offload: copy the values of the last write into the host pool (waits for the device)."""
-        if self._unflushed is not None:
-            layer, slots, v = self._unflushed
-            self._unflushed = None
-            self.v[layer, slots.cpu()] = v.cpu()
-
     def stage(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device
-        tensors ``[n, n_kv_heads, head_dim]`` in the pool's dtype, i.e. pools that attention reads
-        at slots ``arange(n)``. K is gathered on the device; V rows are gathered on the host into the
-        (pinned) staging buffer, then copied over without blocking the host."""
+        """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device tensors
+        ``[n, n_kv_heads, head_dim]`` in the pools' dtype, i.e. pools that attention reads at slots
+        ``arange(n)``. Each row crosses the bus once; the host takes no part."""
         with torch.profiler.record_function("kv_cache.stage"):
-            k = take_rows(self.k[layer], slots)
-            host_slots = slots.cpu()  # waits for the policy's plan
-            self.flush()  # the chunk's own values, among others, must be in the host pool
-            if self._copied is not None:
-                self._copied.synchronize()  # the staging buffer's last copy to the device is done
-            staged = take_rows(self.v[layer], host_slots, out=self._staging_rows(host_slots.numel()))
-            v = staged.to(self.k.device, non_blocking=True, copy=True)
-            if self.k.device.type == "cuda":
-                self._copied = torch.cuda.Event()
-                self._copied.record()
-            return k, v
+            return self._gather(self.k[layer], slots), self._gather(self.v[layer], slots)
 
-    def _staging_rows(self, n: int) -> torch.Tensor:
-        """[n, n_kv_heads, head_dim] at the start of the host staging buffer, which grows to the next
-        power of two of rows when too small (pinned when the device is a GPU)."""
-        if self._staging is None or self._staging.shape[0] < n:
-            rows = 1 << max(n - 1, 0).bit_length()
-            self._staging = torch.empty((rows, *self.v.shape[2:]), dtype=self.v.dtype,
-                                        pin_memory=self.k.device.type == "cuda")
-        return self._staging[:n]
+    def attention_pools(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What attention reads for the attended ``slots: [n]``: (K pool, V pool, slots to read them at).
+        The layer's pools at ``slots`` themselves, or with value offload the rows staged on the device
+        (``stage``) at 0..n-1."""
+        if self.offload != "values":
+            return self.k[layer], self.v[layer], slots
+        k, v = self.stage(layer, slots)
+        return k, v, torch.arange(slots.numel(), device=slots.device)
+
+    def _gather(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return (gather_rows if slots.is_cuda else gather_rows_ref)(pool, slots)
+
+    def _scatter(self, rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
+        (scatter_rows if slots.is_cuda else scatter_rows_ref)(rows, pool, slots)

@@ -17,12 +17,12 @@ with no host read per layer:
   least PREFILL_MIN_CHUNKS chunks. The chunk always selects (no Selection Cache), with its mean query.
   Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU.
 
-A graph is recorded per (batch size, tokens per sequence, table capacity, policy). A decode graph's
-capacity is the longest sequence's length rounded up to GRAIN tokens, so one graph serves up to GRAIN
-steps before a larger one replaces it; a prefill graph's is the prompt's length rounded up likewise, so
-one graph serves the whole prompt. Every other step (mixed batches, partial chunks, other policies,
-value offload, dynamic NTK, a sequence not yet past the selection threshold) runs through
-``StepGraphs``. Without CUDA (or with ``capture=False``) the same step function runs eagerly: that is
+A graph is recorded per (kind, batch size, table capacity, policy). A decode graph's capacity is the
+longest sequence's length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a
+larger one replaces it; a prefill graph's is the prompt's length rounded up likewise, so one graph serves
+the whole prompt. Every other step (mixed batches, partial chunks, other policies, dynamic NTK, a
+sequence not yet past the selection threshold) runs through ``StepGraphs``. With value offload the
+graph stages the attended values from the host pool itself (``KVCache.attention_pools``). Without CUDA (or with ``capture=False``) the same step function runs eagerly: that is
 how the tests exercise what the graphs run on a CPU.
 
 The graph chooses what the eager step chooses. With the PyTorch reference kernels it may differ among
@@ -69,7 +69,7 @@ class WholeGraphs:
 
     def usable(self, chunks) -> bool:
         """chunks: the step's ``attention.Chunk``s: decode tokens of one policy, or one full prefill chunk."""
-        if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH or self.cache.offload != "none":
+        if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH:
             return False
         if self.rope.spec.kind == "dynamic":
             return False
@@ -192,7 +192,8 @@ class _GraphStep:
         torch.cuda.current_stream().wait_stream(stream)
         after = [t.clone() for t in state]
         cache = self.owner.cache  # the step's keys and values, as the eager step wrote them
-        written = [pool[:, self.new_slots].clone() for pool in (cache.k, cache.v)]
+        pools = [pool.view(torch.uint8) for pool in (cache.k, cache.v)]  # (the V pool may be on the host)
+        written = [pool[:, self.new_slots.to(pool.device)].clone() for pool in pools]
         _restore(state, before)
         try:
             self.graph = torch.cuda.CUDAGraph()
@@ -213,8 +214,8 @@ class _GraphStep:
             # and values for the layers after its error
             self.graph = None
             _restore(state, after)
-            for pool, kept in zip((cache.k, cache.v), written):
-                pool[:, self.new_slots] = kept
+            for pool, kept in zip(pools, written):
+                pool[:, self.new_slots.to(pool.device)] = kept
             raise GraphCheckFailed(failure, want)
         return self.out
 
@@ -241,7 +242,7 @@ class _GraphStep:
             n = context.numel()
             positions = arange(n + w, owner.device)
             inv_freq, scale = owner.rope(positions[n:])
-            outs.append(owner.kernels.sparse_attention(
-                q[rows], cache.k[layer], cache.v[layer], torch.cat([context, self.new_slots[rows]]),
-                positions, positions[n:], inv_freq, scale))
+            k_pool, v_pool, slots = cache.attention_pools(layer, torch.cat([context, self.new_slots[rows]]))
+            outs.append(owner.kernels.sparse_attention(q[rows], k_pool, v_pool, slots, positions, positions[n:],
+                                                       inv_freq, scale))
         return torch.cat(outs)
