@@ -21,7 +21,7 @@ part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 e2e=(python3 -m tokenselect.cli bench e2e --decode-steps 32 --output "$out")
 offload=(--kv-dtype fp8 --kv-offload values --decode-steps 16)
 case "$part" in
-  tests) python3 -m pytest -q tests/test_kernels.py tests/test_whole_graphs.py tests/test_step_graphs.py \
+  tests) python3 -m pytest -q tests/test_kernels.py tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_offload.py \
            tests/test_selection_cache.py tests/test_baselines.py 2>&1 | tee "$out/tests.log" | tail -15
          python3 benchmarks/topk_gpu.py "$out" ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \

@@ -22,8 +22,9 @@ longest sequence's length rounded up to GRAIN tokens, so one graph serves up to 
 larger one replaces it; a prefill graph's is the prompt's length rounded up likewise, so one graph serves
 the whole prompt. Every other step (mixed batches, partial chunks, other policies, dynamic NTK, a
 sequence not yet past the selection threshold) runs through ``StepGraphs``. With value offload the
-graph stages the attended values from the host pool itself (``KVCache.attention_pools``). Without CUDA (or with ``capture=False``) the same step function runs eagerly: that is
-how the tests exercise what the graphs run on a CPU.
+graph stages the attended values from the host pool itself (``KVCache.attention_pools``). Without CUDA
+(or with ``capture=False``) the same step function runs eagerly: that is how the tests exercise what the
+graphs run on a CPU.
 
 The graph chooses what the eager step chooses. With the PyTorch reference kernels it may differ among
 tokens whose votes tie (equal keys, as a repeated token's are in the first layer) or differ by rounding (a

@@ -91,7 +91,8 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                    help="KV storage dtype (default auto: the model's dtype; fp8 halves the pool)")
     e.add_argument("--kv-offload", choices=["none", "values"],
                    help="values: keep the V pool in pinned host memory and only K on the GPU, which roughly "
-                        "doubles the tokens that fit; the GPU gathers the values it attends over the bus (default none)")
+                        "doubles the tokens that fit; the GPU gathers the values it attends over the bus "
+                        "(default none)")
     e.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's layers as CUDA graphs captured around attention, and decode steps and "
                         "long prompts' prefill chunks of tokenselect / streaming as one graph each, attention "
