@@ -13,16 +13,17 @@
 #            InfLLM                                                                        (about 3 minutes)
 #   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 5 minutes)
 #   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 5 minutes)
-#   merge    (no GPU) those of OUTDIR's e2e_{128k,512k,1m,1m_more}_h100.json that exist -> one table and plot,
-#            e2e_h100.{md,json,png}
+#   merge    (no GPU) those of OUTDIR's e2e_{128k,512k,1m,1m_more,1m_mapped}_h100.json that exist (a later file's
+#            row replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 e2e=(python3 -m tokenselect.cli bench e2e --decode-steps 32 --output "$out")
 offload=(--kv-dtype fp8 --kv-offload values --decode-steps 16)
 case "$part" in
-  tests) python3 -m pytest -q tests/test_kernels.py tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_offload.py \
-           tests/test_selection_cache.py tests/test_baselines.py 2>&1 | tee "$out/tests.log" | tail -15
+  tests) python3 -m pytest -q tests/test_kernels.py tests/test_whole_graphs.py tests/test_step_graphs.py \
+           tests/test_offload.py tests/test_selection_cache.py tests/test_baselines.py 2>&1 | tee "$out/tests.log" \
+           | tail -15
          python3 benchmarks/topk_gpu.py "$out" ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
              --profile-steps 2 ;;
@@ -32,7 +33,7 @@ case "$part" in
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm ;;
   1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 ;;
   1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_h100 "${offload[@]}" --policies streaming,infllm ;;
-  merge) runs=(); for f in "$out"/e2e_{128k,512k,1m,1m_more}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
+  merge) runs=(); for f in "$out"/e2e_{128k,512k,1m,1m_more,1m_mapped}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
          "${e2e[@]}" --tag h100 --merge "${runs[@]}" ;;
   *) echo "unknown part $part: tests, profile, 128k, 512k, 1m, 1m-more or merge" >&2; exit 2 ;;
 esac

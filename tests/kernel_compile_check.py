@@ -90,7 +90,7 @@ def main() -> None:
     compile_one("selection_check", "_selection_check_kernel", {
         "q_ptr": "*fp32", "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
         "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})
-    for word, gather in (("*i32", True), ("*i32", False), ("*u8", True)):
+    for word, gather in (("*i32", True), ("*i32", False), ("*u8", True), ("*u8", False)):
         compile_one("row_copy", "_copy_rows_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
                                                       "words": i32}, {"GATHER": gather, "BLOCK_R": 16, "BLOCK_W": 256})
 

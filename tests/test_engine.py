@@ -10,6 +10,7 @@ import torch
 
 from tokenselect import LLM, CheckpointError, ContextTooLong, KVPoolFull, SamplingParams
 from tokenselect.kv_cache import KVCache
+from tokenselect.transfer import to_device
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -28,6 +29,15 @@ def test_allocator_hands_out_distinct_slots_and_takes_them_back():
     cache.free(a)
     c = cache.allocate(7)
     assert set(c.tolist()).isdisjoint(b.tolist())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_to_device_copies_flat_and_nested_lists(device):
+    """Step inputs: token ids, and the rows of a graph step's metadata (on a GPU through pinned memory)."""
+    flat, nested = to_device([3, 1, 2], torch.device(device)), to_device([[1, 2], [5, 7]], torch.device(device))
+    assert flat.device.type == nested.device.type == device and flat.dtype == nested.dtype == torch.int64
+    assert flat.tolist() == [3, 1, 2] and nested.tolist() == [[1, 2], [5, 7]]
+    assert to_device([], torch.device(device)).numel() == 0
 
 
 def test_keys_are_cached_before_rope(tiny_llama):

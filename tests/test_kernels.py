@@ -479,6 +479,25 @@ def test_gather_and_scatter_rows_match_reference(n, row, dtype):
     assert raw_equal(got, want) and raw_equal(got[index], rows)
 
 
+def test_row_copy_of_a_layer_of_a_pool_and_bad_input():
+    """A layer of a [layers, slots, *row] pool starts at an offset (odd in words for rows of 6 bytes); rows of
+    another dtype or shape, and a pool whose rows are not adjacent, are refused instead of copied wrongly."""
+    for row, dtype in (((2, 8), torch.bfloat16), ((3, 1), torch.bfloat16), ((1, 3), torch.float8_e4m3fn)):
+        pools = torch.randn(3, 40, *row).to(DEVICE, dtype)
+        index = torch.tensor([5, 0, 39, 5], device=DEVICE)
+        assert raw_equal(gather_rows(pools[1], index), gather_rows_ref(pools[1], index))
+        rows = torch.randn(3, *row).to(DEVICE, dtype)
+        got, want = pools.clone(), pools.clone()
+        scatter_rows(rows, got[2], index[:3])
+        scatter_rows_ref(rows, want[2], index[:3])
+        assert raw_equal(got, want)
+    pool = torch.zeros(10, 2, 8, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="do not match"):
+        scatter_rows(torch.zeros(2, 2, 8, device=DEVICE), pool, torch.tensor([1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_rows(torch.zeros(10, 2, 8, device=DEVICE)[:, 0], torch.tensor([1], device=DEVICE))
+
+
 def test_row_copy_reference_is_the_definition():
     pool = torch.randn(10, 2, 3)
     index = torch.tensor([4, 0, 4, 9])

@@ -46,7 +46,7 @@ def test_graph_plan_equals_the_eager_plan(selector):
     for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
         assert graph.graph_ready(t)
         want = eager.plan(0, SeqView(5, slots[:t], decode=True), query)
-        got = graph.graph_slots(0, GraphSeq(table, torch.tensor(t), row), query)
+        got = graph.graph_slots(0, GraphSeq(table, torch.tensor(t), row, decode=True), query)
         assert torch.equal(got, want.slots)
         assert torch.equal(want.positions, torch.arange(got.numel()))  # the graph's fixed positions
     assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
@@ -92,11 +92,12 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     slots = cache.allocate(300)[torch.randperm(300)]
     policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
     want = policy.plan(0, SeqView(0, slots[:250], decode=True), torch.randn(1, 4, 16))
-    got = policy.graph_slots(0, GraphSeq(slots, torch.tensor(250), torch.tensor(0)), torch.randn(1, 4, 16))
+    got = policy.graph_slots(0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True),
+                             torch.randn(1, 4, 16))
     assert torch.equal(got, want.slots)
 
 
-def test_which_steps_run_as_whole_graphs(tiny_llama):
+def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
@@ -121,9 +122,9 @@ def test_which_steps_run_as_whole_graphs(tiny_llama):
 
 
 def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
-    """A prompt of at least PREFILL_MIN_CHUNKS chunks runs its full chunks past the selection threshold as
-    whole steps, alone in the step; its first chunks, its last partial chunk, shorter prompts and chunks
-    sharing a step with a decode token take StepGraphs."""
+    """A prompt of at least PREFILL_MIN_CHUNKS x chunk_size tokens runs its full chunks past the selection
+    threshold as whole steps, alone in the step; its first chunks, its last partial chunk, shorter prompts
+    and chunks sharing a step with a decode token take StepGraphs."""
     monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, cuda_graphs=True)
     graphs = llm.whole_graphs
@@ -134,9 +135,11 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
         llm.step()
     assert usable == [False, False, True, True, False]  # past 0, 32 (inside 4 + 16 + 16), 64, 96, last 22 rows
     assert graphs.steps_run == 2 and [key[0] for key in graphs._steps] == [False]  # one prefill graph
-    short = llm.add_request(ids(100, 2), SamplingParams(max_tokens=2, ignore_eos=True))  # 4 chunks, not 5
-    mixed = [Chunk(seq, 0, 1, seq.n_cached)] + [Chunk(short, 1, 32, 64)]
-    assert not graphs.usable([Chunk(short, 0, 32, 64)]) and not graphs.usable(mixed)
+    short = llm.add_request(ids(127, 2), SamplingParams(max_tokens=2, ignore_eos=True))  # under 4 x 32 tokens
+    assert not graphs.usable([Chunk(short, 0, 32, 64)])
+    other = llm.add_request(ids(128, 3), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert graphs.usable([Chunk(other, 0, 32, 64)])  # alone in its step: yes; beside a decode token: no
+    assert not graphs.usable([Chunk(seq, 0, 1, seq.n_cached), Chunk(other, 1, 32, 64)])
 
 
 @pytest.mark.parametrize("attention,settings", [("tokenselect", {"theta": 0.5}),
@@ -156,6 +159,9 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     # the full chunks past the threshold (4 + 16 + 16 tokens, streaming's 4 + 16): from 64 (32), 96, 128, 160;
     # not the last 8 tokens
     assert engines[1].whole_graphs.steps_run == (4 if attention == "tokenselect" else 5)
+    again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
+    torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
+    assert len([key for key in engines[1].whole_graphs._steps if not key[0]]) == 1
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
@@ -217,10 +223,11 @@ def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA graphs")
+@pytest.mark.parametrize("kv_offload", ["none", "values"])  # the step's cache rows restored on the host too
 def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_llama, batch_invariant_matmuls,
-                                                                        monkeypatch):
+                                                                        monkeypatch, kv_offload):
     """A graph that leaves work out (here: under capture the policy returns its stored selection without
-    checking or selecting, as a host read baked into the graph would) fails its check: a warning, decode
+    checking or selecting, as a host read baked into the graph would) fails its check: a warning, whole-step
     graphs off for good, and the tokens of the plain path all the same."""
     honest = TokenSelect.graph_head
 
@@ -233,7 +240,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)
-    graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, **settings)
+    graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, kv_offload=kv_offload, **settings)
     with pytest.warns(UserWarning, match="whole-step CUDA graphs turned off"):
         got = graphed.generate([ids(70, 1)], params)
     assert got[0].token_ids == want[0].token_ids

@@ -10,7 +10,8 @@ selection reads every key, but attention needs the values of the attended slots 
 gathers just those rows for each chunk and layer. Policies read ``k`` only, never ``v``. With a GPU
 the host pool is page-locked and mapped into the GPU's address space, and the GPU itself writes new
 values into it and gathers the attended rows from it (``kernels/row_copy.py``), in the step's stream:
-the host never waits, and a step with offloaded values can run as one CUDA graph.
+the host never waits, and a step with offloaded values can run as one CUDA graph. (These copies use the
+Triton kernels whatever the engine's ``kernels`` setting: only a kernel can reach host memory from the GPU.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .errors import KVPoolFull
 from .kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 
 OFFLOAD_MODES = ("none", "values")
+CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write the memory in place
 
 
 class HostMemoryError(ValueError):
@@ -43,24 +45,27 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write the memory in place
-
-
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised page-locked host tensor of exactly its size, mapped into the GPU's address space
-    (with unified addressing, as on every 64-bit CUDA platform, at the same address).
+    (Triton looks up the device address of each pointer it is given, so kernels take the tensor as it is).
 
     ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
     every allocation up to a power of two: a pool of 32.1 GiB would pin 64 GiB. So this pins an
-    ordinary allocation with ``cudaHostRegister`` and unregisters it when the tensor is collected.
+    ordinary allocation with ``cudaHostRegister`` and unregisters it when the tensor is collected, once
+    the GPU has finished what was queued (kernels read and write it in place).
     """
     t = torch.empty(shape, dtype=dtype)
     cudart = torch.cuda.cudart()
     err = int(cudart.cudaHostRegister(t.data_ptr(), t.nbytes, CUDA_HOST_REGISTER_MAPPED))
     if err:
         raise HostMemoryError(f"could not pin {t.nbytes / 2**30:.1f} GiB of host memory (cudaError {err})")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    weakref.finalize(t, _unpin, t.data_ptr())
     return t
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 class KVCache:
@@ -82,8 +87,8 @@ class KVCache:
         self._top = n_slots
 
     def _host_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The offloaded V pool: pinned when K is on a GPU. Raises HostMemoryError up front if the host
-        has not got the memory (rather than letting the pinning fail or the OS kill the process)."""
+        """The offloaded V pool: pinned and mapped when K is on a GPU. Raises HostMemoryError up front if the
+        host has not got the memory (rather than letting the pinning fail or the OS kill the process)."""
         need, free = math.prod(shape) * dtype.itemsize, host_memory_available()
         if need > free:
             raise HostMemoryError(
@@ -122,7 +127,7 @@ class KVCache:
     def stage(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device tensors
         ``[n, n_kv_heads, head_dim]`` in the pools' dtype, i.e. pools that attention reads at slots
-        ``arange(n)``. Each row crosses the bus once; the host takes no part."""
+        ``arange(n)``. Each V row crosses the bus once; the host takes no part."""
         with torch.profiler.record_function("kv_cache.stage"):
             return self._gather(self.k[layer], slots), self._gather(self.v[layer], slots)
 

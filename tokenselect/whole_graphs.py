@@ -14,7 +14,7 @@ with no host read per layer:
   new entry is not stored. (CUDA graph conditional nodes would skip even the launches; torch 2.11,
   what the GPU runs, cannot capture them.)
 - prefill chunks: a step that is one sequence's full chunk (``chunk_size`` tokens) of a prompt of at
-  least PREFILL_MIN_CHUNKS chunks. The chunk always selects (no Selection Cache), with its mean query.
+  least PREFILL_MIN_CHUNKS x ``chunk_size`` tokens. The chunk always selects (no Selection Cache), with its mean query.
   Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU.
 
 A graph is recorded per (kind, batch size, table capacity, policy). A decode graph's capacity is the
@@ -51,7 +51,7 @@ from .transfer import to_device
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
 GRAIN = 4096  # slot-table capacities are multiples of this
-PREFILL_MIN_CHUNKS = 16  # prompts of fewer chunks prefill through StepGraphs: a recording would not pay off
+PREFILL_MIN_CHUNKS = 16  # shorter prompts (in chunks) prefill through StepGraphs: a recording would not pay off
 
 
 class WholeGraphs:

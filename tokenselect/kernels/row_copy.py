@@ -8,8 +8,8 @@ rows this way needs no host read of the slot list and no copy on the CPU: a step
     gather_rows(pool, index) = pool[index]       pool: [S, *row], index: [n] -> [n, *row] on index's device
     scatter_rows(rows, pool, index):  pool[index] = rows     rows: [n, *row] (index without repeats)
 
-Each row moves as 32-bit words (as bytes when its size is not a multiple of 4), a block of rows per program.
-The pool's rows must be contiguous, as a layer of the KV pool is.
+Each row moves as 32-bit words (as bytes when its size or a tensor's start is not a multiple of 4), a block
+of rows per program. Pool and rows must be contiguous, as a layer of the KV pool is.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ BLOCK_WORDS = 256  # 1 KiB of a row per load: a whole fp8 row of Llama-3-8B's 8 
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """[R, *row] with contiguous rows -> [R, row bytes] as uint8, sharing t's memory."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
+    """[R, *row] contiguous -> [R, row bytes] as uint8, sharing t's memory."""
+    if not t.is_contiguous():
+        raise ValueError("row copies need contiguous tensors (rows one after another)")
+    return t.view(t.shape[0], -1).view(torch.uint8)
 
 
 def gather_rows_ref(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -58,9 +60,13 @@ def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, n, words, GATHER: tl.constexp
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool) -> None:
-    """src, dst: [*, row bytes] uint8 views; moves whole rows as int32 words when their size allows."""
+    """src, dst: [*, row bytes] uint8 views; moves whole rows as int32 words when their layout allows."""
+    if src.shape[1] != dst.shape[1]:
+        raise ValueError(f"rows of {src.shape[1]} bytes cannot be copied to rows of {dst.shape[1]} bytes")
+    if index.dtype != torch.int64:
+        raise ValueError(f"index must be int64, not {index.dtype}")
     n = index.numel()
-    if src.shape[1] % 4 == 0:
+    if src.shape[1] % 4 == 0 and src.storage_offset() % 4 == 0 and dst.storage_offset() % 4 == 0:
         src, dst = src.view(torch.int32), dst.view(torch.int32)
     _copy_rows_kernel[(triton.cdiv(n, BLOCK_ROWS),)](src, dst, index, n, src.shape[1], GATHER=gather,
                                                      BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
@@ -76,5 +82,8 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def scatter_rows(rows: torch.Tensor, pool: torch.Tensor, index: torch.Tensor) -> None:
     """Triton version of :func:`scatter_rows_ref`; pool may be page-locked host memory mapped for the GPU."""
+    if rows.dtype != pool.dtype or rows.shape[1:] != pool.shape[1:]:
+        raise ValueError(f"rows {rows.dtype} {tuple(rows.shape)} do not match the pool's {pool.dtype} "
+                         f"{tuple(pool.shape)}")
     if index.numel():
         _launch(_raw(rows.contiguous()), _raw(pool), index, gather=False)

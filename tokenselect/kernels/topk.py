@@ -9,9 +9,9 @@ scores, count the keys above the k-th and equal to it; every block then knows wh
 the counts of the blocks before it and writes them through a prefix sum. Ties at the k-th key are taken
 in order until k are chosen, so the result is always k distinct positions.
 
-With ``n_valid`` only scores[:n_valid] are read; the others count as -inf (a decode graph's fixed-length
-span, whose live prefix is 0 on a Selection Cache hit: then no score is read and the first k positions
-come back).
+With ``n_valid`` only scores[:n_valid] are read; the others count as -inf (a whole-step graph's fixed-length
+span, whose live prefix is 0 on a decode step's Selection Cache hit: then no score is read and the first k
+positions come back).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class GraphSeq:
     table: torch.Tensor
     length: torch.Tensor
     row: torch.Tensor
-    decode: bool = True
+    decode: bool
 
 
 class AttentionPolicy:
@@ -85,7 +85,7 @@ class AttentionPolicy:
     def stats(self) -> dict:
         return {}
 
-    # ---- decode steps captured as CUDA graphs -------------------------------------------------
+    # ---- steps captured whole as CUDA graphs --------------------------------------------------
 
     def graph_ready(self, t: int) -> bool:
         """Whether a step (a decode token or a prefill chunk) after ``t`` cached tokens can be planned by
