@@ -35,11 +35,14 @@ def test_dense_runner_refuses_length_dependent_rope(tiny_llama):
         DenseRunner(LLM(tiny_llama, "full", rope_scaling="dynamic:4"), 100)
 
 
-def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
+def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     import argparse
     import json
 
+    from tokenselect import whole_graphs
     from tokenselect.bench import e2e
+
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)  # the 8 chunks of 2k tokens are a long prompt
 
     parser = argparse.ArgumentParser()
     e2e.add_parser(parser.add_subparsers())
@@ -50,6 +53,9 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path):
     rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
     # tokenselect's timed decode steps ran as whole steps (whole_graphs.py), full's through the pieces
     assert [r.get("whole_graph_steps") for r in rows] == [None, 0, 3, 3]
+    # and of the 8 prefill chunks, tokenselect's past its selection threshold ran whole
+    assert [r.get("prefill_chunks") for r in rows] == [None, 8, 8, 8]
+    assert rows[1]["whole_graph_chunks"] == 0 and 0 < rows[2]["whole_graph_chunks"] == rows[3]["whole_graph_chunks"] < 8
     assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect", "tokenselect:theta=-1"]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None

@@ -4,7 +4,8 @@ The model is built from a config with random weights (speed does not depend on t
 prompt is real English text from the package's corpus, tokenized by the shipped tokenizer, so the
 Selection Cache sees the query similarity of real token sequences. For each prompt length one
 engine is built, then every policy runs on it in turn: prefill seconds, decode ms/token, Selection
-Cache hit rate and peak GPU memory, with ratios against ``dense`` measured in the same run. Each
+Cache hit rate, how many prefill chunks and timed decode steps ran as one CUDA graph each
+(``whole_graphs.py``) and peak GPU memory, with ratios against ``dense`` measured in the same run. Each
 policy first serves an untimed request of WARMUP_TOKENS tokens, so kernel compilation is not timed.
 
 ``dense`` is attention as a conventional engine runs it (``bench/dense.py``: keys rotated once when
@@ -12,7 +13,7 @@ cached, a contiguous cache, flash SDPA) on the same weights; ``full`` is the eng
 policy (paged cache, RoPE applied on the fly), which is what long-context extrapolation runs on.
 
 ``--kv-offload values`` keeps the V pool in pinned host memory (K stays on the GPU), which is what
-lets a 1M-token cache of the Llama-3-8B shape fit one 80 GB GPU. Full attention then copies every
+lets a 1M-token cache of the Llama-3-8B shape fit one 80 GB GPU. Full attention then reads every
 value of the context from the host for every chunk and layer; where that adds up to more than
 FULL_OFFLOAD_BYTES it is reported as skipped rather than run. ``--profile-steps N`` runs the last N
 prefill chunks and N extra decode steps under torch.profiler and writes the top operations.
@@ -105,6 +106,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     before = llm.policy.stats()
     params = SamplingParams(max_tokens=decode_steps + 2 + profile_steps, temperature=0, ignore_eos=True)
     seq = llm.add_request(ids, params)
+    chunks_whole = llm.whole_graphs.steps_run if llm.whole_graphs is not None else None
     sync(dev)
     start = shown = time.perf_counter()
     while len(ids) - seq.n_cached > profile_steps * llm.chunk_size:
@@ -119,6 +121,8 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         llm.step()
     sync(dev)
     prefill = time.perf_counter() - start
+    if chunks_whole is not None:
+        chunks_whole = llm.whole_graphs.steps_run - chunks_whole
     llm.step()  # untimed: the first decode step at this length records its CUDA graph (whole_graphs.py)
     sync(dev)
     whole = llm.whole_graphs.steps_run if llm.whole_graphs is not None else None
@@ -140,6 +144,8 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "whole_graph_steps": whole,  # of the timed decode steps, those run as one graph (whole_graphs.py)
         "decode_steps": decode_steps,
+        "whole_graph_chunks": chunks_whole,  # of the prompt's chunks, those run as one graph
+        "prefill_chunks": -(-len(ids) // llm.chunk_size),
         "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
     }
     return {**row, "profile": profile} if profile else row
@@ -270,11 +276,11 @@ def table(rows: list[dict]) -> str:
     """Markdown table with speedups against ``dense`` at the same length."""
     dense = {r["length"]: r for r in rows if r["policy"] == "dense" and "error" not in r}
     lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | SC hit rate "
-             "| one-graph decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| one-graph prefill | one-graph decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['length'] // 1024}K"
         if "error" in r:
-            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | |")
+            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | | |")
             continue
         d = dense.get(r["length"])
         px = f"{d['prefill_s'] / r['prefill_s']:.2f}x" if d else "dense n/a"
@@ -282,8 +288,10 @@ def table(rows: list[dict]) -> str:
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
         whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
+        chunks = (f"{r['whole_graph_chunks']}/{r['prefill_chunks']}" if r.get("whole_graph_chunks") is not None
+                  else "-")
         lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} "
-                     f"| {dx} | {hit} | {whole} | {peak} |")
+                     f"| {dx} | {hit} | {chunks} | {whole} | {peak} |")
     return "\n".join(lines)
 
 
