@@ -28,6 +28,11 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def small_sizes(attention: str) -> dict:
+    """Sinks, window (and TokenSelect's k) small enough that short prompts of the tiny model select."""
+    return {"n_init": 4, "n_local": 16, **({"k": 16} if attention == "tokenselect" else {})}
+
+
 @pytest.mark.parametrize("selector", ["soft_vote", "topk"])  # hard_vote's integer counts tie: any of the tied may go
 def test_graph_plan_equals_the_eager_plan(selector):
     """From a table padded with other slots past the sequence's length, graph_slots chooses the eager
@@ -150,7 +155,7 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     """Every prompt position's logits, and then the generated tokens, are the plain path's when the prompt's
     chunks run as whole steps; the Selection Cache then decodes with the same hits and misses."""
     monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
-    sizes = {"k": 16, "n_init": 4, "n_local": 16} if attention == "tokenselect" else {"n_init": 4, "n_local": 16}
+    sizes = small_sizes(attention)
     engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
                for graphs in (False, True)]
     prompt = distinct_tokens(200, 6)  # the graph's padded span must not break ties another way
@@ -180,7 +185,7 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
     with a prefill chunk, and the batch size changes) decode what the plain path decodes, with the same
     Selection Cache hits and misses. A small GRAIN makes the tables outgrow their capacity mid-run."""
     monkeypatch.setattr(whole_graphs, "GRAIN", 16)
-    sizes = {"k": 16, "n_init": 4, "n_local": 16} if attention == "tokenselect" else {"n_init": 4, "n_local": 16}
+    sizes = small_sizes(attention)
     engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
                for graphs in (False, True)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

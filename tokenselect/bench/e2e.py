@@ -94,6 +94,12 @@ def warm_up(llm, ids: list[int]) -> None:
                                                        ignore_eos=True))
 
 
+def whole_steps(llm, since: int | None = 0) -> int | None:
+    """Steps the engine ran as one whole-step graph (``whole_graphs.py``) after ``since`` of them; None
+    without CUDA graphs."""
+    return None if llm.whole_graphs is None else llm.whole_graphs.steps_run - since
+
+
 def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "") -> dict:
     """Prefill the prompt, then decode ``decode_steps`` tokens, timing each phase. With
     ``profile_steps``, the last that many prefill chunks (inside the prefill time) and as many decode
@@ -106,7 +112,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     before = llm.policy.stats()
     params = SamplingParams(max_tokens=decode_steps + 2 + profile_steps, temperature=0, ignore_eos=True)
     seq = llm.add_request(ids, params)
-    chunks_whole = llm.whole_graphs.steps_run if llm.whole_graphs is not None else None
+    chunks_whole = whole_steps(llm)
     sync(dev)
     start = shown = time.perf_counter()
     while len(ids) - seq.n_cached > profile_steps * llm.chunk_size:
@@ -121,18 +127,16 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         llm.step()
     sync(dev)
     prefill = time.perf_counter() - start
-    if chunks_whole is not None:
-        chunks_whole = llm.whole_graphs.steps_run - chunks_whole
+    chunks_whole = whole_steps(llm, since=chunks_whole)
     llm.step()  # untimed: the first decode step at this length records its CUDA graph (whole_graphs.py)
     sync(dev)
-    whole = llm.whole_graphs.steps_run if llm.whole_graphs is not None else None
+    whole = whole_steps(llm)
     start = time.perf_counter()
     while len(seq.output_ids) <= decode_steps + 1:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
-    if whole is not None:
-        whole = llm.whole_graphs.steps_run - whole
+    whole = whole_steps(llm, since=whole)
     stats = llm.policy.stats()
     if profile_steps:
         profile["decode"] = profiled(llm, lambda: seq.finished)
