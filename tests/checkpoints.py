@@ -64,3 +64,8 @@ def distinct_tokens(n: int, seed: int) -> list[int]:
     token has equal keys in the first layer, whose votes tie: where a test compares two paths' choices, the
     reference top-k may keep a different one of the tied on each."""
     return (torch.randperm(VOCAB - 2, generator=torch.Generator().manual_seed(seed))[:n] + 2).tolist()
+
+
+def small_sizes(attention: str) -> dict:
+    """Sinks, window (and TokenSelect's k) small enough that short prompts of the tiny model select."""
+    return {"n_init": 4, "n_local": 16, **({"k": 16} if attention == "tokenselect" else {})}

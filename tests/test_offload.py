@@ -22,7 +22,7 @@ from tokenselect.kernels.row_copy import gather_rows_ref
 from tokenselect.kv_cache import HostMemoryError, KVCache
 from tokenselect.policies import add_policy_args, policy_kwargs
 
-from checkpoints import distinct_tokens
+from checkpoints import distinct_tokens, small_sizes
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 CPU = torch.device("cpu")
@@ -146,7 +146,7 @@ def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_ll
     as CUDA graphs that gather the values themselves), with the tokens and logits of the plain path."""
     monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
     ids = distinct_tokens(300, 5)  # the graph's padded span must not break ties another way
-    sizes = {"n_init": 4, "n_local": 16, **({"k": 16} if attention == "tokenselect" else {})}
+    sizes = small_sizes(attention)
     plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **sizes)
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
     assert graphed.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids

@@ -14,11 +14,12 @@ from tokenselect.attention import Chunk
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
-from tokenselect.policies.base import _ARANGES, GraphSeq, arange
+from tokenselect.policies.base import GraphSeq
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
+from tokenselect.transfer import _ARANGES, arange
 
-from checkpoints import distinct_tokens
+from checkpoints import distinct_tokens, small_sizes
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TORCH = get_kernels("torch")
@@ -26,11 +27,6 @@ TORCH = get_kernels("torch")
 
 def ids(n: int, seed: int) -> list[int]:
     return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def small_sizes(attention: str) -> dict:
-    """Sinks, window (and TokenSelect's k) small enough that short prompts of the tiny model select."""
-    return {"n_init": 4, "n_local": 16, **({"k": 16} if attention == "tokenselect" else {})}
 
 
 @pytest.mark.parametrize("selector", ["soft_vote", "topk"])  # hard_vote's integer counts tie: any of the tied may go

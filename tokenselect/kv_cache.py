@@ -24,6 +24,7 @@ import torch
 
 from .errors import KVPoolFull
 from .kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
+from .transfer import arange
 
 OFFLOAD_MODES = ("none", "values")
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write the memory in place
@@ -138,7 +139,7 @@ class KVCache:
         if self.offload != "values":
             return self.k[layer], self.v[layer], slots
         k, v = self.stage(layer, slots)
-        return k, v, torch.arange(slots.numel(), device=slots.device)
+        return k, v, arange(slots.numel(), slots.device)
 
     def _gather(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return (gather_rows if slots.is_cuda else gather_rows_ref)(pool, slots)

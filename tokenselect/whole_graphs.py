@@ -46,8 +46,8 @@ import weakref
 import torch
 
 from .policies import AttentionPolicy
-from .policies.base import GraphSeq, arange
-from .transfer import to_device
+from .policies.base import GraphSeq
+from .transfer import arange, to_device
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
 GRAIN = 4096  # slot-table capacities are multiples of this
@@ -154,8 +154,9 @@ class _GraphStep:
         # a proxy: the owner keeps its steps, and a cycle would keep a dropped engine's KV pool until the next gc
         self.owner, self.policy, self.batch, self.width = weakref.proxy(owner), policy, batch, width
         self.decode = decode
-        self.ids = torch.zeros(batch * width, dtype=torch.int64, device=dev)
-        self.meta = torch.zeros(2, batch, dtype=torch.int64, device=dev)  # lengths, state rows
+        self.inputs = torch.zeros((width + 2) * batch, dtype=torch.int64, device=dev)  # filled by one copy
+        self.ids = self.inputs[:batch * width]
+        self.meta = self.inputs[batch * width:].view(2, batch)  # lengths, state rows
         self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
         self.new_slots = torch.zeros(batch * width, dtype=torch.int64, device=dev)
         self.state = _pointers(policy.graph_state())
@@ -163,8 +164,7 @@ class _GraphStep:
         self.out: torch.Tensor | None = None
 
     def feed(self, chunks, ids: list[int], rows: list[int], new_slots: torch.Tensor) -> None:
-        self.ids.copy_(to_device(ids, self.ids.device))
-        self.meta.copy_(to_device([[ch.past for ch in chunks], rows], self.meta.device))
+        self.inputs.copy_(to_device(ids + [ch.past for ch in chunks] + rows, self.inputs.device))
         for b, ch in enumerate(chunks):
             self.table[b, :ch.past].copy_(ch.seq.slots[:ch.past])
         self.new_slots.copy_(new_slots)

@@ -18,6 +18,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
+from ..transfer import arange
 
 
 @dataclass
@@ -112,8 +113,8 @@ class AttentionPolicy:
 def contiguous_plan(seq: SeqView, c: int) -> Plan:
     """Attend every past token at its original position (full attention)."""
     t = seq.past.numel()
-    dev = seq.past.device
-    return Plan(seq.past, torch.arange(t, device=dev), torch.arange(t, t + c, device=dev))
+    index = arange(t + c, seq.past.device)
+    return Plan(seq.past, index[:t], index[t:])
 
 
 class SelectivePolicy(AttentionPolicy):
@@ -179,19 +180,6 @@ class SelectivePolicy(AttentionPolicy):
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
         """The [sinks | chosen middle tokens] slots [n_init + budget] of a step, on the device."""
         raise NotImplementedError
-
-
-_ARANGES: dict[torch.device, list[torch.Tensor]] = {}  # per device, every arange grown, the longest last
-
-
-def arange(n: int, device: torch.device) -> torch.Tensor:
-    """0, 1, ..., n - 1 (int64) on ``device``: a read-only view of an arange kept per device, so that
-    plans take their index runs and positions without a kernel launch each. One that has to grow is
-    replaced by a longer one but kept: a recorded CUDA graph holds the address of what it read."""
-    grown = _ARANGES.setdefault(device, [])
-    if not grown or grown[-1].numel() < n:
-        grown.append(torch.arange(max(n, 2 * grown[-1].numel() if grown else 0, 4096), device=device))
-    return grown[-1][:n]
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:

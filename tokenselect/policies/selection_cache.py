@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..kernels.selection_check import EPS, selection_check_ref
-from .base import arange
+from ..transfer import arange
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 

@@ -19,7 +19,8 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import GraphSeq, Plan, SelectivePolicy, SeqView, arange, selection_query
+from ..transfer import arange
+from .base import GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
