@@ -56,6 +56,8 @@ class LLM:
             model = default_model_path()
         self.path = Path(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # the device its tensors report: cuda:0, not cuda
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = ModelConfig.from_folder(self.path)
         self.tokenizer = load_tokenizer(self.path)
         self.dtype = resolve_dtype(dtype, self.device)
