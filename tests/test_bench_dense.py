@@ -51,11 +51,11 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
                               "--output", str(tmp_path), "--tag", "t", "--cuda-graphs"])  # on a CPU: run eagerly
     assert args.func(args) == 0
     rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
-    # tokenselect's timed decode steps ran as whole steps (whole_graphs.py), full's through the pieces
-    assert [r.get("whole_graph_steps") for r in rows] == [None, 0, 3, 3]
-    # and of the 8 prefill chunks, tokenselect's past its selection threshold ran whole
+    # the policies' timed decode steps ran as whole steps (whole_graphs.py); dense has its own runner
+    assert [r.get("whole_graph_steps") for r in rows] == [None, 3, 3, 3]
+    # and of the 8 prefill chunks, all of full attention's and tokenselect's past its selection threshold
     assert [r.get("prefill_chunks") for r in rows] == [None, 8, 8, 8]
-    assert rows[1]["whole_graph_chunks"] == 0 and 0 < rows[2]["whole_graph_chunks"] == rows[3]["whole_graph_chunks"] < 8
+    assert rows[1]["whole_graph_chunks"] == 8 and 0 < rows[2]["whole_graph_chunks"] == rows[3]["whole_graph_chunks"] < 8
     assert [r["policy"] for r in rows] == ["dense", "full", "tokenselect", "tokenselect:theta=-1"]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
@@ -65,7 +65,7 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
     assert rows[0]["kv"] == "bf16" and rows[2]["kv"] == "fp32"  # dense's rotated cache; the engine's pool
     assert f"| 2K | tokenselect | fp32 | {rows[2]['prefill_s']:.2f} | {want} |" in table
-    assert "| 3/3 |" in table and "| 0/3 |" in table
+    assert "| 3/3 |" in table and "| 8/8 |" in table
 
 
 def test_bench_e2e_merges_runs_into_one_table(tmp_path):

@@ -280,6 +280,33 @@ def test_sparse_attention_matches_reference(c, n, group, dtype, d):
     torch.testing.assert_close(got, TORCH.sparse_attention(*args), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("c,live,n", [(1, 1, 64), (1, 700, 1000), (1, 1000, 1000), (7, 7, 300), (7, 555, 1000),
+                                      (100, 250, 300)])
+def test_sparse_attention_over_a_live_prefix(c, live, n, group, dtype):
+    """A graph's fixed-length list: only its first n_valid entries (the chunk's own tokens last among them)
+    are attended, as the plain call over that prefix. The entries after it point at rows of NaN keys and
+    values: one read of them, masked or not, would turn the output to NaN."""
+    gen = torch.Generator().manual_seed(c * 10_000 + live + group)
+    d = 128
+    q = query((c, N_KV * group, d), dtype, gen)
+    k_pool, v_pool = pool(n + 300, d, dtype, gen), pool(n + 300, d, dtype, gen)
+    slots = slot_list(n, n + 300, gen)
+    k_pool[slots[live:]] = float("nan")
+    v_pool[slots[live:]] = float("nan")
+    key_pos = torch.randperm(100_000, generator=gen)[:n].to(DEVICE)
+    q_pos = key_pos[live - c:live]
+    _, _, inv_freq, scale = rope_inputs(c, n, d, gen)
+    n_valid = torch.tensor(live, device=DEVICE)
+    got = TRITON.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, n_valid=n_valid)
+    want = TORCH.sparse_attention(q, k_pool, v_pool, slots[:live], key_pos[:live], q_pos, inv_freq, scale)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(TORCH.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale,
+                                                      n_valid=n_valid), want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("d", [16, 80])  # tiny test models; a head_dim that is no power of two
 def test_small_and_odd_head_dims(d):
     gen = torch.Generator().manual_seed(d)

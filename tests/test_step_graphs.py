@@ -48,12 +48,12 @@ def test_a_step_runs_in_the_smallest_captured_size_that_holds_it(tiny_llama):
     assert StepGraphs(graphs.model, torch.device("cpu")).bucket(DECODE_BUCKETS[-1] + 1) is None
 
 
-@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+@pytest.mark.parametrize("attention", ["quest", "tokenselect"])
 def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_invariant_matmuls, attention):
     """Three prompts (prefilled in chunks of 32, one after another, then decoding together) give the
-    tokens of the plain path. Full attention decodes in bucket 4 (one padding row); tokenselect with a
-    small budget selects or reuses (Selection Cache) on every decode step, its decode steps captured
-    whole (``WholeGraphs``, batch 3)."""
+    tokens of the plain path. Quest (planned on the host) decodes in bucket 4 (one padding row);
+    tokenselect with a small budget selects or reuses (Selection Cache) on every decode step, its decode
+    steps captured whole (``WholeGraphs``, batch 3)."""
     settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5} if attention == "tokenselect" else {}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -62,7 +62,7 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert 32 in graphed.graphs._buckets
-    if attention == "full":
+    if attention == "quest":
         assert 4 in graphed.graphs._buckets and not graphed.whole_graphs._steps
     else:
         assert 3 in [key[1] for key in graphed.whole_graphs._steps]

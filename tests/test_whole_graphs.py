@@ -15,6 +15,7 @@ from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
 from tokenselect.policies.base import GraphSeq
+from tokenselect.policies.full import FullAttention
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
 from tokenselect.transfer import _ARANGES, arange
@@ -98,12 +99,29 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     assert torch.equal(got, want.slots)
 
 
+@pytest.mark.parametrize("w", [1, 8])  # a decode token, a prefill chunk
+def test_full_attention_graph_list_is_the_table_live_up_to_the_steps_own_tokens(w):
+    """Full attention's graph list is the whole fixed table; its live prefix (the cached tokens, then the
+    step's own) holds the eager plan's slots and the step's, at the plan's positions."""
+    cache = KVCache(1, 300, 2, 16, torch.float32, torch.device("cpu"))
+    table = cache.allocate(300)[torch.randperm(300)]
+    t = 250
+    policy = FullAttention(cache, TORCH)
+    assert policy.graph_ready(0) and policy.graph_ready(t)
+    q = torch.randn(w, 4, 16)
+    want = policy.plan(0, SeqView(0, table[:t], decode=w == 1), q)
+    got = policy.graph_list(0, GraphSeq(table, torch.tensor(t), torch.tensor(0), decode=w == 1), q, table[t:t + w])
+    assert got.slots.numel() == got.key_pos.numel() == 300 and int(got.n_valid) == t + w
+    assert torch.equal(got.slots[:t], want.slots) and torch.equal(got.key_pos[:t], want.positions)
+    assert torch.equal(got.q_pos, want.q_positions) and torch.equal(got.key_pos[t:t + w], want.q_positions)
+
+
 def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
     for policy, settings, works in (("tokenselect", {"k": 16, **sizes}, True), ("streaming", sizes, True),
-                                    ("full", {}, False), ("quest", {}, False)):
+                                    ("full", {}, True), ("quest", {}, False)):
         llm.set_attention(policy, **settings)
         seqs = [llm.add_request(ids(80, i), SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
         while any(s.prefilling for s in seqs):
@@ -145,7 +163,7 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("attention,settings", [("tokenselect", {"theta": 0.5}),
                                                 ("tokenselect", {"theta": None, "selector": "topk"}),
-                                                ("streaming", {})])
+                                                ("streaming", {}), ("full", {})])
 def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, batch_invariant_matmuls, monkeypatch,
                                                                    attention, settings):
     """Every prompt position's logits, and then the generated tokens, are the plain path's when the prompt's
@@ -157,9 +175,9 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     prompt = distinct_tokens(200, 6)  # the graph's padded span must not break ties another way
     logits = [llm.prompt_logits(prompt) for llm in engines]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-    # the full chunks past the threshold (4 + 16 + 16 tokens, streaming's 4 + 16): from 64 (32), 96, 128, 160;
-    # not the last 8 tokens
-    assert engines[1].whole_graphs.steps_run == (4 if attention == "tokenselect" else 5)
+    # the full chunks past the threshold (4 + 16 + 16 tokens, streaming's 4 + 16, full attention's 0): from 64
+    # (32, 0), 96, 128, 160; not the last 8 tokens
+    assert engines[1].whole_graphs.steps_run == {"tokenselect": 4, "streaming": 5, "full": 6}[attention]
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
     assert len([key for key in engines[1].whole_graphs._steps if not key[0]]) == 1
@@ -170,11 +188,28 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     assert counts[1] == counts[0]
 
 
+def test_full_attention_through_whole_graphs_with_the_triton_kernels(tiny_llama, monkeypatch):
+    """The Triton attention reading its live length on the device (the table is longer: GRAIN rounds it up)
+    gives the plain path's prompt logits and tokens, prefill chunks and decode steps alike."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    engines = [LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=graphs, dtype="float32", kernels="triton")
+               for graphs in (False, True)]
+    prompt = distinct_tokens(150, 8)
+    torch.testing.assert_close(engines[1].prompt_logits(prompt), engines[0].prompt_logits(prompt),
+                               rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    before = engines[1].whole_graphs.steps_run
+    outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
+    assert outs[1] == outs[0]
+    assert engines[1].whole_graphs.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
+
+
 @pytest.mark.parametrize("attention,settings", [
     ("tokenselect", {"theta": 0.5}),
     ("tokenselect", {"theta": None, "selector": "topk"}),
     ("tokenselect", {"theta": -1.0}),
     ("streaming", {}),
+    ("full", {}),
 ])
 def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_matmuls, monkeypatch, attention, settings):
     """Requests arriving at different times (so steps alternate between decode graphs and mixed steps

@@ -5,8 +5,10 @@ step. For a policy that can plan on the device alone (``AttentionPolicy.graph_re
 StreamingLLM with positions by index in the list) nothing has to leave the GPU once a sequence is past
 the selection threshold: the attended list has a fixed length (sinks + k chosen + local window) and
 fixed positions 0..n-1 whatever the context's length; the sequence's slot table goes in as a buffer of
-fixed size with its length as a device scalar. Two kinds of step run here, each as one graph launch
-with no host read per layer:
+fixed size with its length as a device scalar. Full attention attends that table itself, at the original
+positions, and the attention kernel reads how much of it is live from the same scalar, so it runs here
+from the first token on. Two kinds of step run here, each as one graph launch with no host read per
+layer:
 
 - decode steps: one token for each of up to MAX_BATCH sequences sharing one policy instance. The
   Selection Cache's decision gates the selection instead of branching: on a hit the vote and the
@@ -47,7 +49,7 @@ import torch
 
 from .policies import AttentionPolicy
 from .policies.base import GraphSeq
-from .transfer import arange, to_device
+from .transfer import to_device
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
 GRAIN = 4096  # slot-table capacities are multiples of this
@@ -165,8 +167,8 @@ class _GraphStep:
 
     def feed(self, chunks, ids: list[int], rows: list[int], new_slots: torch.Tensor) -> None:
         self.inputs.copy_(to_device(ids + [ch.past for ch in chunks] + rows, self.inputs.device))
-        for b, ch in enumerate(chunks):
-            self.table[b, :ch.past].copy_(ch.seq.slots[:ch.past])
+        for b, ch in enumerate(chunks):  # the cached tokens' slots and the step's own
+            self.table[b, :ch.past + ch.length].copy_(ch.seq.slots[:ch.past + ch.length])
         self.new_slots.copy_(new_slots)
 
     def replay(self) -> torch.Tensor:
@@ -231,19 +233,16 @@ class _GraphStep:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B * w, n_heads, d], k, v: [B * w, n_kv_heads, d] un-rotated -> [B * w, n_heads, d]: each
-        sequence's w tokens attend its policy's list of n at positions 0..n-1, then their own tokens
-        causally at n..n+w-1."""
+        sequence's w tokens attend its policy's ``graph_list``, their own tokens causally."""
         owner, cache, w = self.owner, self.owner.cache, self.width
         cache.write(layer, self.new_slots, k, v)
         outs = []
         for b in range(self.batch):
             rows = slice(b * w, (b + 1) * w)
             seq = GraphSeq(self.table[b], self.meta[0, b], self.meta[1, b], decode=self.decode)
-            context = self.policy.graph_slots(layer, seq, q[rows])
-            n = context.numel()
-            positions = arange(n + w, owner.device)
-            inv_freq, scale = owner.rope(positions[n:])
-            k_pool, v_pool, slots = cache.attention_pools(layer, torch.cat([context, self.new_slots[rows]]))
-            outs.append(owner.kernels.sparse_attention(q[rows], k_pool, v_pool, slots, positions, positions[n:],
-                                                       inv_freq, scale))
+            attended = self.policy.graph_list(layer, seq, q[rows], self.new_slots[rows])
+            inv_freq, scale = owner.rope(attended.q_pos)
+            k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)
+            outs.append(owner.kernels.sparse_attention(q[rows], k_pool, v_pool, slots, attended.key_pos,
+                                                       attended.q_pos, inv_freq, scale, n_valid=attended.n_valid))
         return torch.cat(outs)

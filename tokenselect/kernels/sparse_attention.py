@@ -45,9 +45,15 @@ def sparse_attention_ref(
     inv_freq: torch.Tensor,
     rope_scale: float = 1.0,
     sm_scale: float | None = None,
+    n_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [c, n_heads, d] un-rotated; k_pool, v_pool: [n_slots, n_kv_heads, d]; slots, key_pos: [n];
-    q_pos: [c]; inv_freq: [d // 2] fp32. Returns [c, n_heads, d] in q's dtype."""
+    q_pos: [c]; inv_freq: [d // 2] fp32; n_valid: None, or int64 [] on q's device: only the list's first
+    n_valid entries are attended (the chunk's own tokens are the last c of those), as a graph whose list
+    is a table of fixed length needs. Returns [c, n_heads, d] in q's dtype."""
+    if n_valid is not None:
+        live = int(n_valid)
+        slots, key_pos = slots[:live], key_pos[:live]
     c, n = q.shape[0], slots.shape[0]
     k = rotate(k_pool[slots].to(q.dtype), key_pos, inv_freq, rope_scale)  # [n, n_kv, d]; fp8 pools upcast
     v = v_pool[slots].to(q.dtype)
@@ -81,10 +87,14 @@ def _mma(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, N, n_kv, rope_scale, k_stride_slot,
-                        k_stride_kvh, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_valid_ptr, N, n_kv, rope_scale,
+                        k_stride_slot, k_stride_kvh, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                        LIVE: tl.constexpr):
     """Program = a block of list entries j: out[j, kvh] = RoPE(k_pool[slots[j], kvh], key_pos[j]) for
-    every kv head, in out's dtype; the angles are computed once for all heads."""
+    every kv head, in out's dtype; the angles are computed once for all heads. LIVE: only the first
+    ``*n_valid_ptr`` entries (the others are neither read nor written)."""
+    if LIVE:
+        N = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
     j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, HALF_P)
     j_ok, dim_ok = j < N, half < HALF
@@ -143,17 +153,20 @@ def _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, kpos_ptr, qpos_ptr, inv_freq_ptr, out_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, slot_ptr, kpos_ptr, qpos_ptr, inv_freq_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr,
     C, N, G, H, keys_per_split, rope_scale, qk_scale, k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh,
     HALF: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_TY: tl.constexpr, IEEE: tl.constexpr, ROTATED: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_TY: tl.constexpr, IEEE: tl.constexpr, ROTATED: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
 ):
     """One program: a block of (query, head-of-group) rows of kv head ``kvh`` over one split of the
     key list. Keys come from the pool at ``slots[j]`` and are rotated here, or (ROTATED) from row j
     of the pre-rotated buffer. Scores are in log2 units (``qk_scale`` = sm_scale * log2 e). Key
     blocks that every row sees in full skip the masks; the rest (the causal edge, the split's
     ragged end) are masked. SPLIT: writes the unnormalised acc [R, d], the running max m and sum l
-    for the merge; otherwise the normalised output in out's dtype."""
+    for the merge; otherwise the normalised output in out's dtype. LIVE: the list is its first
+    ``*n_valid_ptr`` entries (read on the device); splits past them see no key (m = -inf, l = 0)."""
+    if LIVE:
+        N = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
     pid_r, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < C * G
@@ -255,8 +268,10 @@ def sparse_attention(
     inv_freq: torch.Tensor,
     rope_scale: float = 1.0,
     sm_scale: float | None = None,
+    n_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding)."""
+    """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding). With
+    ``n_valid`` the grid is planned for all n entries; the kernels read the live length on the device."""
     c, n_heads, d = q.shape
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
@@ -277,8 +292,8 @@ def sparse_attention(
     if rotated:  # rotate each key once instead of once per row block
         keys = torch.empty(n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
         _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK),)](
-            k_pool, slots, key_pos, inv_freq, keys, n, n_kv, float(rope_scale), k_pool.stride(0),
-            k_pool.stride(1), HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK)
+            k_pool, slots, key_pos, inv_freq, keys, n_valid, n, n_kv, float(rope_scale), k_pool.stride(0),
+            k_pool.stride(1), HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=n_valid is not None)
         k_stride_row, k_stride_kvh = keys.stride(0), keys.stride(1)
     else:
         keys, k_stride_row, k_stride_kvh = k_pool, k_pool.stride(0), k_pool.stride(1)
@@ -290,10 +305,10 @@ def sparse_attention(
         l = torch.empty_like(m)
     _sparse_attention_kernel[(row_blocks, n_kv, splits)](
         q.contiguous(), keys, v_pool, slots, key_pos, q_pos, inv_freq, *((acc, m, l) if split else (out, None, None)),
-        c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale) * LOG2E,
+        n_valid, c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale) * LOG2E,
         k_stride_row, k_stride_kvh, v_pool.stride(0), v_pool.stride(1),
         HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
-        ROTATED=rotated, SPLIT=split, num_warps=warps, num_stages=stages,
+        ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     if split:
         rows, splits_p = c * n_heads, triton.next_power_of_2(splits)

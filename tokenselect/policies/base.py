@@ -54,8 +54,9 @@ class GraphSeq:
     """A sequence inside a step captured as one CUDA graph (``whole_graphs.py``): what a policy reads, as
     device tensors of shapes fixed for the graph's life.
 
-    table: [C] slots of the sequence's tokens 0..C-1; entries from ``length`` on are not the sequence's
-        and must never be attended (they hold some valid slot, so reading them is harmless).
+    table: [C] slots of the sequence's tokens 0..C-1: the ``length`` cached ones, then the step's own (w
+        of them); the entries after those are not the sequence's and must never be attended (they hold
+        some valid slot, so reading them is harmless).
     length: int64 [], the tokens in the cache before this step.
     row: int64 [], the sequence's row in the policy's per-sequence state (``graph_row``).
     decode: True for a decode step (one query), False for a prefill chunk (which never reuses a selection).
@@ -67,9 +68,24 @@ class GraphSeq:
     decode: bool
 
 
+@dataclass
+class GraphList:
+    """What a graph step's w queries attend (``AttentionPolicy.graph_list``), as device tensors.
+
+    slots: [n] (n fixed for the graph's life) cache slots, the step's own tokens last among the live ones.
+    key_pos: [n] their RoPE positions; q_pos: [w] the queries'.
+    n_valid: None (all n are attended) or int64 []: only ``slots[:n_valid]`` are.
+    """
+
+    slots: torch.Tensor
+    key_pos: torch.Tensor
+    q_pos: torch.Tensor
+    n_valid: torch.Tensor | None
+
+
 class AttentionPolicy:
     """Base class. Subclasses set ``name`` and implement ``plan``; those that can plan a step on the device
-    alone (``graph_ready``) also implement ``graph_slots``."""
+    alone (``graph_ready``) also implement ``graph_slots`` (or, for another layout, ``graph_list``)."""
 
     name = "base"
 
@@ -90,7 +106,7 @@ class AttentionPolicy:
 
     def graph_ready(self, t: int) -> bool:
         """Whether a step (a decode token or a prefill chunk) after ``t`` cached tokens can be planned by
-        ``graph_slots``."""
+        ``graph_list``."""
         return False
 
     def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
@@ -98,6 +114,14 @@ class AttentionPolicy:
         or a prefill chunk, per ``seq.decode``) attend, in attention order at positions 0..n-1 (the queries
         at n..n+c-1), as ``plan`` would choose them, computed on the device."""
         raise NotImplementedError
+
+    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
+        """What the queries q: [w, n_heads, head_dim], cached at slots own: [w], attend: ``graph_slots``'s
+        context at positions 0..n-1, then their own tokens at n..n+w-1."""
+        context = self.graph_slots(layer, seq, q)
+        n = context.numel()
+        positions = arange(n + own.numel(), q.device)
+        return GraphList(torch.cat([context, own]), positions, positions[n:], None)
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
         """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``); query_size:

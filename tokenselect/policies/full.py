@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionPolicy, Plan, SeqView, contiguous_plan
+from ..transfer import arange
+from .base import AttentionPolicy, GraphList, GraphSeq, Plan, SeqView, contiguous_plan
 
 
 class FullAttention(AttentionPolicy):
@@ -12,3 +13,13 @@ class FullAttention(AttentionPolicy):
 
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
         return contiguous_plan(seq, q.shape[0])
+
+    def graph_ready(self, t: int) -> bool:
+        return True
+
+    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
+        """The sequence's table itself, at the original positions: its first length + w entries (the
+        cached tokens and the step's own) are attended, the rest of its fixed span is not read."""
+        positions = arange(seq.table.numel(), q.device)
+        w = own.numel()
+        return GraphList(seq.table, positions, seq.length + positions[:w], seq.length + w)
