@@ -3,28 +3,34 @@
 # fits a 10-minute device command. Each part writes OUTDIR/e2e_<tag>.{md,json,png}; copy them to
 # benchmarks/results, add the notes, then run benchmarks/update_readme.py.
 # Usage: benchmarks/gpu_e2e.sh OUTDIR PART
-#   tests    the GPU tests of the kernels, whole-step graphs (really captured and checked) and InfLLM, then the
-#            top-k timed against torch.topk + sort (benchmarks/topk_gpu.py); OUTDIR/tests.log as it goes (did not
-#            finish within 7 minutes: give it the whole 10-minute limit)
+#   tests    the GPU tests of whole-step graphs (really captured and checked), offload, the Selection Cache and
+#            InfLLM, and the kernel tests of the row copies and the live-prefix attention (about 4 minutes), then the
+#            top-k timed against torch.topk + sort (benchmarks/topk_gpu.py); OUTDIR/tests.log as it goes
+#   kernels-a, kernels-b  test_kernels.py in two halves (b: sparse attention and window mass), each about 8 minutes
+#            on a fresh machine (Triton compiles a variant per shape); OUTDIR/kernels_{a,b}.log
 #   profile  128K TokenSelect (every step selecting, and the hit path) with 2 prefill chunks and 2 decode steps
 #            under torch.profiler (writes e2e_128k_profile_h100_profile.txt: what a missed target is explained with)
-#   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 3 minutes)
+#   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 4 minutes)
 #   512k     512K with an fp8 KV pool (dense's bf16 cache does not fit): TokenSelect, its hit path, streaming and
 #            InfLLM                                                                        (about 3 minutes)
-#   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 5 minutes)
-#   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 5 minutes)
-#   merge    (no GPU) those of OUTDIR's e2e_{128k,512k,1m,1m_more,1m_mapped}_h100.json that exist (a later file's
-#            row replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
+#   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 3.5 minutes)
+#   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 4 minutes)
+#   merge    (no GPU) those of OUTDIR's e2e_{128k,512k,1m,1m_more}_h100.json that exist (a later file's row
+#            replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 e2e=(python3 -m tokenselect.cli bench e2e --decode-steps 32 --output "$out")
 offload=(--kv-dtype fp8 --kv-offload values --decode-steps 16)
 case "$part" in
-  tests) python3 -m pytest -q tests/test_kernels.py tests/test_whole_graphs.py tests/test_step_graphs.py \
-           tests/test_offload.py tests/test_selection_cache.py tests/test_baselines.py 2>&1 | tee "$out/tests.log" \
-           | tail -15
+  tests) python3 -m pytest -q -rs tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_offload.py \
+           tests/test_selection_cache.py tests/test_baselines.py tests/test_kernels.py -k "row_copy or gather_and_scatter or \
+           sparse_attention_over_a_live_prefix or not test_kernels" 2>&1 | tee "$out/tests.log" | tail -15
          python3 benchmarks/topk_gpu.py "$out" ;;
+  kernels-a) python3 -m pytest -q tests/test_kernels.py -k "not sparse_attention and not window_mass" 2>&1 \
+               | tee "$out/kernels_a.log" | tail -15 ;;
+  kernels-b) python3 -m pytest -q tests/test_kernels.py -k "sparse_attention or window_mass" 2>&1 \
+               | tee "$out/kernels_b.log" | tail -15 ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
              --profile-steps 2 ;;
   128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_h100 \
@@ -33,7 +39,7 @@ case "$part" in
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm ;;
   1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 ;;
   1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_h100 "${offload[@]}" --policies streaming,infllm ;;
-  merge) runs=(); for f in "$out"/e2e_{128k,512k,1m,1m_more,1m_mapped}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
+  merge) runs=(); for f in "$out"/e2e_{128k,512k,1m,1m_more}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
          "${e2e[@]}" --tag h100 --merge "${runs[@]}" ;;
-  *) echo "unknown part $part: tests, profile, 128k, 512k, 1m, 1m-more or merge" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, kernels-a, kernels-b, profile, 128k, 512k, 1m, 1m-more or merge" >&2; exit 2 ;;
 esac
