@@ -155,6 +155,18 @@ def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_ll
     torch.testing.assert_close(graphed.prompt_logits(ids), plain.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 
 
+def test_full_attention_with_offloaded_values_runs_eagerly(tiny_llama, monkeypatch):
+    """A full-attention graph would stage its table's whole capacity from the host every step: with the
+    values offloaded, full attention's steps run eagerly (and give the plain path's tokens); on the device
+    they run whole."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    ids = distinct_tokens(200, 6)
+    on_device = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
+    offloaded = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True, kv_offload="values")
+    assert offloaded.generate([ids], GREEDY)[0].token_ids == on_device.generate([ids], GREEDY)[0].token_ids
+    assert offloaded.whole_graphs.steps_run == 0 and on_device.whole_graphs.steps_run > 0
+
+
 def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, monkeypatch):
     monkeypatch.setattr(kv_cache, "host_memory_available", lambda: 100 << 20)
     with pytest.raises(HostMemoryError, match="needs 1.0 GiB of host memory for 1048576 tokens, but 0.1 GiB "

@@ -114,6 +114,7 @@ def test_full_attention_graph_list_is_the_table_live_up_to_the_steps_own_tokens(
     assert got.slots.numel() == got.key_pos.numel() == 300 and int(got.n_valid) == t + w
     assert torch.equal(got.slots[:t], want.slots) and torch.equal(got.key_pos[:t], want.positions)
     assert torch.equal(got.q_pos, want.q_positions) and torch.equal(got.key_pos[t:t + w], want.q_positions)
+    assert torch.equal(got.slots[t:t + w], table[t:t + w])  # the step's own tokens, as the table holds them
 
 
 def test_which_decode_steps_run_as_whole_graphs(tiny_llama):

@@ -2,7 +2,9 @@
 on the fly at the positions the policy chose.
 
 The slot list holds the context first and the chunk's own tokens last (their K/V are already in the
-cache), so causality is "bottom-right aligned": key j is visible to query i iff j <= i + n - c.
+cache), so causality is "bottom-right aligned": key j is visible to query i iff j <= i + n - c. A
+graph's list may be longer than what it attends: with ``n_valid`` (a device scalar) n is that live
+length, read on the device, and the entries after it are not read.
 Query head h reads kv head h // (n_heads // n_kv_heads).
 
 The Triton kernel reads values in place (no gather) and runs a flash-style online softmax with
@@ -50,15 +52,16 @@ def sparse_attention_ref(
     """q: [c, n_heads, d] un-rotated; k_pool, v_pool: [n_slots, n_kv_heads, d]; slots, key_pos: [n];
     q_pos: [c]; inv_freq: [d // 2] fp32; n_valid: None, or int64 [] on q's device: only the list's first
     n_valid entries are attended (the chunk's own tokens are the last c of those), as a graph whose list
-    is a table of fixed length needs. Returns [c, n_heads, d] in q's dtype."""
-    if n_valid is not None:
-        live = int(n_valid)
-        slots, key_pos = slots[:live], key_pos[:live]
+    is a table of fixed length needs (masked, not sliced: no host read). Returns [c, n_heads, d] in q's dtype."""
     c, n = q.shape[0], slots.shape[0]
     k = rotate(k_pool[slots].to(q.dtype), key_pos, inv_freq, rope_scale)  # [n, n_kv, d]; fp8 pools upcast
     v = v_pool[slots].to(q.dtype)
+    live = n if n_valid is None else n_valid
+    cols = torch.arange(n, device=q.device)
+    if n_valid is not None:  # rows past the live prefix may hold anything: zero them (0 x NaN would be NaN)
+        k, v = (torch.where((cols < live)[:, None, None], x, 0) for x in (k, v))
     qr = rotate(q, q_pos, inv_freq, rope_scale)
-    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(c, device=q.device)[:, None] + (n - c)
+    visible = cols[None, :] <= torch.arange(c, device=q.device)[:, None] + (live - c)
     out = F.scaled_dot_product_attention(
         qr.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=visible, scale=sm_scale, enable_gqa=k.shape[1] != q.shape[1],

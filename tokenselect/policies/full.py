@@ -15,11 +15,14 @@ class FullAttention(AttentionPolicy):
         return contiguous_plan(seq, q.shape[0])
 
     def graph_ready(self, t: int) -> bool:
-        return True
+        """From the first token on; not with the values on the host, where a graph would stage the table's
+        whole capacity (up to GRAIN - 1 rows more than the context, the whole prompt for every prefill chunk)."""
+        return self.cache.offload != "values"
 
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
         """The sequence's table itself, at the original positions: its first length + w entries (the
-        cached tokens and the step's own) are attended, the rest of its fixed span is not read."""
+        cached tokens, then the step's own, which ``own`` holds too) are attended, the rest of its fixed
+        span is not read."""
         positions = arange(seq.table.numel(), q.device)
         w = own.numel()
         return GraphList(seq.table, positions, seq.length + positions[:w], seq.length + w)
