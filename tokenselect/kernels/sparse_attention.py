@@ -167,9 +167,11 @@ def _sparse_attention_kernel(
     blocks that every row sees in full skip the masks; the rest (the causal edge, the split's
     ragged end) are masked. SPLIT: writes the unnormalised acc [R, d], the running max m and sum l
     for the merge; otherwise the normalised output in out's dtype. LIVE: the list is its first
-    ``*n_valid_ptr`` entries (read on the device); splits past them see no key (m = -inf, l = 0)."""
+    ``*n_valid_ptr`` entries (read on the device), spread over the splits here (the grid was planned for
+    the whole list); a split past them sees no key (m = -inf, l = 0)."""
     if LIVE:
         N = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+        keys_per_split = tl.cdiv(tl.cdiv(N, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     pid_r, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < C * G
@@ -274,7 +276,8 @@ def sparse_attention(
     n_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding). With
-    ``n_valid`` the grid is planned for all n entries; the kernels read the live length on the device."""
+    ``n_valid`` the grid is planned for all n entries; the kernels read the live length on the device and
+    share it out among the splits."""
     c, n_heads, d = q.shape
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
