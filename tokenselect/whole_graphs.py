@@ -2,13 +2,13 @@
 
 ``StepGraphs`` leaves attention out of its graphs, because what a step attends changes from step to
 step. For a policy that can plan on the device alone (``AttentionPolicy.graph_ready``: TokenSelect and
-StreamingLLM with positions by index in the list, full attention) nothing has to leave the GPU once a sequence is past
-the selection threshold: the attended list has a fixed length (sinks + k chosen + local window) and
-fixed positions 0..n-1 whatever the context's length; the sequence's slot table goes in as a buffer of
-fixed size with its length as a device scalar. Full attention attends that table itself, at the original
-positions, and the attention kernel reads how much of it is live from the same scalar, so it runs here
-from the first token on (but not with value offload: it would stage the table's whole capacity). Two kinds of step run here, each as one graph launch with no host read per
-layer:
+StreamingLLM with positions by index in the list, full attention) nothing has to leave the GPU once a
+sequence is past the selection threshold: the attended list has a fixed length (sinks + k chosen + local
+window) and fixed positions 0..n-1 whatever the context's length; the sequence's slot table goes in as a
+buffer of fixed size with its length as a device scalar. Full attention attends that table itself, at the
+original positions, and the attention kernel reads how much of it is live from the same scalar, so it runs
+here from the first token on (but not with value offload: it would stage the table's whole capacity). Two
+kinds of step run here, each as one graph launch with no host read per layer:
 
 - decode steps: one token for each of up to MAX_BATCH sequences sharing one policy instance. The
   Selection Cache's decision gates the selection instead of branching: on a hit the vote and the

@@ -33,8 +33,9 @@ class Kernels:
     head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32;
     topk(scores [N], k, n_valid=None) -> indices [min(k, N)] of the largest scores, ascending;
     sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
-    rope_scale, sm_scale, n_valid=None) -> [c, H, d]; selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss
-    (the Selection Cache's decision, ``selection_check.py``);
+    rope_scale, sm_scale, n_valid=None) -> [c, H, d];
+    selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss (the Selection Cache's decision,
+    ``selection_check.py``);
     window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
     local score, ``window_mass.py``)."""
 
