@@ -47,8 +47,8 @@ class LLM:
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling,
         cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
-        steps and a long prompt's full prefill chunks of TokenSelect / StreamingLLM as one graph each,
-        attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs eagerly)
+        steps and a long prompt's full prefill chunks of TokenSelect / StreamingLLM / full attention as one
+        graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs eagerly)
         (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path

@@ -95,7 +95,7 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                         "(default none)")
     e.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's layers as CUDA graphs captured around attention, and decode steps and "
-                        "long prompts' prefill chunks of tokenselect / streaming as one graph each, attention "
+                        "long prompts' prefill chunks of tokenselect / streaming / full as one graph each, attention "
                         "included (default: on with CUDA)")
 
 

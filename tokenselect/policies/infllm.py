@@ -31,6 +31,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
+from ..transfer import arange
 from .base import Plan, SelectivePolicy, SeqView, selection_query
 
 
@@ -74,7 +75,7 @@ class InfLLM(SelectivePolicy):
         t, c = seq.past.numel(), q.shape[0]
         whole = plan.slots.numel() == t  # the budget covers the context: attended in order
         if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
-            plan.positions, plan.q_positions = self.place(torch.arange(t, device=plan.slots.device), t, c)
+            plan.positions, plan.q_positions = self.place(arange(t, plan.slots.device), t, c)
         mem.pending = (q, plan.slots, t)
         return plan
 
@@ -130,9 +131,9 @@ class InfLLM(SelectivePolicy):
         self.close_blocks(layer, seq, mem, n_full)
         scores = mem.reprs.flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
         blocks = self.kernels.topk(scores, self.n_blocks)
-        offsets = torch.arange(self.block_size, device=middle.device)
+        offsets = arange(self.block_size, middle.device)
         tokens = (blocks[:, None] * self.block_size + offsets[None, :]).flatten()
-        remainder = torch.arange(n_full * self.block_size, middle.numel(), device=middle.device)
+        remainder = arange(middle.numel(), middle.device)[n_full * self.block_size:]
         return torch.cat([tokens, remainder])
 
     def place(self, order: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +143,8 @@ class InfLLM(SelectivePolicy):
             return super().place(order, t, c)
         dev = order.device
         at_zero = torch.zeros(order.numel() - self.n_local, dtype=torch.int64, device=dev)
-        positions = torch.cat([at_zero, torch.arange(self.n_local, device=dev)])
-        return positions, torch.arange(self.n_local, self.n_local + c, device=dev)
+        index = arange(self.n_local + c, dev)
+        return torch.cat([at_zero, index[:self.n_local]]), index[self.n_local:]
 
     def release(self, seq_id: int) -> None:
         self._memory.pop(seq_id, None)

@@ -23,6 +23,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
+from ..transfer import arange
 from .base import SelectivePolicy, SeqView, selection_query
 
 
@@ -40,7 +41,7 @@ class Quest(SelectivePolicy):
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         lo, hi = self.page_bounds(layer, seq.id, middle)
         pages = self.kernels.topk(self.page_scores(selection_query(q), lo, hi), self.k // self.page_size)
-        offsets = torch.arange(self.page_size, device=middle.device)
+        offsets = arange(self.page_size, middle.device)
         tokens = (pages[:, None] * self.page_size + offsets[None, :]).flatten()
         return tokens[tokens < middle.numel()]
 
