@@ -8,14 +8,18 @@
 #            top-k timed against torch.topk + sort (benchmarks/topk_gpu.py); OUTDIR/tests.log as it goes
 #   kernels-a, kernels-b  test_kernels.py in two halves (b: sparse attention and window mass), each about 8 minutes
 #            on a fresh machine (Triton compiles a variant per shape); OUTDIR/kernels_{a,b}.log
+#   decode   the decode tile of sparse attention swept at 2K, 32K and 128K keys against flash SDPA
+#            (benchmarks/decode_attention_gpu.py: OUTDIR/decode_attention.{json,md}, about 1 minute)
 #   profile  128K TokenSelect (every step selecting, and the hit path) with 2 prefill chunks and 2 decode steps
 #            under torch.profiler (writes e2e_128k_profile_h100_profile.txt: what a missed target is explained with)
 #   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 4 minutes)
+#   256k     256K, past where a linear fit of the 128K and 32K rows puts the crossover of TokenSelect's selecting
+#            decode step and full attention (~180K): dense, full, TokenSelect and its hit path (about 4 minutes)
 #   512k     512K with an fp8 KV pool (dense's bf16 cache does not fit): TokenSelect, its hit path, streaming and
 #            InfLLM                                                                        (about 3 minutes)
 #   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 3.5 minutes)
 #   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 4 minutes)
-#   merge    (no GPU) those of OUTDIR's e2e_{128k,512k,1m,1m_more}_h100.json that exist (a later file's row
+#   merge    (no GPU) those of OUTDIR's e2e_{128k,256k,512k,1m,1m_more}_h100.json that exist (a later file's row
 #            replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
@@ -31,15 +35,18 @@ case "$part" in
                | tee "$out/kernels_a.log" | tail -15 ;;
   kernels-b) python3 -m pytest -q tests/test_kernels.py -k "sparse_attention or window_mass" 2>&1 \
                | tee "$out/kernels_b.log" | tail -15 ;;
+  decode) python3 benchmarks/decode_attention_gpu.py "$out" ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
              --profile-steps 2 ;;
   128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_h100 \
           --policies dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1 ;;
+  256k) "${e2e[@]}" --lengths 256k --tag 256k_h100 --policies dense,full,tokenselect,tokenselect:theta=-1 ;;
   512k) "${e2e[@]}" --lengths 512k --tag 512k_h100 --kv-dtype fp8 --decode-steps 16 \
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm ;;
   1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 ;;
   1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_h100 "${offload[@]}" --policies streaming,infllm ;;
-  merge) runs=(); for f in "$out"/e2e_{128k,512k,1m,1m_more}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
+  merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
          "${e2e[@]}" --tag h100 --merge "${runs[@]}" ;;
-  *) echo "unknown part $part: tests, kernels-a, kernels-b, profile, 128k, 512k, 1m, 1m-more or merge" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, 512k, 1m, 1m-more or merge" >&2
+     exit 2 ;;
 esac

@@ -44,8 +44,9 @@ def main() -> None:
                 {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "IEEE": ieee,
                  "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4, num_stages=2 if ieee else 3)
         for live in (False, True):  # the whole list, or its first *n_valid_ptr entries
-            for rotated, split, tile in ((False, True, (16, 16, 4, 3)),
-                                         (True, False, (32, 32, 4, 2) if ieee else (64, 64, 4, 3))):
+            attention = mods["sparse_attention"]
+            for rotated, split, tile in ((False, True, attention.DECODE_TILE),
+                                         (True, False, attention.FP32_CHUNK_TILE if ieee else attention.CHUNK_TILE)):
                 block_r, block_n, warps, stages = tile
                 compile_one("sparse_attention", "_sparse_attention_kernel", {
                     "q_ptr": f"*{q}", "k_ptr": f"*{q if rotated else kv}", "v_ptr": f"*{kv}", "slot_ptr": i64p,

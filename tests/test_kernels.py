@@ -254,10 +254,16 @@ def test_topk_of_nothing_live():
     assert TRITON.topk(scores[:0], 5).numel() == 0
 
 
+def positions(n: int, gen: torch.Generator) -> torch.Tensor:
+    """n distinct key positions up to 2.1M, unsorted (causality follows the list order, not the
+    positions): angles of up to ~2M rad, which the kernels' sin/cos must reduce exactly."""
+    return (torch.randperm(100_000, generator=gen)[:n] * 21).to(DEVICE)
+
+
 def rope_inputs(c: int, n: int, d: int, gen: torch.Generator):
-    """Key positions: any distinct values up to 100K, unsorted (causality follows the list order, not
-    the positions); the chunk's own queries sit at the positions of the last c keys."""
-    key_pos = torch.randperm(100_000, generator=gen)[:n].to(DEVICE)
+    """Key positions as :func:`positions` gives them; the chunk's own queries sit at the positions of the
+    last c keys."""
+    key_pos = positions(n, gen)
     inv_freq, scale = RopeSpec(d, theta=500_000.0, kind="yarn", factor=4.0, max_position=8192).inv_freq()
     return key_pos, key_pos[-c:], inv_freq.to(DEVICE), scale
 
@@ -300,7 +306,7 @@ def test_sparse_attention_over_a_live_prefix(monkeypatch, c, live, n, one_split,
     slots = slot_list(n, n + 300, gen)
     k_pool[slots[live:]] = float("nan")
     v_pool[slots[live:]] = float("nan")
-    key_pos = torch.randperm(100_000, generator=gen)[:n].to(DEVICE)
+    key_pos = positions(n, gen)
     q_pos = key_pos[live - c:live]
     _, _, inv_freq, scale = rope_inputs(c, n, d, gen)
     n_valid = torch.tensor(live, device=DEVICE)

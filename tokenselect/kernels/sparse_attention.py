@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..rope import rotate
 
@@ -69,12 +70,32 @@ def sparse_attention_ref(
     return out.transpose(0, 1)
 
 
+# 2 pi = TWO_PI_HI + TWO_PI_LO + 7e-15, HI the nearest fp32
+TWO_PI_HI, TWO_PI_LO, INV_TWO_PI = tl.constexpr(6.2831854820251465), tl.constexpr(-1.7484555314695172e-07), \
+    tl.constexpr(0.15915494309189535)
+
+
+@triton.jit
+def _cos_sin(angle):
+    """cos and sin of fp32 angles of any size (pos * inv_freq reaches ~1M rad at 1M tokens). On the GPU
+    the angle is first reduced to about [-pi, pi] (whole turns taken off by two fused multiply-adds, exact
+    to ~5e-7 rad), where the hardware's one-instruction sin/cos are accurate to ~1e-6: libdevice's
+    accurate ones cost tens of instructions each, and a slow path above 105,615 rad, for every key of a
+    decode step. The CPU interpreter (whose fma rounds twice) takes numpy's."""
+    if INTERPRETED:
+        return tl.cos(angle), tl.sin(angle)
+    else:
+        turns = tl.floor(angle * INV_TWO_PI + 0.5)
+        r = tl.fma(turns, -TWO_PI_HI, angle)
+        r = tl.fma(turns, -TWO_PI_LO, r)
+        return libdevice.fast_cosf(r), libdevice.fast_sinf(r)
+
+
 @triton.jit
 def _rope_halves(x1, x2, pos, inv_freq, rope_scale):
     """Rotate-half RoPE of a row block given as its two halves [R, d/2] at positions [R] (fp32)."""
-    angle = pos[:, None] * inv_freq[None, :]
-    cos = tl.cos(angle) * rope_scale
-    sin = tl.sin(angle) * rope_scale
+    cos, sin = _cos_sin(pos[:, None] * inv_freq[None, :])
+    cos, sin = cos * rope_scale, sin * rope_scale
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
@@ -103,10 +124,9 @@ def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_vali
     j_ok, dim_ok = j < N, half < HALF
     ok = j_ok[:, None] & dim_ok[None, :]
     slot = tl.load(slot_ptr + j, mask=j_ok, other=0).to(tl.int64)
-    angle = tl.load(kpos_ptr + j, mask=j_ok, other=0).to(tl.float32)[:, None] * \
-        tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)[None, :]
-    cos = tl.cos(angle) * rope_scale
-    sin = tl.sin(angle) * rope_scale
+    cos, sin = _cos_sin(tl.load(kpos_ptr + j, mask=j_ok, other=0).to(tl.float32)[:, None] *
+                        tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)[None, :])
+    cos, sin = cos * rope_scale, sin * rope_scale
     for kvh in range(n_kv):
         k_base = k_ptr + slot[:, None] * k_stride_slot + kvh * k_stride_kvh + half[None, :]
         k1 = tl.load(k_base, mask=ok, other=0.0).to(tl.float32)
@@ -255,8 +275,9 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, rows, splits, D: tl.constexpr,
 # reads a key block once for rows / group queries. fp32 products run on CUDA cores and hold their
 # operands in fp32, so fp32 chunks get a smaller tile (64 rows at head_dim 256 made ptxas spill
 # ~14 KB a thread). H100 sweep at 1M (benchmarks/results/attention_h100.md): 64/128 rows, 32-128 keys,
-# 4/8 warps, 2-4 stages for chunks; 264-528 programs, 16/32 keys, 2/4 warps for decode.
-DECODE_TILE, CHUNK_TILE, FP32_CHUNK_TILE = (16, 16, 4, 3), (64, 64, 4, 3), (32, 32, 4, 2)
+# 4/8 warps, 2-4 stages for chunks. Decode, swept at 2K/32K/128K keys with 264-792 programs
+# (benchmarks/results/supporting/decode_attention_h100.md): 64 keys, 2 stages, 396 programs.
+DECODE_TILE, CHUNK_TILE, FP32_CHUNK_TILE = (16, 64, 4, 2), (64, 64, 4, 3), (32, 32, 4, 2)
 TARGET_PROGRAMS = 396  # decode split-K: programs to aim for (3 per SM of an H100)
 ROTATE_BLOCK = 32  # list entries per program of the key-rotation kernel
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
