@@ -21,8 +21,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
-        ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check", "topk",
-         "window_mass", "row_copy")}
+        ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check", "selection_update",
+         "topk", "window_mass", "row_copy")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **options) -> None:
@@ -94,6 +94,10 @@ def main() -> None:
     compile_one("selection_check", "_selection_check_kernel", {
         "q_ptr": "*fp32", "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
         "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})
+    compile_one("selection_update", "_selection_update_kernel", {
+        "q_ptr": "*fp32", "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
+        "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},
+        {"EPS": 1e-8, "BLOCK": 1024})
     for word, gather in (("*i32", True), ("*i32", False), ("*u8", True), ("*u8", False)):
         compile_one("row_copy", "_copy_rows_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
                                                       "words": i32}, {"GATHER": gather, "BLOCK_R": 16, "BLOCK_W": 256})

@@ -192,6 +192,40 @@ def test_selection_check_matches_reference(n):
     assert 0 < counts["torch"][0] < 12  # both outcomes were exercised
 
 
+@pytest.mark.parametrize("n,width", [(64, 3), (1000, 2176), (4096, 4352)])  # query sizes and entry widths, ragged
+def test_selection_update_matches_reference(n, width):
+    """Store-or-reuse on both paths from the same tables: a miss stores the unit query and the new selection and
+    returns it, a hit changes nothing and returns the cached one; other rows and layers are never touched."""
+    from tokenselect.kernels.selection_update import selection_update, selection_update_ref
+
+    gen = torch.Generator().manual_seed(n + width)
+    rows, layers = 4, 3
+    unit = torch.nn.functional.normalize(torch.randn(rows, layers, n, generator=gen), dim=-1).to(DEVICE)
+    selection = torch.randint(0, 1 << 40, (rows, layers, width), generator=gen).to(DEVICE)
+    valid = (torch.rand(rows, layers, generator=gen) < 0.5).to(DEVICE)
+    tables = {name: (unit.clone(), selection.clone(), valid.clone()) for name in ("triton", "torch")}
+    misses = 0
+    for trial in range(8):
+        row, layer, miss = trial % rows, trial % layers, trial % 3 != 1
+        misses += miss
+        q = (torch.randn(n, generator=gen) * 3).to(DEVICE)
+        new = torch.randint(0, 1 << 40, (width,), generator=gen).to(DEVICE)
+        args = (torch.tensor(row, device=DEVICE), layer, new, torch.tensor(miss, device=DEVICE))
+        before = [t.clone() for t in tables["torch"]]
+        got = selection_update(q, *tables["triton"], *args)
+        want = selection_update_ref(q, *tables["torch"], *args)
+        assert torch.equal(got, want) and torch.equal(want, new if miss else before[1][row, layer])
+        torch.testing.assert_close(tables["triton"][0], tables["torch"][0], atol=1e-6, rtol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(tables["triton"][1:], tables["torch"][1:]))
+        for r, lay in ((r, lay) for r in range(rows) for lay in range(layers)):  # only a miss's entry changes
+            same = all(torch.equal(t[r, lay], b[r, lay]) for t, b in zip(tables["torch"], before))
+            assert same or (miss and (r, lay) == (row, layer))
+        if miss:
+            assert tables["torch"][2][row, layer]
+            torch.testing.assert_close(tables["torch"][0][row, layer], q / q.norm())
+    assert 0 < misses < 8
+
+
 def test_paged_dot_reference_is_the_definition():
     gen = torch.Generator().manual_seed(3)
     q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]

@@ -30,9 +30,20 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def graph_context(policy, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
+    """The context of a selective policy's graph list: the list is it, then the step's own tokens (the table's
+    next w slots) at the positions after it, every entry attended."""
+    own = seq.table[int(seq.length):int(seq.length) + q.shape[0]]
+    got = policy.graph_list(layer, seq, q, own)
+    n = got.slots.numel() - own.numel()
+    assert torch.equal(got.slots[n:], own) and got.n_valid is None
+    assert torch.equal(got.key_pos, torch.arange(n + own.numel())) and torch.equal(got.q_pos, got.key_pos[n:])
+    return got.slots[:n]
+
+
 @pytest.mark.parametrize("selector", ["soft_vote", "topk"])  # hard_vote's integer counts tie: any of the tied may go
 def test_graph_plan_equals_the_eager_plan(selector):
-    """From a table padded with other slots past the sequence's length, graph_slots chooses the eager
+    """From a table padded with other slots past the sequence's length, graph_list chooses the eager
     plan's list (miss, hit after the window moved, miss); the Selection Cache counts the same."""
     torch.manual_seed(3)
     t0, n_init, n_local, k = 200, 4, 8, 16
@@ -48,7 +59,7 @@ def test_graph_plan_equals_the_eager_plan(selector):
     for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
         assert graph.graph_ready(t)
         want = eager.plan(0, SeqView(5, slots[:t], decode=True), query)
-        got = graph.graph_slots(0, GraphSeq(table, torch.tensor(t), row, decode=True), query)
+        got = graph_context(graph, 0, GraphSeq(table, torch.tensor(t), row, decode=True), query)
         assert torch.equal(got, want.slots)
         assert torch.equal(want.positions, torch.arange(got.numel()))  # the graph's fixed positions
     assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
@@ -69,7 +80,7 @@ def test_prefill_chunk_graph_plan_equals_the_eager_plan(selector):
     for t in (t0, t0 + 8, t0 + 16):
         q = torch.randn(8, 4, 16)
         want = eager.plan(0, SeqView(7, slots[:t], decode=False), q)
-        got = graph.graph_slots(0, GraphSeq(slots, torch.tensor(t), row, decode=False), q)
+        got = graph_context(graph, 0, GraphSeq(slots, torch.tensor(t), row, decode=False), q)
         assert torch.equal(got, want.slots)
         assert torch.equal(want.positions, torch.arange(got.numel()))
         assert torch.equal(want.q_positions, torch.arange(got.numel(), got.numel() + 8))
@@ -94,9 +105,26 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     slots = cache.allocate(300)[torch.randperm(300)]
     policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
     want = policy.plan(0, SeqView(0, slots[:250], decode=True), torch.randn(1, 4, 16))
-    got = policy.graph_slots(0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True),
-                             torch.randn(1, 4, 16))
+    got = graph_context(policy, 0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True),
+                        torch.randn(1, 4, 16))
     assert torch.equal(got, want.slots)
+
+
+def test_every_layer_of_a_step_shares_the_window_gathered_once():
+    """A step's GraphSeq serves all its layers: the local window and the step's own slots are gathered by the
+    first layer's graph list and reused (one graph node a step, not one a layer), while each layer keeps its
+    own head."""
+    cache = KVCache(2, 300, 2, 16, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(300)[torch.randperm(300)]
+    policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
+    seq = GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True)
+    lists = [policy.graph_list(layer, seq, torch.randn(1, 4, 16), slots[250:251]) for layer in (0, 1)]
+    assert torch.equal(lists[0].slots, lists[1].slots)
+    assert torch.equal(lists[0].slots, torch.cat([slots[:4], slots[250 - 32:251]]))
+    (key, tail), = seq._derived.items()
+    assert torch.equal(tail, slots[250 - 32:251])
+    made = []
+    assert seq.once(key, lambda: made.append(1)) is tail and not made
 
 
 @pytest.mark.parametrize("w", [1, 8])  # a decode token, a prefill chunk
@@ -203,6 +231,21 @@ def test_full_attention_through_whole_graphs_with_the_triton_kernels(tiny_llama,
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
     assert engines[1].whole_graphs.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
+
+
+def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
+    """Decode graphs with the Triton kernels (the vote, the top-k gated by the Selection Cache's decision, its
+    store-or-reuse kernel, the attention) decode the plain path's tokens with the same hits and misses."""
+    engines = [LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=graphs, dtype="float32", kernels="triton",
+                   theta=0.0, **small_sizes("tokenselect")) for graphs in (False, True)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompt = distinct_tokens(100, 9)
+    outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
+    assert outs[1] == outs[0]
+    stats = [llm.stats() for llm in engines]
+    assert engines[1].whole_graphs.steps_run >= 9  # every decode step after the first
+    for key in ("selection_cache_hits", "selection_cache_misses"):
+        assert stats[1][key] == stats[0][key] > 0
 
 
 @pytest.mark.parametrize("attention,settings", [

@@ -226,20 +226,22 @@ class _GraphStep:
         """The model over the batch's tokens -> the last layer's output [B * w, hidden]."""
         model = self.owner.model.model
         x = model.embed_tokens(self.ids)
+        seqs = [GraphSeq(self.table[b], self.meta[0, b], self.meta[1, b], decode=self.decode)  # for every layer
+                for b in range(self.batch)]
         for i, layer in enumerate(model.layers):
             q, k, v = layer.attention_inputs(x)
-            x = layer.finish(x, self.attention(i, q, k, v))
+            x = layer.finish(x, self.attention(i, q, k, v, seqs))
         return x
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  seqs: list[GraphSeq]) -> torch.Tensor:
         """q: [B * w, n_heads, d], k, v: [B * w, n_kv_heads, d] un-rotated -> [B * w, n_heads, d]: each
         sequence's w tokens attend its policy's ``graph_list``, their own tokens causally."""
         owner, cache, w = self.owner, self.owner.cache, self.width
         cache.write(layer, self.new_slots, k, v)
         outs = []
-        for b in range(self.batch):
+        for b, seq in enumerate(seqs):
             rows = slice(b * w, (b + 1) * w)
-            seq = GraphSeq(self.table[b], self.meta[0, b], self.meta[1, b], decode=self.decode)
             attended = self.policy.graph_list(layer, seq, q[rows], self.new_slots[rows])
             inv_freq, scale = owner.rope(attended.q_pos)
             k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 from .head_vote import head_soft_vote, head_soft_vote_ref  # noqa: E402
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref  # noqa: E402
 from .selection_check import selection_check, selection_check_ref  # noqa: E402
+from .selection_update import selection_update, selection_update_ref  # noqa: E402
 from .sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
 from .topk import topk, topk_ref  # noqa: E402
 from .window_mass import window_mass, window_mass_ref  # noqa: E402
@@ -36,6 +37,8 @@ class Kernels:
     rope_scale, sm_scale, n_valid=None) -> [c, H, d];
     selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss (the Selection Cache's decision,
     ``selection_check.py``);
+    selection_update(q [n], unit, selection, valid, row, layer, new [width], miss) -> entry [width] (its
+    store-or-reuse in a decode graph, ``selection_update.py``);
     window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
     local score, ``window_mass.py``)."""
 
@@ -45,13 +48,15 @@ class Kernels:
     topk: Callable
     sparse_attention: Callable
     selection_check: Callable
+    selection_update: Callable
     window_mass: Callable
 
 
 KERNELS = {
     "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
-                      window_mass_ref),
-    "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, window_mass),
+                      selection_update_ref, window_mass_ref),
+    "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, selection_update,
+                      window_mass),
 }
 
 

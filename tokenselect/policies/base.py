@@ -12,7 +12,8 @@ positions is done here once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -60,12 +61,22 @@ class GraphSeq:
     length: int64 [], the tokens in the cache before this step.
     row: int64 [], the sequence's row in the policy's per-sequence state (``graph_row``).
     decode: True for a decode step (one query), False for a prefill chunk (which never reuses a selection).
+
+    One GraphSeq serves every layer of a step, so what depends on the step alone is computed once
+    (``once``), not in each of the layers: in a graph each computation is a node per layer.
     """
 
     table: torch.Tensor
     length: torch.Tensor
     row: torch.Tensor
     decode: bool
+    _derived: dict = field(default_factory=dict, repr=False)
+
+    def once(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, computed by the first layer that asks for ``key`` and kept for the step's other layers."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
 
 @dataclass
@@ -85,7 +96,7 @@ class GraphList:
 
 class AttentionPolicy:
     """Base class. Subclasses set ``name`` and implement ``plan``; those that can plan a step on the device
-    alone (``graph_ready``) also implement ``graph_slots`` (or, for another layout, ``graph_list``)."""
+    alone (``graph_ready``) also implement ``graph_list``."""
 
     name = "base"
 
@@ -109,19 +120,11 @@ class AttentionPolicy:
         ``graph_list``."""
         return False
 
-    def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """The context slots [n] (n fixed) that the queries q: [c, n_heads, head_dim] (a decode token, c = 1,
-        or a prefill chunk, per ``seq.decode``) attend, in attention order at positions 0..n-1 (the queries
-        at n..n+c-1), as ``plan`` would choose them, computed on the device."""
-        raise NotImplementedError
-
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
-        """What the queries q: [w, n_heads, head_dim], cached at slots own: [w], attend: ``graph_slots``'s
-        context at positions 0..n-1, then their own tokens at n..n+w-1."""
-        context = self.graph_slots(layer, seq, q)
-        n = context.numel()
-        positions = arange(n + own.numel(), q.device)
-        return GraphList(torch.cat([context, own]), positions, positions[n:], None)
+        """What the queries q: [w, n_heads, head_dim] (a decode token, w = 1, or a prefill chunk, per
+        ``seq.decode``), cached at slots own: [w], attend, computed on the device: the context ``plan`` would
+        choose at ``plan``'s positions, then their own tokens."""
+        raise NotImplementedError
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
         """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``); query_size:
@@ -195,11 +198,16 @@ class SelectivePolicy(AttentionPolicy):
         return (type(self).graph_head is not SelectivePolicy.graph_head and self.positions == "reindex"
                 and t > self.n_init + self.budget + self.n_local)
 
-    def graph_slots(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """[sinks | chosen | local window]: the head from ``graph_head``, the window gathered at the
-        sequence's current length."""
-        window = seq.table[seq.length - self.n_local + arange(self.n_local, q.device)]
-        return torch.cat([self.graph_head(layer, seq, q), window])
+    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
+        """[sinks | chosen | local window | own] at positions 0, 1, ...: the head from ``graph_head`` (per
+        layer); the window, gathered at the sequence's current length, and the step's own tokens after it
+        (the same in every layer: gathered once a step)."""
+        tail = seq.once(f"last {self.n_local} + own", lambda: torch.cat([
+            seq.table[seq.length - self.n_local + arange(self.n_local, q.device)], own]))
+        head = self.graph_head(layer, seq, q)
+        n = head.numel() + self.n_local
+        positions = arange(n + own.numel(), q.device)
+        return GraphList(torch.cat([head, tail]), positions, positions[n:], None)
 
     def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
         """The [sinks | chosen middle tokens] slots [n_init + budget] of a step, on the device."""

@@ -8,8 +8,9 @@ The entries live on the device, one row per sequence: for every layer the cached
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
 decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
 hits and misses there; an eager step reads it back once (``lookup``), a decode step captured as a CUDA
-graph gates its selection work with it (``whole_graphs.py``). Both see the same entries, so a
-sequence may move between the two paths.
+graph gates its selection work with it (``whole_graphs.py``) and stores or reuses in one more kernel
+(``update``, ``kernels/selection_update.py``). Both paths see the same entries, so a sequence may move
+between them.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ from typing import Callable
 import torch
 
 from ..kernels.selection_check import EPS, selection_check_ref
+from ..kernels.selection_update import selection_update_ref
 from ..transfer import arange
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 
 
 class SelectionCache:
-    def __init__(self, theta: float | None, n_layers: int, width: int, check: Callable = selection_check_ref):
+    def __init__(self, theta: float | None, n_layers: int, width: int, check: Callable = selection_check_ref,
+                 update: Callable = selection_update_ref):
         """theta: similarity threshold; None turns the cache off (every decode step selects).
-        width: the length of a stored selection; check: the decision's kernel (``Kernels.selection_check``)."""
-        self.theta, self.n_layers, self.width, self.check = theta, n_layers, width, check
+        width: the length of a stored selection; check, update: the decision's and the graph store's kernels
+        (``Kernels.selection_check``, ``Kernels.selection_update``)."""
+        self.theta, self.n_layers, self.width = theta, n_layers, width
+        self.check, self.update_kernel = check, update
         self._rows: dict[int, int] = {}  # sequence id -> row
         self.unit: torch.Tensor | None = None  # [rows, n_layers, n] fp32: the cached queries / |q|
         self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
@@ -83,27 +88,20 @@ class SelectionCache:
             return None
         return self.selection[row, layer]
 
-    def store(self, row: int | torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor,
-              where: torch.Tensor | None = None) -> None:
-        """q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns. where: None (row is
-        an int), or a bool [] on the device: store only if it is true, row an int64 [] on the device too
-        (a decode graph stores without a branch or a host read)."""
+    def store(self, row: int, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
+        """The eager store. q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns."""
         q = q.flatten().float()
-        unit = q / torch.linalg.vector_norm(q).clamp_min(EPS)
-        if where is None:
-            self.unit[row, layer] = unit
-            self.selection[row, layer] = selection
-            self.valid[row, layer] = True
-            return
-        index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
-        for table, new in ((self.unit[:, layer], unit), (self.selection[:, layer], selection)):
-            table.index_copy_(0, index, torch.where(where, new, table.index_select(0, index)[0])[None])
-        valid = self.valid[:, layer]
-        valid.index_copy_(0, index, valid.index_select(0, index) | where)
+        self.unit[row, layer] = q / torch.linalg.vector_norm(q).clamp_min(EPS)
+        self.selection[row, layer] = selection
+        self.valid[row, layer] = True
 
-    def entry(self, row: torch.Tensor, layer: int) -> torch.Tensor:
-        """The stored selection [width] of ``row``, an int64 [] on the device, without a host read."""
-        return self.selection[:, layer].index_select(0, row.view(1))[0]
+    def update(self, row: torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor,
+               miss: torch.Tensor) -> torch.Tensor:
+        """A decode graph's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
+        device, from ``miss``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
+        device). Returns the entry [width] after that: ``selection`` on a miss, the cached one on a hit."""
+        return self.update_kernel(q.flatten().float(), self.unit, self.selection, self.valid, row, layer, selection,
+                                  miss)
 
     # ---- counters -----------------------------------------------------------------------------
 

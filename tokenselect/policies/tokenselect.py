@@ -41,7 +41,7 @@ class TokenSelect(SelectivePolicy):
         # its token indices after them)
         n_head = n_init + k
         self.selection_cache = SelectionCache(theta, cache.k.shape[0], n_head * (2 if positions == "original" else 1),
-                                              kernels.selection_check)
+                                              kernels.selection_check, kernels.selection_update)
 
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
         """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the
@@ -85,13 +85,12 @@ class TokenSelect(SelectivePolicy):
         query = selection_query(q)
         miss = sc.miss(seq.row, layer, query) if seq.decode else None  # None: select, store nothing
         middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
-        live = seq.length - self.n_init - self.n_local
+        live = seq.once(f"length - {self.n_init + self.n_local}", lambda: seq.length - (self.n_init + self.n_local))
         chosen = self.choose(query.to(q.dtype), self.cache.k[layer], middle, live if miss is None else live * miss)
         selection = torch.cat([seq.table[:self.n_init], middle[chosen]])
         if miss is None:
             return selection
-        sc.store(seq.row, layer, query, selection, where=miss)
-        return sc.entry(seq.row, layer)
+        return sc.update(seq.row, layer, query, selection, miss)
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
         return self.selection_cache.row(seq_id, query_size, device)

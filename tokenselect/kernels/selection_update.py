@@ -1,0 +1,70 @@
+"""The Selection Cache's store-or-reuse for one (sequence, layer) of a decode graph, as one kernel.
+
+    if miss:  unit[row, layer] = q / max(|q|, eps);  selection[row, layer] = new;  valid[row, layer] = True
+    entry = selection[row, layer]   (after the store: ``new`` on a miss, the cached choice on a hit)
+
+A graph can neither branch on ``miss`` nor read it on the host, so in PyTorch this is a dozen tiny kernels
+(a norm and a division; a gather, a ``where`` and an ``index_copy_`` for each of the three tables; one more
+gather for the entry). In a decode step captured as one CUDA graph each of them is a graph node per layer on
+every step, hit or miss, where the kernel is one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .selection_check import EPS
+
+BLOCK = 1024
+
+
+def selection_update_ref(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
+                         row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
+    """q: [n] fp32; unit: [rows, n_layers, n] fp32; selection: [rows, n_layers, width] int64; valid: [rows,
+    n_layers] bool (the three updated in place); row: int64 []; new: [width] int64; miss: bool []. Returns the
+    entry [width] after the update (a tensor of its own)."""
+    index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
+    unit_q = q / torch.linalg.vector_norm(q).clamp_min(EPS)
+    for table, value in ((unit[:, layer], unit_q), (selection[:, layer], new)):
+        table.index_copy_(0, index, torch.where(miss, value, table.index_select(0, index)[0])[None])
+    valid[:, layer].index_copy_(0, index, valid[:, layer].index_select(0, index) | miss)
+    return selection[:, layer].index_select(0, index)[0]
+
+
+@triton.jit
+def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_ptr, miss_ptr, out_ptr, layer,
+                             n_layers, n, width, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the query's norm in fp32, then every store masked by ``miss``, and the entry written out."""
+    entry = tl.load(row_ptr) * n_layers + layer
+    miss = tl.load(miss_ptr) != 0
+    sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        q = tl.load(q_ptr + i, mask=i < n, other=0.0)
+        sq += q * q
+    norm = tl.maximum(tl.sqrt(tl.sum(sq, axis=0)), EPS)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ok = i < n
+        tl.store(unit_ptr + entry * n + i, tl.load(q_ptr + i, mask=ok, other=0.0) / norm, mask=ok & miss)
+    for start in range(0, width, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ok = i < width
+        value = tl.where(miss, tl.load(new_ptr + i, mask=ok, other=0),
+                         tl.load(sel_ptr + entry * width + i, mask=ok, other=0))
+        tl.store(sel_ptr + entry * width + i, value, mask=ok & miss)
+        tl.store(out_ptr + i, value, mask=ok)
+    tl.store(valid_ptr + entry, tl.full((), 1, tl.uint8), mask=miss)
+
+
+def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
+                     row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`selection_update_ref` (same arguments, same result up to the rounding of the
+    stored unit query)."""
+    out = torch.empty_like(new)
+    _selection_update_kernel[(1,)](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
+                                   miss.view(torch.uint8), out, layer, unit.shape[1], q.numel(), new.numel(),
+                                   EPS=EPS, BLOCK=BLOCK)
+    return out
