@@ -45,7 +45,7 @@ def main() -> None:
                  "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4, num_stages=2 if ieee else 3)
         for live in (False, True):  # the whole list, or its first *n_valid_ptr entries
             attention = mods["sparse_attention"]
-            for rotated, split, tile in ((False, True, attention.DECODE_TILE),
+            for rotated, split, tile in ((False, True, attention.FP32_DECODE_TILE if ieee else attention.DECODE_TILE),
                                          (True, False, attention.FP32_CHUNK_TILE if ieee else attention.CHUNK_TILE)):
                 block_r, block_n, warps, stages = tile
                 compile_one("sparse_attention", "_sparse_attention_kernel", {

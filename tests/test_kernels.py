@@ -224,6 +224,8 @@ def test_selection_update_matches_reference(n, width):
             assert tables["torch"][2][row, layer]
             torch.testing.assert_close(tables["torch"][0][row, layer], q / q.norm())
     assert 0 < misses < 8
+    with pytest.raises(ValueError, match="selection of"):  # the kernel's row strides come from these sizes
+        selection_update(q, *tables["triton"], args[0], 0, new[:-1], args[-1])
 
 
 def test_paged_dot_reference_is_the_definition():

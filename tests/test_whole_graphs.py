@@ -313,7 +313,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
 
     def graph_head(self, layer, seq, q):
         if torch.cuda.is_current_stream_capturing():
-            return self.selection_cache.entry(seq.row, layer)
+            return self.selection_cache.selection[:, layer].index_select(0, seq.row.view(1))[0]
         return honest(self, layer, seq, q)
 
     monkeypatch.setattr(TokenSelect, "graph_head", graph_head)

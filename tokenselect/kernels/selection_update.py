@@ -63,6 +63,9 @@ def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tenso
                      row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`selection_update_ref` (same arguments, same result up to the rounding of the
     stored unit query)."""
+    if q.numel() != unit.shape[-1] or new.numel() != selection.shape[-1]:  # the kernel's row strides
+        raise ValueError(f"a query of {q.numel()} and a selection of {new.numel()} for entries of "
+                         f"{unit.shape[-1]} and {selection.shape[-1]}")
     out = torch.empty_like(new)
     _selection_update_kernel[(1,)](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
                                    miss.view(torch.uint8), out, layer, unit.shape[1], q.numel(), new.numel(),

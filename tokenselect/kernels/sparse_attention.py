@@ -276,8 +276,10 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, rows, splits, D: tl.constexpr,
 # operands in fp32, so fp32 chunks get a smaller tile (64 rows at head_dim 256 made ptxas spill
 # ~14 KB a thread). H100 sweep at 1M (benchmarks/results/attention_h100.md): 64/128 rows, 32-128 keys,
 # 4/8 warps, 2-4 stages for chunks. Decode, swept at 2K/32K/128K keys with 264-792 programs
-# (benchmarks/results/supporting/decode_attention_h100.md): 64 keys, 2 stages, 396 programs.
-DECODE_TILE, CHUNK_TILE, FP32_CHUNK_TILE = (16, 64, 4, 2), (64, 64, 4, 3), (32, 32, 4, 2)
+# (benchmarks/results/supporting/decode_attention_h100.md): 64 keys, 2 stages, 396 programs; fp32 decode keeps
+# the earlier 16 keys, 3 stages (64 keys would spill ~1 KB a thread at head_dim 128, ~7 KB at 256).
+DECODE_TILE, FP32_DECODE_TILE = (16, 64, 4, 2), (16, 16, 4, 3)
+CHUNK_TILE, FP32_CHUNK_TILE = (64, 64, 4, 3), (32, 32, 4, 2)
 TARGET_PROGRAMS = 396  # decode split-K: programs to aim for (3 per SM of an H100)
 ROTATE_BLOCK = 32  # list entries per program of the key-rotation kernel
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
@@ -306,7 +308,10 @@ def sparse_attention(
     ieee = torch.float32 in (q.dtype, k_pool.dtype)
     dot_ty = tl.float32 if ieee else DOT_TYPES[q.dtype]
     half_p, d_p = max(16, triton.next_power_of_2(d // 2)), max(16, triton.next_power_of_2(d))
-    tile = DECODE_TILE if c * group <= DECODE_TILE[0] else FP32_CHUNK_TILE if ieee else CHUNK_TILE
+    if c * group <= DECODE_TILE[0]:  # one row block per kv head
+        tile = FP32_DECODE_TILE if ieee else DECODE_TILE
+    else:
+        tile = FP32_CHUNK_TILE if ieee else CHUNK_TILE
     block_r, block_n, warps, stages = tile
     block_n = block_n if d <= 128 else max(16, block_n // 2)
     row_blocks = triton.cdiv(c * group, block_r)

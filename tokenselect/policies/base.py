@@ -70,7 +70,7 @@ class GraphSeq:
     length: torch.Tensor
     row: torch.Tensor
     decode: bool
-    _derived: dict = field(default_factory=dict, repr=False)
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def once(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``make()``, computed by the first layer that asks for ``key`` and kept for the step's other layers."""
