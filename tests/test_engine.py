@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,13 +43,16 @@ def test_to_device_copies_flat_and_nested_lists(device):
 
 
 def test_keys_are_cached_before_rope(tiny_llama):
-    """What sits in the cache is k_proj(x) itself: no position has been applied to it."""
+    """What sits in the cache is k_proj(x) itself (read from the checkpoint): no position has been applied to it."""
     llm = LLM(tiny_llama)
     ids = prompt(20, 0)
     llm.prompt_logits(ids)
     layer0 = llm.model.model.layers[0]
     x = layer0.input_layernorm(llm.model.model.embed_tokens(torch.tensor(ids)))
-    k = layer0.self_attn.k_proj(x).view(20, 2, -1)
+    from safetensors.torch import load_file
+
+    k_proj = load_file(Path(tiny_llama) / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"]
+    k = (x @ k_proj.T).view(20, 2, -1)
     slots = torch.arange(20)  # a fresh pool hands out slots 0.. in order
     torch.testing.assert_close(llm.cache.k[0, slots], k)
 
@@ -118,7 +123,9 @@ def test_text_prompts_are_tokenized_with_bos(tiny_llama):
     ("no_tokenizer", "no tokenizer files"),
     ("no_weights", "no model.safetensors"),
     ("missing_shard", "shard(s) listed in the index are missing"),
-    ("missing_tensor", "weights missing from the checkpoint"),
+    ("missing_tensor", "weights missing from the checkpoint: model.layers.1.mlp.up_proj.weight"),
+    ("wrong_shape", "model.layers.0.self_attn.q_proj.weight + model.layers.0.self_attn.k_proj.weight + "
+                    "model.layers.0.self_attn.v_proj.weight has shape"),
 ])
 def test_broken_checkpoints_are_named(tiny_llama, tmp_path, bad, message):
     path = tmp_path / "m"
@@ -139,13 +146,17 @@ def test_broken_checkpoints_are_named(tiny_llama, tmp_path, bad, message):
         (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
         index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    elif bad == "missing_tensor":
+    elif bad in ("missing_tensor", "wrong_shape"):  # the message names the checkpoint's tensors, not the stack's
         from safetensors.torch import load_file, save_file
 
         state = load_file(path / "model.safetensors")
-        del state["model.layers.1.mlp.up_proj.weight"]
+        if bad == "missing_tensor":
+            del state["model.layers.1.mlp.up_proj.weight"]
+        else:
+            name = "model.layers.0.self_attn.k_proj.weight"
+            state[name] = torch.cat([state[name], state[name][:1]])
         save_file(state, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=message.replace("(", "\\(").replace(")", "\\)")):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         LLM(path)
 
 

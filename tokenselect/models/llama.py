@@ -1,7 +1,9 @@
 """One decoder for the Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm).
 
-Module names match Hugging Face checkpoints so weights load by name. The model never computes
-attention itself: each layer hands its un-rotated q, k, v to ``ctx.attention`` (the engine's
+Module names match Hugging Face checkpoints so weights load by name, except two stacks that make one
+matrix product of three and of two: ``qkv_proj`` holds q_proj, k_proj and v_proj, ``gate_up_proj`` holds
+gate_proj and up_proj, stacked along their outputs (``FUSED``; the loader stacks them). The model never
+computes attention itself: each layer hands its un-rotated q, k, v to ``ctx.attention`` (the engine's
 forward context), which writes k/v into the paged cache and runs whatever policy is configured.
 
 Tokens of several sequences are flattened into one batch: ``x: [n_tokens, hidden]``.
@@ -36,13 +38,16 @@ class RMSNorm(nn.Module):
         return (rms_norm if x.is_cuda else rms_norm_ref)(x, self.weight, self.eps)
 
 
+# a stacked projection -> the checkpoint's projections it holds, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
@@ -52,9 +57,9 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> un-rotated q: [n, n_heads, head_dim], k, v: [n, n_kv_heads, head_dim]."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of one [n, sum(sizes)] product
+        q = q.view(n, self.n_heads, self.head_dim)
+        k, v = k.view(n, self.n_kv, self.head_dim), v.view(n, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -67,13 +72,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden] -> [n, hidden]; the activation is one Triton kernel on a GPU."""
-        return self.down_proj((silu_mul if x.is_cuda else silu_mul_ref)(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj((silu_mul if x.is_cuda else silu_mul_ref)(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from .llama import CausalLM
+from .llama import FUSED, CausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -41,29 +41,43 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
+def checkpoint_names(param: str) -> tuple[str, ...]:
+    """The checkpoint tensors a parameter is made of: its own name, or for a stacked projection (``FUSED``)
+    its parts' names in stacking order (``...self_attn.qkv_proj.weight`` -> ``...q_proj.weight``, ...)."""
+    module, _, leaf = param.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    return tuple(f"{parent}.{part}.{leaf}" for part in FUSED[proj]) if proj in FUSED else (param,)
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model from config.json and fill it from the safetensors files by parameter name."""
+    """Build the model from config.json and fill it from the safetensors files by tensor name, stacking
+    the projections that the model holds as one (``checkpoint_names``)."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     files = _weight_files(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = dict(model.named_parameters())
-    state: dict[str, torch.Tensor] = {}
+    parts = {param: checkpoint_names(param) for param in expected}
+    wanted = {name for names in parts.values() for name in names}
+    tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name in expected:
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    if cfg.tie_embeddings and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(state))
+                if name in wanted:
+                    tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if cfg.tie_embeddings and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    missing = sorted(wanted - set(tensors))
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise CheckpointError(f"{path}: weights missing from the checkpoint: {shown}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, config says {tuple(expected[name].shape)}")
+    state = {}
+    for param, names in parts.items():
+        state[param] = tensors.pop(names[0]) if len(names) == 1 else torch.cat([tensors.pop(n) for n in names])
+        if state[param].shape != expected[param].shape:
+            raise CheckpointError(f"{path}: {' + '.join(names)} has shape {tuple(state[param].shape)}, config says "
+                                  f"{tuple(expected[param].shape)}")
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
 
