@@ -121,7 +121,7 @@ class KVCache:
         dtype, e.g. fp8 storage); with value offload the values go straight to the host pool."""
         self.k[layer, slots] = k.to(self.k.dtype)
         if self.offload == "values":
-            self._scatter(v.to(self.v.dtype), self.v[layer], slots)
+            self._scatter(v.to(self.v.dtype).contiguous(), self.v[layer], slots)  # v may be a view of qkv
         else:
             self.v[layer, slots] = v.to(self.v.dtype)
 
