@@ -80,8 +80,8 @@ def main() -> None:
     for dt in ("bf16", "fp32"):
         compile_one("rms_norm", "_rms_norm_kernel", {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                                                      "dim": i32, "eps": f32}, {"BLOCK": 4096}, num_warps=8)
-        compile_one("silu_mul", "_silu_mul_kernel", {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "out_ptr": f"*{dt}",
-                                                     "n": i32}, {"BLOCK": 1024})
+        compile_one("silu_mul", "_silu_mul_kernel", {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": i32,
+                                                     "row_stride": i32}, {"BLOCK": 1024})
     topk = {"scores_ptr": "*fp32", "hist_ptr": "*i32", "n_valid_ptr": i64p}
     for masked in (True, False):
         for p in range(4):

@@ -124,8 +124,7 @@ def test_text_prompts_are_tokenized_with_bos(tiny_llama):
     ("no_weights", "no model.safetensors"),
     ("missing_shard", "shard(s) listed in the index are missing"),
     ("missing_tensor", "weights missing from the checkpoint: model.layers.1.mlp.up_proj.weight"),
-    ("wrong_shape", "model.layers.0.self_attn.q_proj.weight + model.layers.0.self_attn.k_proj.weight + "
-                    "model.layers.0.self_attn.v_proj.weight has shape"),
+    ("wrong_shape", "model.layers.0.self_attn.k_proj.weight has shape (33, 64), config says (32, 64)"),
 ])
 def test_broken_checkpoints_are_named(tiny_llama, tmp_path, bad, message):
     path = tmp_path / "m"

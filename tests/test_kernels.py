@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
@@ -158,16 +159,21 @@ def test_rms_norm_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 14336), (7, 300), (0, 64)])  # a decode row, ragged, none
-def test_silu_mul_matches_reference(shape, dtype):
+@pytest.mark.parametrize("strided", [False, True])  # rows of a wider tensor, as a view (row stride > 2 * width)
+@pytest.mark.parametrize("shape", [(1, 14336), (7, 300), (0, 64)])  # (rows, width): a decode row, ragged, none
+def test_silu_mul_matches_reference(shape, strided, dtype):
     from tokenselect.kernels.silu_mul import silu_mul, silu_mul_ref
 
     gen = torch.Generator().manual_seed(sum(shape) + 1)
-    gate, up = (4 * torch.randn(2, *shape, generator=gen)).to(DEVICE, dtype)
-    got = silu_mul(gate, up)
-    assert got.shape == gate.shape and got.dtype == dtype
-    torch.testing.assert_close(got, silu_mul_ref(gate, up), **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
-                                                               else {"atol": 1e-2, "rtol": 8e-3}))
+    rows, width = shape
+    wide = (4 * torch.randn(rows, 2 * width + (24 if strided else 0), generator=gen)).to(DEVICE, dtype)
+    gate_up = wide[:, :2 * width]  # gate, then up
+    got = silu_mul(gate_up)
+    assert got.shape == (rows, width) and got.dtype == dtype
+    want = silu_mul_ref(gate_up)
+    torch.testing.assert_close(want, F.silu(gate_up[:, :width]) * gate_up[:, width:])
+    torch.testing.assert_close(got, want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                             else {"atol": 1e-2, "rtol": 8e-3}))
 
 
 @pytest.mark.parametrize("n", [64, 1000, 4096])  # query sizes n_heads * head_dim, one ragged

@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
         return (rms_norm if x.is_cuda else rms_norm_ref)(x, self.weight, self.eps)
 
 
-# a stacked projection -> the checkpoint's projections it holds, in order
+# a stacked projection -> the checkpoint's projections it holds, in order (their output sizes: the module's
+# ``sizes``)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -72,13 +73,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [n, hidden] -> [n, hidden]; the activation is one Triton kernel on a GPU."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj((silu_mul if x.is_cuda else silu_mul_ref)(gate, up))
+        """x: [n, hidden] -> [n, hidden]; the activation is one Triton kernel on a GPU, reading gate and up from
+        the stacked product in place."""
+        return self.down_proj((silu_mul if x.is_cuda else silu_mul_ref)(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -41,43 +42,56 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def checkpoint_names(param: str) -> tuple[str, ...]:
-    """The checkpoint tensors a parameter is made of: its own name, or for a stacked projection (``FUSED``)
-    its parts' names in stacking order (``...self_attn.qkv_proj.weight`` -> ``...q_proj.weight``, ...)."""
+def checkpoint_parts(model: CausalLM, param: str) -> list[tuple[str, slice]]:
+    """The checkpoint tensors a parameter is made of, each with the rows of the parameter it fills: its own
+    name (every row), or for a stacked projection (``FUSED``) its parts in stacking order
+    (``...self_attn.qkv_proj.weight`` -> ``...q_proj.weight`` rows 0..4095, ``...k_proj.weight``, ...)."""
     module, _, leaf = param.rpartition(".")
     parent, _, proj = module.rpartition(".")
-    return tuple(f"{parent}.{part}.{leaf}" for part in FUSED[proj]) if proj in FUSED else (param,)
+    if proj not in FUSED:
+        return [(param, slice(None))]
+    sizes = model.get_submodule(parent).sizes
+    starts = itertools.accumulate(sizes, initial=0)
+    return [(f"{parent}.{part}.{leaf}", slice(start, start + size))
+            for part, start, size in zip(FUSED[proj], starts, sizes)]
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model from config.json and fill it from the safetensors files by tensor name, stacking
-    the projections that the model holds as one (``checkpoint_names``)."""
+    """Build the model from config.json and fill it from the safetensors files by tensor name. A stacked
+    projection is allocated once on the device and each of its parts copied into its rows as it is read
+    (``checkpoint_parts``), so loading holds no second copy."""
     path = Path(path)
     cfg = ModelConfig.from_folder(path)
     files = _weight_files(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = dict(model.named_parameters())
-    parts = {param: checkpoint_names(param) for param in expected}
-    wanted = {name for names in parts.values() for name in names}
-    tensors: dict[str, torch.Tensor] = {}
+    where = {name: (param, rows) for param in expected for name, rows in checkpoint_parts(model, param)}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name in wanted:
-                    tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    if cfg.tie_embeddings and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    missing = sorted(wanted - set(tensors))
+                if name not in where:
+                    continue
+                param, rows = where[name]
+                tensor, shape = f.get_tensor(name), expected[param][rows].shape
+                if tensor.shape != shape:
+                    raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, config says {tuple(shape)}")
+                if rows == slice(None):
+                    state[param] = tensor.to(device=device, dtype=dtype)
+                else:
+                    if param not in state:
+                        state[param] = torch.empty(expected[param].shape, dtype=dtype, device=device)
+                    state[param][rows].copy_(tensor)
+                seen.add(name)
+    if cfg.tie_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        seen.add("lm_head.weight")
+    missing = sorted(set(where) - seen)
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise CheckpointError(f"{path}: weights missing from the checkpoint: {shown}")
-    state = {}
-    for param, names in parts.items():
-        state[param] = tensors.pop(names[0]) if len(names) == 1 else torch.cat([tensors.pop(n) for n in names])
-        if state[param].shape != expected[param].shape:
-            raise CheckpointError(f"{path}: {' + '.join(names)} has shape {tuple(state[param].shape)}, config says "
-                                  f"{tuple(expected[param].shape)}")
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
 

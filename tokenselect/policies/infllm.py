@@ -76,7 +76,9 @@ class InfLLM(SelectivePolicy):
         whole = plan.slots.numel() == t  # the budget covers the context: attended in order
         if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
             plan.positions, plan.q_positions = self.place(arange(t, plan.slots.device), t, c)
-        mem.pending = (q, plan.slots, t)
+        # a copy: q may be a view of a step graph's output buffer (or of the stacked q/k/v product), which the
+        # next step overwrites before this is read
+        mem.pending = (q.clone(), plan.slots, t)
         return plan
 
     def memory(self, layer: int, seq: SeqView, q: torch.Tensor) -> Memory:
