@@ -160,17 +160,21 @@ def local_attention_received(chunks, keys: torch.Tensor, slots: torch.Tensor, n_
     return received
 
 
-def test_infllm_representatives_and_block_choice():
+@pytest.mark.parametrize("one_buffer", [False, True])  # True: every chunk's q in one buffer, as a step graph's output
+def test_infllm_representatives_and_block_choice(one_buffer):
+    """The representatives come from the attention each token received from its chunk's queries, which are
+    counted one chunk later: the policy must keep them even when the next chunk's q overwrites their buffer."""
     torch.manual_seed(3)
     t, n_heads, d = 120, 4, 8
     n_init, n_local, bs, r = 4, 16, 8, 2
     keys = torch.randn(t, 2, d)
     cache, slots = cache_with_keys(keys)
     policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=r)
-    chunks = []
+    chunks, buffer = [], torch.empty(5, n_heads, d)
     for t0 in range(0, t, 5):
         q = torch.randn(5, n_heads, d)
-        chunks.append((t0, q, policy.plan(0, SeqView(0, slots[:t0], decode=False), q)))
+        seen = buffer.copy_(q) if one_buffer else q
+        chunks.append((t0, q, policy.plan(0, SeqView(0, slots[:t0], decode=False), seen)))
     query = torch.randn(1, n_heads, d)
     plan = policy.plan(0, SeqView(0, slots, decode=True), query)  # counts the last chunk, closes blocks
 
