@@ -22,7 +22,9 @@ class FullAttention(AttentionPolicy):
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
         """The sequence's table itself, at the original positions: its first length + w entries (the
         cached tokens, then the step's own, which ``own`` holds too) are attended, the rest of its fixed
-        span is not read."""
+        span is not read. The queries' positions and the live length depend on the step alone: computed once
+        for all layers."""
         positions = arange(seq.table.numel(), q.device)
         w = own.numel()
-        return GraphList(seq.table, positions, seq.length + positions[:w], seq.length + w)
+        q_pos = seq.once(f"length + first {w}", lambda: seq.length + positions[:w])
+        return GraphList(seq.table, positions, q_pos, seq.once(f"length + {w}", lambda: seq.length + w))

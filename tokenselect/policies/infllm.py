@@ -76,8 +76,8 @@ class InfLLM(SelectivePolicy):
         whole = plan.slots.numel() == t  # the budget covers the context: attended in order
         if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
             plan.positions, plan.q_positions = self.place(arange(t, plan.slots.device), t, c)
-        # a copy: q may be a view of a step graph's output buffer (or of the stacked q/k/v product), which the
-        # next step overwrites before this is read
+        # a copy: q may be a view of a step graph's output buffer, which the next step overwrites before this is
+        # read (and a view would keep the whole stacked q/k/v product alive meanwhile)
         mem.pending = (q.clone(), plan.slots, t)
         return plan
 
