@@ -89,15 +89,18 @@ def main() -> None:
                         {"PASS": p, "BLOCK": 2048, "MASKED": masked})
         compile_one("topk", "_count_kernel", {**topk, "counts_ptr": "*i32", "N": i32, "k": i32},
                     {"BLOCK": 2048, "MASKED": masked})
-        compile_one("topk", "_write_kernel", {**topk, "counts_ptr": "*i32", "out_ptr": i64p, "N": i32, "k": i32,
-                                              "n_blocks": i32}, {"BLOCK": 2048, "BLOCK_C": 1024, "MASKED": masked})
-    compile_one("selection_check", "_selection_check_kernel", {
-        "q_ptr": "*fp32", "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
-        "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})
-    compile_one("selection_update", "_selection_update_kernel", {
-        "q_ptr": "*fp32", "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
-        "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},
-        {"EPS": 1e-8, "BLOCK": 1024})
+        for gather in (True, False):
+            compile_one("topk", "_write_kernel", {**topk, "counts_ptr": "*i32", "values_ptr": i64p, "out_ptr": i64p,
+                                                  "N": i32, "k": i32, "n_blocks": i32},
+                        {"BLOCK": 2048, "BLOCK_C": 1024, "MASKED": masked, "GATHER": gather})
+    for q in ("*bf16", "*fp32"):  # a decode graph's own query, an eager step's fp32 mean
+        compile_one("selection_check", "_selection_check_kernel", {
+            "q_ptr": q, "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
+            "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})
+        compile_one("selection_update", "_selection_update_kernel", {
+            "q_ptr": q, "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
+            "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},
+            {"EPS": 1e-8, "BLOCK": 1024})
     for word, gather in (("*i32", True), ("*i32", False), ("*u8", True), ("*u8", False)):
         compile_one("row_copy", "_copy_rows_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
                                                       "words": i32}, {"GATHER": gather, "BLOCK_R": 16, "BLOCK_W": 256})

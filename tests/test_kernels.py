@@ -176,8 +176,9 @@ def test_silu_mul_matches_reference(shape, strided, dtype):
                                              else {"atol": 1e-2, "rtol": 8e-3}))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a decode graph passes the model's query
 @pytest.mark.parametrize("n", [64, 1000, 4096])  # query sizes n_heads * head_dim, one ragged
-def test_selection_check_matches_reference(n):
+def test_selection_check_matches_reference(n, dtype):
     from tokenselect.kernels.selection_check import selection_check, selection_check_ref
 
     gen = torch.Generator().manual_seed(n)
@@ -188,7 +189,7 @@ def test_selection_check_matches_reference(n):
     for trial in range(12):
         row, layer = trial % rows, trial % layers
         cached = unit[row, layer].cpu()
-        q = (cached * torch.randn(1, generator=gen) + 0.7 * torch.randn(n, generator=gen) / n ** 0.5).to(DEVICE)
+        q = (cached * torch.randn(1, generator=gen) + 0.7 * torch.randn(n, generator=gen) / n ** 0.5).to(DEVICE, dtype)
         theta = float(torch.empty(1).uniform_(-0.5, 0.95, generator=gen))
         row_t = torch.tensor(row, device=DEVICE)
         got = selection_check(q, unit, valid, row_t, layer, theta, counts["triton"])
@@ -198,10 +199,12 @@ def test_selection_check_matches_reference(n):
     assert 0 < counts["torch"][0] < 12  # both outcomes were exercised
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a decode graph passes the model's query
 @pytest.mark.parametrize("n,width", [(64, 3), (1000, 2176), (4096, 4352)])  # query sizes and entry widths, ragged
-def test_selection_update_matches_reference(n, width):
+def test_selection_update_matches_reference(n, width, dtype):
     """Store-or-reuse on both paths from the same tables: a miss stores the unit query and the new selection and
-    returns it, a hit changes nothing and returns the cached one; other rows and layers are never touched."""
+    returns it, a hit changes nothing and returns the cached one; other rows and layers are never touched. Every
+    other trial writes the entry into a given tensor (a decode graph's list) instead of a new one."""
     from tokenselect.kernels.selection_update import selection_update, selection_update_ref
 
     gen = torch.Generator().manual_seed(n + width)
@@ -214,13 +217,18 @@ def test_selection_update_matches_reference(n, width):
     for trial in range(8):
         row, layer, miss = trial % rows, trial % layers, trial % 3 != 1
         misses += miss
-        q = (torch.randn(n, generator=gen) * 3).to(DEVICE)
+        q = (torch.randn(n, generator=gen) * 3).to(DEVICE, dtype)
         new = torch.randint(0, 1 << 40, (width,), generator=gen).to(DEVICE)
         args = (torch.tensor(row, device=DEVICE), layer, new, torch.tensor(miss, device=DEVICE))
         before = [t.clone() for t in tables["torch"]]
-        got = selection_update(q, *tables["triton"], *args)
-        want = selection_update_ref(q, *tables["torch"], *args)
+        outs = [torch.full((width + 2,), -1, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+        given = [out[1:-1] if trial % 2 else None for out in outs]  # inside a longer buffer, as a graph's list
+        got = selection_update(q, *tables["triton"], *args, given[0])
+        want = selection_update_ref(q, *tables["torch"], *args, given[1])
         assert torch.equal(got, want) and torch.equal(want, new if miss else before[1][row, layer])
+        if trial % 2:
+            assert got.data_ptr() == given[0].data_ptr() and want.data_ptr() == given[1].data_ptr()
+            assert all(out[0] == out[-1] == -1 for out in outs)  # nothing written outside
         torch.testing.assert_close(tables["triton"][0], tables["torch"][0], atol=1e-6, rtol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(tables["triton"][1:], tables["torch"][1:]))
         for r, lay in ((r, lay) for r in range(rows) for lay in range(layers)):  # only a miss's entry changes
@@ -228,7 +236,7 @@ def test_selection_update_matches_reference(n, width):
             assert same or (miss and (r, lay) == (row, layer))
         if miss:
             assert tables["torch"][2][row, layer]
-            torch.testing.assert_close(tables["torch"][0][row, layer], q / q.norm())
+            torch.testing.assert_close(tables["torch"][0][row, layer], q.float() / q.float().norm())
     assert 0 < misses < 8
     with pytest.raises(ValueError, match="selection of"):  # the kernel's row strides come from these sizes
         selection_update(q, *tables["triton"], args[0], 0, new[:-1], args[-1])
@@ -253,6 +261,9 @@ def test_topk_matches_reference(n, k, dtype):
     got, ref = TRITON.topk(scores, k), TORCH.topk(scores, k)
     assert got.dtype == torch.int64 and torch.equal(got, ref)
     assert torch.equal(ref, scores.argsort(descending=True)[:k].sort().values)
+    slots = torch.randperm(3 * n, generator=gen)[:n].to(DEVICE)  # values: the picks' slots, gathered in order
+    assert torch.equal(TRITON.topk(scores, k, values=slots), slots[ref])
+    assert torch.equal(TORCH.topk(scores, k, values=slots), slots[ref])
 
 
 @pytest.mark.parametrize("n, k", [(10, 4), (3000, 700), (5000, 4999)])
@@ -286,12 +297,19 @@ def test_topk_over_a_live_prefix(n, live, k):
     poisoned = scores.clone()
     poisoned[live:] = float("inf")  # not read
     assert torch.equal(TRITON.topk(poisoned, k, n_valid), got)
+    slots = torch.randperm(2 * n, generator=gen)[:n].to(DEVICE)
+    assert torch.equal(TRITON.topk(scores, k, n_valid, slots), slots[got])
 
 
 def test_topk_of_nothing_live():
-    """A decode graph's Selection Cache hit: no score is read, the first k positions come back."""
+    """A decode graph's Selection Cache hit: no score is read (NaNs there change nothing), and the first k
+    positions come back, or the first k values."""
     scores = torch.randn(3000, device=DEVICE)
-    assert torch.equal(TRITON.topk(scores, 2048, torch.tensor(0, device=DEVICE)).cpu(), torch.arange(2048))
+    none = torch.tensor(0, device=DEVICE)
+    assert torch.equal(TRITON.topk(scores, 2048, none).cpu(), torch.arange(2048))
+    poisoned = torch.full_like(scores, float("nan"))
+    slots = torch.randperm(5000)[:3000].to(DEVICE)
+    assert torch.equal(TRITON.topk(poisoned, 2048, none, slots), slots[:2048])
     assert torch.equal(TRITON.topk(torch.full_like(scores, float("-inf")), 2048).cpu(), torch.arange(2048))
     assert TRITON.topk(scores[:0], 5).numel() == 0
 

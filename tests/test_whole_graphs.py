@@ -110,21 +110,35 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     assert torch.equal(got, want.slots)
 
 
-def test_every_layer_of_a_step_shares_the_window_gathered_once():
-    """A step's GraphSeq serves all its layers: the local window and the step's own slots are gathered by the
-    first layer's graph list and reused (one graph node a step, not one a layer), while each layer keeps its
-    own head."""
+def test_every_layer_of_a_step_shares_one_list_assembled_once():
+    """A step's GraphSeq serves all its layers: the sinks, the local window and the step's own slots are put in
+    one list by the first layer's graph list (graph nodes once a step, not once a layer), and each layer
+    writes only its own choice into that list's middle, which its attention then reads."""
+    torch.manual_seed(5)
     cache = KVCache(2, 300, 2, 16, torch.float32, torch.device("cpu"))
     slots = cache.allocate(300)[torch.randperm(300)]
-    policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
+    cache.write(0, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
+    cache.write(1, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
+    settings = dict(k=16, n_init=4, n_local=32, theta=None)
+    graph, eager = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
     seq = GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True)
-    lists = [policy.graph_list(layer, seq, torch.randn(1, 4, 16), slots[250:251]) for layer in (0, 1)]
-    assert torch.equal(lists[0].slots, lists[1].slots)
-    assert torch.equal(lists[0].slots, torch.cat([slots[:4], slots[250 - 32:251]]))
-    (key, tail), = seq._derived.items()
-    assert torch.equal(tail, slots[250 - 32:251])
+    q = torch.randn(1, 4, 16)
+    frames = []
+    for layer in (0, 1):
+        got = graph.graph_list(layer, seq, q, slots[250:251])
+        want = eager.plan(layer, SeqView(0, slots[:250], decode=True), q)
+        assert torch.equal(got.slots, torch.cat([want.slots, slots[250:251]]))
+        frames.append(got.slots)
+    assert frames[0].data_ptr() == frames[1].data_ptr()  # one list, its middle rewritten by layer 1
+    key, = [key for key, value in seq._derived.items() if value is frames[0]]  # kept by the step's GraphSeq
     made = []
-    assert seq.once(key, lambda: made.append(1)) is tail and not made
+    assert seq.once(key, lambda: made.append(1)) is frames[0] and not made
+
+    streaming = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
+    seq = GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True)
+    lists = [streaming.graph_list(layer, seq, torch.randn(1, 4, 16), slots[250:251]) for layer in (0, 1)]
+    assert lists[0].slots is lists[1].slots
+    assert torch.equal(lists[0].slots, torch.cat([slots[:4], slots[250 - 32:251]]))
 
 
 @pytest.mark.parametrize("w", [1, 8])  # a decode token, a prefill chunk
@@ -309,14 +323,15 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     """A graph that leaves work out (here: under capture the policy returns its stored selection without
     checking or selecting, as a host read baked into the graph would) fails its check: a warning, whole-step
     graphs off for good, and the tokens of the plain path all the same."""
-    honest = TokenSelect.graph_head
+    honest = TokenSelect.graph_choose
 
-    def graph_head(self, layer, seq, q):
+    def graph_choose(self, layer, seq, q, out):
         if torch.cuda.is_current_stream_capturing():
-            return self.selection_cache.selection[:, layer].index_select(0, seq.row.view(1))[0]
-        return honest(self, layer, seq, q)
+            out.copy_(self.selection_cache.selection[:, layer].index_select(0, seq.row.view(1))[0])
+        else:
+            honest(self, layer, seq, q, out)
 
-    monkeypatch.setattr(TokenSelect, "graph_head", graph_head)
+    monkeypatch.setattr(TokenSelect, "graph_choose", graph_choose)
     settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)

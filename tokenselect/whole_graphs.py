@@ -12,9 +12,10 @@ kinds of step run here, each as one graph launch with no host read per layer:
 
 - decode steps: one token for each of up to MAX_BATCH sequences sharing one policy instance. The
   Selection Cache's decision gates the selection instead of branching: on a hit the vote and the
-  top-k have no live candidate (their kernels read no score or key and skip their blocks) and the
-  new entry is not stored. (CUDA graph conditional nodes would skip even the launches; torch 2.11,
-  what the GPU runs, cannot capture them.)
+  top-k have no live candidate (their kernels read no score or key, and return at once but for the
+  top-k's last, which writes placeholder picks), and the store-or-reuse writes the cached choice into
+  the step's list. (CUDA graph conditional nodes would skip even the launches; torch 2.11, what the GPU
+  runs, cannot capture them.)
 - prefill chunks: a step that is one sequence's full chunk (``chunk_size`` tokens) of a prompt of at
   least PREFILL_MIN_CHUNKS x ``chunk_size`` tokens. The chunk always selects (no Selection Cache), with its mean query.
   Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU.
@@ -247,4 +248,4 @@ class _GraphStep:
             k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)
             outs.append(owner.kernels.sparse_attention(q[rows], k_pool, v_pool, slots, attended.key_pos,
                                                        attended.q_pos, inv_freq, scale, n_valid=attended.n_valid))
-        return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -32,12 +32,13 @@ from .window_mass import window_mass, window_mass_ref  # noqa: E402
 class Kernels:
     """paged_dot(q [H, d], k_pool [S, H_kv, d], slots [N]) -> [H, N] fp32;
     head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32;
-    topk(scores [N], k, n_valid=None) -> indices [min(k, N)] of the largest scores, ascending;
+    topk(scores [N], k, n_valid=None, values=None) -> indices [min(k, N)] of the largest scores, ascending (or
+    values [N] at them);
     sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
     rope_scale, sm_scale, n_valid=None) -> [c, H, d];
     selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss (the Selection Cache's decision,
     ``selection_check.py``);
-    selection_update(q [n], unit, selection, valid, row, layer, new [width], miss) -> entry [width] (its
+    selection_update(q [n], unit, selection, valid, row, layer, new [width], miss, out=None) -> entry [width] (its
     store-or-reuse in a decode graph, ``selection_update.py``);
     window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
     local score, ``window_mass.py``)."""

@@ -65,20 +65,26 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr):
     """Pass 2, program = block of tokens: vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf
-    for t >= *n_valid_ptr, whose scores are not read."""
+    for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
     heads = tl.arange(0, BLOCK_H)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(0) * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
+    n_live = N
     if MASKED:
-        col_ok = col_ok & (cols < tl.load(n_valid_ptr).to(tl.int32))
-    s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                other=float("-inf"))
-    m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
-    inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
-    vote = tl.sum(tl.exp(s - m[:, None]) * inv_l[:, None], axis=0)
-    if MASKED:
-        vote = tl.where(col_ok, vote, float("-inf"))
-    tl.store(out_ptr + cols, vote, mask=cols < N)
+        n_live = tl.load(n_valid_ptr).to(tl.int32)
+        col_ok = col_ok & (cols < n_live)
+    if first < n_live:
+        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=head_ok[:, None] & col_ok[None, :], other=float("-inf"))
+        m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
+        inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
+        vote = tl.sum(tl.exp(s - m[:, None]) * inv_l[:, None], axis=0)
+        if MASKED:
+            vote = tl.where(col_ok, vote, float("-inf"))
+        tl.store(out_ptr + cols, vote, mask=cols < N)
+    else:
+        tl.store(out_ptr + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < N)
 
 
 def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,

@@ -58,23 +58,25 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
-    q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, last)):
-        cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok, live = cols < N, cols < n_live
-        slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
-                    mask=dim_ok[:, None] & live[None, :], other=0.0)
-        s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
-        if MASKED:
-            s = tl.where(live[None, :], s, float("-inf"))
-        tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s, mask=row_ok[:, None] & col_ok[None, :])
-        if STATS:
-            s = tl.where(live[None, :], s, float("-inf"))
-            m = tl.max(s, axis=1)
-            l = tl.sum(tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
-            tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
-            tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
+    if group_id * BLOCKS < last:  # (a program past the live blocks reads nothing, not even the query)
+        q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, last)):
+            cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok, live = cols < N, cols < n_live
+            slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
+            k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
+                        mask=dim_ok[:, None] & live[None, :], other=0.0)
+            s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
+            if MASKED:
+                s = tl.where(live[None, :], s, float("-inf"))
+            tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s,
+                     mask=row_ok[:, None] & col_ok[None, :])
+            if STATS:
+                s = tl.where(live[None, :], s, float("-inf"))
+                m = tl.max(s, axis=1)
+                l = tl.sum(tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
+                tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
+                tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
 
 
 # (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256;

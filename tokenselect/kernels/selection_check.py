@@ -21,8 +21,9 @@ BLOCK = 1024
 
 def selection_check_ref(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, row: torch.Tensor, layer: int,
                         theta: float, counts: torch.Tensor) -> torch.Tensor:
-    """q: [n] fp32; unit: [rows, n_layers, n] fp32; valid: [rows, n_layers] bool; row: int64 [];
-    counts: [2] int64 (hits, misses), incremented in place. Returns miss: bool []."""
+    """q: [n] (any float dtype: computed in fp32); unit: [rows, n_layers, n] fp32; valid: [rows, n_layers] bool;
+    row: int64 []; counts: [2] int64 (hits, misses), incremented in place. Returns miss: bool []."""
+    q = q.float()
     dot = torch.dot(unit[row, layer], q)
     miss = ~(valid[row, layer] & (dot >= theta * torch.linalg.vector_norm(q).clamp_min(EPS)))
     counts += torch.stack([~miss, miss])
@@ -39,7 +40,7 @@ def _selection_check_kernel(q_ptr, unit_ptr, valid_ptr, row_ptr, counts_ptr, mis
     for start in range(0, n, BLOCK):
         i = start + tl.arange(0, BLOCK)
         ok = i < n
-        q = tl.load(q_ptr + i, mask=ok, other=0.0)
+        q = tl.load(q_ptr + i, mask=ok, other=0.0).to(tl.float32)
         dot += q * tl.load(unit_ptr + entry * n + i, mask=ok, other=0.0)
         sq += q * q
     norm = tl.maximum(tl.sqrt(tl.sum(sq, axis=0)), EPS)

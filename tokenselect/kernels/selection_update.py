@@ -6,7 +6,8 @@
 A graph can neither branch on ``miss`` nor read it on the host, so in PyTorch this is a dozen tiny kernels
 (a norm and a division; a gather, a ``where`` and an ``index_copy_`` for each of the three tables; one more
 gather for the entry). In a decode step captured as one CUDA graph each of them is a graph node per layer on
-every step, hit or miss, where the kernel is one.
+every step, hit or miss, where the kernel is one. The entry goes to ``out`` when given: a decode graph passes
+the part of the attended list that the chosen tokens fill, so no copy follows.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ BLOCK = 1024
 
 
 def selection_update_ref(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
-                         row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
-    """q: [n] fp32; unit: [rows, n_layers, n] fp32; selection: [rows, n_layers, width] int64; valid: [rows,
-    n_layers] bool (the three updated in place); row: int64 []; new: [width] int64; miss: bool []. Returns the
-    entry [width] after the update (a tensor of its own)."""
+                         row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [n] (any float dtype: computed in fp32); unit: [rows, n_layers, n] fp32; selection: [rows, n_layers,
+    width] int64; valid: [rows, n_layers] bool (the three updated in place); row: int64 []; new: [width] int64;
+    miss: bool []. Returns the entry [width] after the update, in ``out`` ([width] int64) when given, else in a
+    tensor of its own."""
     index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
+    q = q.float()
     unit_q = q / torch.linalg.vector_norm(q).clamp_min(EPS)
     for table, value in ((unit[:, layer], unit_q), (selection[:, layer], new)):
         table.index_copy_(0, index, torch.where(miss, value, table.index_select(0, index)[0])[None])
     valid[:, layer].index_copy_(0, index, valid[:, layer].index_select(0, index) | miss)
-    return selection[:, layer].index_select(0, index)[0]
+    entry = selection[:, layer].index_select(0, index)[0]
+    return entry if out is None else out.copy_(entry)
 
 
 @triton.jit
@@ -42,13 +47,14 @@ def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_p
     sq = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        q = tl.load(q_ptr + i, mask=i < n, other=0.0)
+        q = tl.load(q_ptr + i, mask=i < n, other=0.0).to(tl.float32)
         sq += q * q
     norm = tl.maximum(tl.sqrt(tl.sum(sq, axis=0)), EPS)
     for start in range(0, n, BLOCK):
         i = start + tl.arange(0, BLOCK)
         ok = i < n
-        tl.store(unit_ptr + entry * n + i, tl.load(q_ptr + i, mask=ok, other=0.0) / norm, mask=ok & miss)
+        tl.store(unit_ptr + entry * n + i, tl.load(q_ptr + i, mask=ok, other=0.0).to(tl.float32) / norm,
+                 mask=ok & miss)
     for start in range(0, width, BLOCK):
         i = start + tl.arange(0, BLOCK)
         ok = i < width
@@ -60,13 +66,17 @@ def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_p
 
 
 def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
-                     row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
+                     row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`selection_update_ref` (same arguments, same result up to the rounding of the
     stored unit query)."""
     if q.numel() != unit.shape[-1] or new.numel() != selection.shape[-1]:  # the kernel's row strides
         raise ValueError(f"a query of {q.numel()} and a selection of {new.numel()} for entries of "
                          f"{unit.shape[-1]} and {selection.shape[-1]}")
-    out = torch.empty_like(new)
+    if out is None:
+        out = torch.empty_like(new)
+    elif out.shape != new.shape or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int64 tensor of shape {tuple(new.shape)}")
     _selection_update_kernel[(1,)](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
                                    miss.view(torch.uint8), out, layer, unit.shape[1], q.numel(), new.numel(),
                                    EPS=EPS, BLOCK=BLOCK)

@@ -10,8 +10,9 @@ the counts of the blocks before it and writes them through a prefix sum. Ties at
 in order until k are chosen, so the result is always k distinct positions.
 
 With ``n_valid`` only scores[:n_valid] are read; the others count as -inf (a whole-step graph's fixed-length
-span, whose live prefix is 0 on a decode step's Selection Cache hit: then no score is read and the first k
-positions come back).
+span, whose live prefix is 0 on a decode step's Selection Cache hit: then the first k positions come back, and
+only the last kernel does anything: the passes and the counts return at once). With ``values`` the picks are
+gathered from it (the chosen tokens' cache slots rather than their indices: no gather after the top-k).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import triton
 import triton.language as tl
 
 
-def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
+             values: torch.Tensor | None = None) -> torch.Tensor:
     """scores: [N] -> indices [min(k, N)] int64 of the largest scores, ascending (ties: any of them).
-    n_valid: None, or an int64 tensor []: scores[n_valid:] count as -inf."""
+    n_valid: None, or an int64 tensor []: scores[n_valid:] count as -inf.
+    values: None, or [N] int64: return values[indices] instead."""
     if n_valid is not None:
         scores = scores.masked_fill(torch.arange(scores.numel(), device=scores.device) >= n_valid, float("-inf"))
-    return torch.topk(scores, min(k, scores.numel()), sorted=False).indices.sort().values
+    picked = torch.topk(scores, min(k, scores.numel()), sorted=False).indices.sort().values
+    return picked if values is None else values[picked]
 
 
 @triton.jit
@@ -67,68 +71,89 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexp
                       MASKED: tl.constexpr):
     """Program = block of scores: add the histogram of byte PASS of its keys that share the bytes found by the
     passes before into hist[PASS]. Program 0 also adds the scores past n_valid (all -inf, not read)."""
-    n_live = _live_count(n_valid_ptr, N, MASKED)
-    prefix, rest = _found(hist_ptr, k, PASS)
     shift: tl.constexpr = 24 - 8 * PASS
-    start = tl.program_id(0) * BLOCK
-    if start < n_live:
-        i = start + tl.arange(0, BLOCK)
-        key = _keys(scores_ptr, i, n_live)
-        match = i < n_live
-        if PASS > 0:
-            match = match & ((key >> (shift + 8)) == prefix)
-        part = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-        tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part)
-    if MASKED:
-        dead = tl.full((), 0x007FFFFF, tl.uint32)  # the key of -inf
-        add = tl.program_id(0) == 0
-        if PASS > 0:
-            add = add & ((dead >> (shift + 8)) == prefix)
-        if add:
-            tl.atomic_add(hist_ptr + PASS * 256 + ((dead >> shift) & 255).to(tl.int32), N - n_live)
+    n_live = _live_count(n_valid_ptr, N, MASKED)
+    if n_live > 0:  # none live: the write kernel needs no histogram
+        prefix, _ = _found(hist_ptr, k, PASS)
+        start = tl.program_id(0) * BLOCK
+        if start < n_live:
+            i = start + tl.arange(0, BLOCK)
+            key = _keys(scores_ptr, i, n_live)
+            match = i < n_live
+            if PASS > 0:
+                match = match & ((key >> (shift + 8)) == prefix)
+            part = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part)
+        if MASKED:
+            dead = tl.full((), 0x007FFFFF, tl.uint32)  # the key of -inf
+            add = tl.program_id(0) == 0
+            if PASS > 0:
+                add = add & ((dead >> (shift + 8)) == prefix)
+            if add:
+                tl.atomic_add(hist_ptr + PASS * 256 + ((dead >> shift) & 255).to(tl.int32), N - n_live)
 
 
 @triton.jit
 def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = block b of scores: counts[b] = (#keys above the k-th largest, #keys equal to it)."""
-    kth, _ = _found(hist_ptr, k, 4)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    key = _keys(scores_ptr, i, _live_count(n_valid_ptr, N, MASKED))
-    ok = i < N
-    tl.store(counts_ptr + 2 * tl.program_id(0), tl.sum((ok & (key > kth)).to(tl.int32), axis=0))
-    tl.store(counts_ptr + 2 * tl.program_id(0) + 1, tl.sum((ok & (key == kth)).to(tl.int32), axis=0))
+    """Program = block b of scores: counts[b] = (#keys above the k-th largest, #keys equal to it); nothing when
+    none is live (the write kernel needs no count then)."""
+    n_live = _live_count(n_valid_ptr, N, MASKED)
+    if n_live > 0:
+        kth, _ = _found(hist_ptr, k, 4)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        key = _keys(scores_ptr, i, n_live)
+        ok = i < N
+        tl.store(counts_ptr + 2 * tl.program_id(0), tl.sum((ok & (key > kth)).to(tl.int32), axis=0))
+        tl.store(counts_ptr + 2 * tl.program_id(0) + 1, tl.sum((ok & (key == kth)).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, out_ptr, N, k, n_blocks, BLOCK: tl.constexpr,
-                  BLOCK_C: tl.constexpr, MASKED: tl.constexpr):
-    """Program = block b of scores: write the positions it picks to out, after the picks of blocks < b. A key
-    above the k-th largest is picked; one equal to it while fewer than the ties wanted came before it."""
+def _write_picks(values_ptr, out_ptr, at, i, pick, GATHER: tl.constexpr):
+    """out[at] = i (GATHER: values[i]) where pick."""
+    if GATHER:
+        tl.store(out_ptr + at, tl.load(values_ptr + i, mask=pick, other=0).to(tl.int64), mask=pick)
+    else:
+        tl.store(out_ptr + at, i.to(tl.int64), mask=pick)
+
+
+@triton.jit
+def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out_ptr, N, k, n_blocks,
+                  BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr):
+    """Program = block b of scores: write the positions it picks to out (GATHER: values at them), after the
+    picks of blocks < b. A key above the k-th largest is picked; one equal to it while fewer than the ties
+    wanted came before it. None live: positions 0..k-1 (all tie at -inf; the first are taken)."""
     b = tl.program_id(0)
-    kth, ties_wanted = _found(hist_ptr, k, 4)
-    above_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
-    ties_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
-    for start in range(0, b, BLOCK_C):
-        j = start + tl.arange(0, BLOCK_C)
-        above_before += tl.load(counts_ptr + 2 * j, mask=j < b, other=0)
-        ties_before += tl.load(counts_ptr + 2 * j + 1, mask=j < b, other=0)
-    ties_before = tl.sum(ties_before, axis=0)
     i = b * BLOCK + tl.arange(0, BLOCK)
-    ok = i < N
-    key = _keys(scores_ptr, i, _live_count(n_valid_ptr, N, MASKED))
-    tie = (ok & (key == kth)).to(tl.int32)
-    tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie  # tied keys before this one, in every block
-    pick = ((ok & (key > kth)) | ((tie > 0) & (tie_rank < ties_wanted))).to(tl.int32)
-    first = tl.sum(above_before, axis=0) + tl.minimum(ties_before, ties_wanted)  # picks of the blocks before
-    tl.store(out_ptr + first + tl.cumsum(pick, axis=0) - pick, i.to(tl.int64), mask=pick > 0)
+    n_live = _live_count(n_valid_ptr, N, MASKED)
+    if n_live == 0:
+        _write_picks(values_ptr, out_ptr, i, i, i < k, GATHER)
+    else:
+        kth, ties_wanted = _found(hist_ptr, k, 4)
+        above_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        ties_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        for start in range(0, b, BLOCK_C):
+            j = start + tl.arange(0, BLOCK_C)
+            above_before += tl.load(counts_ptr + 2 * j, mask=j < b, other=0)
+            ties_before += tl.load(counts_ptr + 2 * j + 1, mask=j < b, other=0)
+        ties_before = tl.sum(ties_before, axis=0)
+        ok = i < N
+        key = _keys(scores_ptr, i, n_live)
+        tie = (ok & (key == kth)).to(tl.int32)
+        tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie  # tied keys before this one, in every block
+        pick = ((ok & (key > kth)) | ((tie > 0) & (tie_rank < ties_wanted))).to(tl.int32)
+        first = tl.sum(above_before, axis=0) + tl.minimum(ties_before, ties_wanted)  # picks of the blocks before
+        _write_picks(values_ptr, out_ptr, first + tl.cumsum(pick, axis=0) - pick, i, pick > 0, GATHER)
 
 
 BLOCK, BLOCK_C = 2048, 1024
 
 
-def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
+         values: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`topk_ref` (same arguments; the same positions where no two scores tie at the
     k-th largest, otherwise the first of the tied ones). scores: fp32, bf16 or fp16."""
+    if values is not None and values.shape != scores.shape:
+        raise ValueError(f"values of shape {tuple(values.shape)} for scores of shape {tuple(scores.shape)}")
     n = scores.numel()
     k = min(k, n)
     out = torch.empty(k, dtype=torch.int64, device=scores.device)
@@ -142,6 +167,7 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> t
     for p in range(4):
         _histogram_kernel[(n_blocks,)](scores, hist, n_valid, n, k, PASS=p, BLOCK=BLOCK, MASKED=masked)
     _count_kernel[(n_blocks,)](scores, hist, n_valid, counts, n, k, BLOCK=BLOCK, MASKED=masked)
-    _write_kernel[(n_blocks,)](scores, hist, n_valid, counts, out, n, k, n_blocks, BLOCK=BLOCK, BLOCK_C=BLOCK_C,
-                               MASKED=masked)
+    gather = values is not None
+    _write_kernel[(n_blocks,)](scores, hist, n_valid, counts, values.contiguous() if gather else out, out, n, k,
+                               n_blocks, BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather)
     return out

@@ -193,24 +193,26 @@ class SelectivePolicy(AttentionPolicy):
         return index[:n], index[n:]
 
     def graph_ready(self, t: int) -> bool:
-        """Subclasses that implement ``graph_head`` can plan a step on the device once the cache is past the
+        """Subclasses that implement ``graph_choose`` can plan a step on the device once the cache is past the
         selection threshold, with positions by index in the list (which then never move)."""
-        return (type(self).graph_head is not SelectivePolicy.graph_head and self.positions == "reindex"
+        return (type(self).graph_choose is not SelectivePolicy.graph_choose and self.positions == "reindex"
                 and t > self.n_init + self.budget + self.n_local)
 
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
-        """[sinks | chosen | local window | own] at positions 0, 1, ...: the head from ``graph_head`` (per
-        layer); the window, gathered at the sequence's current length, and the step's own tokens after it
-        (the same in every layer: gathered once a step)."""
-        tail = seq.once(f"last {self.n_local} + own", lambda: torch.cat([
+        """[sinks | chosen | local window | own] at positions 0, 1, ...: one list a step, assembled by the first
+        layer (the sinks, the window gathered at the sequence's current length, the step's own tokens), into
+        whose middle every layer writes its own choice (``graph_choose``). The layers run in order on one
+        stream, so a layer's list holds its choice until the next layer's ``graph_list``."""
+        n_init, k = self.n_init, self.budget
+        frame = seq.once(f"{n_init} sinks + {k} chosen + last {self.n_local} + own", lambda: torch.cat([
+            seq.table[:n_init + k],  # the k after the sinks only hold the place of the chosen
             seq.table[seq.length - self.n_local + arange(self.n_local, q.device)], own]))
-        head = self.graph_head(layer, seq, q)
-        n = head.numel() + self.n_local
-        positions = arange(n + own.numel(), q.device)
-        return GraphList(torch.cat([head, tail]), positions, positions[n:], None)
+        self.graph_choose(layer, seq, q, frame[n_init:n_init + k])
+        positions = arange(frame.numel(), q.device)
+        return GraphList(frame, positions, positions[frame.numel() - own.numel():], None)
 
-    def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """The [sinks | chosen middle tokens] slots [n_init + budget] of a step, on the device."""
+    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the slots of the middle tokens a step attends, [budget] in order, to ``out``, on the device."""
         raise NotImplementedError
 
 

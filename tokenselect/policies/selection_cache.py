@@ -73,7 +73,7 @@ class SelectionCache:
     def miss(self, row: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """On the device, without a host read: bool [], True where the layer must select anew (no entry,
         or cos(q, its query) < theta), counted in ``device_counts``. row: int64 []; q: [n_heads, head_dim]
-        fp32. None when the cache is off (always select)."""
+        (any float dtype: the kernel computes in fp32). None when the cache is off (always select)."""
         if self.theta is None:
             return None
         return self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
@@ -95,13 +95,12 @@ class SelectionCache:
         self.selection[row, layer] = selection
         self.valid[row, layer] = True
 
-    def update(self, row: torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor,
-               miss: torch.Tensor) -> torch.Tensor:
+    def update(self, row: torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor, miss: torch.Tensor,
+               out: torch.Tensor) -> None:
         """A decode graph's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
         device, from ``miss``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
-        device). Returns the entry [width] after that: ``selection`` on a miss, the cached one on a hit."""
-        return self.update_kernel(q.flatten().float(), self.unit, self.selection, self.valid, row, layer, selection,
-                                  miss)
+        device). Writes the entry after that to out: [width] (``selection`` on a miss, the cached one on a hit)."""
+        self.update_kernel(q.flatten(), self.unit, self.selection, self.valid, row, layer, selection, miss, out)
 
     # ---- counters -----------------------------------------------------------------------------
 

@@ -28,5 +28,5 @@ class StreamingLLM(SelectivePolicy):
         """The middle is evicted: nothing is chosen from it."""
         return torch.empty(0, dtype=torch.int64, device=middle.device)
 
-    def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        return seq.table[:self.n_init]
+    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Nothing to choose: the list is the sinks and the window alone."""

@@ -37,15 +37,14 @@ class TokenSelect(SelectivePolicy):
             raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
         self.k, self.selector = k, selector
         self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
-        # an entry: the [sinks | chosen] head of a miss's plan, its slots (and with "original" positions
-        # its token indices after them)
-        n_head = n_init + k
-        self.selection_cache = SelectionCache(theta, cache.k.shape[0], n_head * (2 if positions == "original" else 1),
+        # an entry: the chosen middle tokens of a miss's plan, their slots (and with "original" positions their
+        # token indices after them)
+        self.selection_cache = SelectionCache(theta, cache.k.shape[0], k * (2 if positions == "original" else 1),
                                               kernels.selection_check, kernels.selection_update)
 
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the
-        [sinks | chosen] head of the last miss's plan: a hit only appends the current local window."""
+        """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the chosen
+        middle of the last miss's plan: a hit puts it between the sinks and the current local window."""
         t, c = seq.past.numel(), q.shape[0]
         if not seq.decode or t <= self.n_init + self.budget + self.n_local:
             return super().plan(layer, seq, q)
@@ -57,40 +56,42 @@ class TokenSelect(SelectivePolicy):
         chosen = self.choose(query.to(q.dtype), self.cache.k[layer], seq.past[self.n_init:t - self.n_local])
         plan = self.assemble(seq, chosen, c)
         if sc.theta is not None:
-            n_head = self.n_init + self.k
-            head = plan.slots[:n_head] if self.positions == "reindex" else torch.cat([plan.slots[:n_head],
-                                                                                      plan.positions[:n_head]])
-            sc.store(sc.row(seq.id, query.numel(), query.device), layer, query, head)
+            part = slice(self.n_init, self.n_init + self.k)
+            entry = plan.slots[part] if self.positions == "reindex" else torch.cat([plan.slots[part],
+                                                                                    plan.positions[part]])
+            sc.store(sc.row(seq.id, query.numel(), query.device), layer, query, entry)
         return plan
 
-    def reuse(self, head: torch.Tensor, seq: SeqView, c: int) -> Plan:
-        """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the cached
-        head's slots [h] (and with "original" its token indices [h] after them) then the current local window."""
-        t = seq.past.numel()
-        n_head = self.n_init + self.k
-        slots = torch.cat([head[:n_head], seq.past[t - self.n_local:]])
+    def reuse(self, entry: torch.Tensor, seq: SeqView, c: int) -> Plan:
+        """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the sinks, the
+        entry's slots [k] (with "original" its token indices [k] follow them in the entry), the current local
+        window."""
+        t, k = seq.past.numel(), self.k
+        slots = torch.cat([seq.past[:self.n_init], entry[:k], seq.past[t - self.n_local:]])
         # "reindex" places by index in the list, for which ``place`` reads only the list's length
-        order = slots if self.positions == "reindex" else torch.cat([head[n_head:],
-                                                                     arange(t, slots.device)[t - self.n_local:]])
+        index = arange(t, slots.device)
+        order = slots if self.positions == "reindex" else torch.cat([index[:self.n_init], entry[k:],
+                                                                     index[t - self.n_local:]])
         positions, q_positions = self.place(order, t, c)
         return Plan(slots, positions, q_positions)
 
-    def graph_head(self, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-        """``plan``'s choice on the device, without a branch. A prefill chunk selects. A decode step goes
-        through the Selection Cache, whose decision gates the work: on a hit the vote and the top-k see no
-        live candidate (their kernels read nothing; the top-k's positions are discarded) and the new entry
-        is not written. The middle is the table's fixed span, of which the first length - n_init - n_local
-        slots are live."""
+    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
+        """``plan``'s choice on the device, without a branch: the chosen slots [k] to ``out``. A prefill chunk
+        selects with its mean query. A decode step's query is its own (a view: no kernel), and goes through
+        the Selection Cache, whose decision gates the work: on a hit the vote and the top-k see no live
+        candidate (their kernels read nothing; the top-k's picks are discarded), and the store-or-reuse
+        writes the cached choice. The middle is the table's fixed span, of which the first
+        length - n_init - n_local slots are live."""
         sc = self.selection_cache
-        query = selection_query(q)
+        query = q[0] if seq.decode else selection_query(q).to(q.dtype)
         miss = sc.miss(seq.row, layer, query) if seq.decode else None  # None: select, store nothing
         middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
         live = seq.once(f"length - {self.n_init + self.n_local}", lambda: seq.length - (self.n_init + self.n_local))
-        chosen = self.choose(query.to(q.dtype), self.cache.k[layer], middle, live if miss is None else live * miss)
-        selection = torch.cat([seq.table[:self.n_init], middle[chosen]])
+        chosen = self.choose(query, self.cache.k[layer], middle, live if miss is None else live * miss, middle)
         if miss is None:
-            return selection
-        return sc.update(seq.row, layer, query, selection, miss)
+            out.copy_(chosen)
+        else:
+            sc.update(seq.row, layer, query, chosen, miss, out)
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
         return self.selection_cache.row(seq_id, query_size, device)
@@ -124,9 +125,10 @@ class TokenSelect(SelectivePolicy):
         return vote if dead is None else vote.masked_fill(dead, float("-inf"))
 
     def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
-               live: torch.Tensor | None = None) -> torch.Tensor:
-        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live])."""
-        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live)
+               live: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live]); with
+        values ([M], e.g. ``middle`` itself), values at those indices."""
+        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live, values)
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
