@@ -1,5 +1,5 @@
-"""The Selection Cache's similarity check and TokenSelect's decode hit path: a hit reuses the cached
-[sinks | chosen] head and must give exactly the plan a fresh assembly of the cached choice gives."""
+"""The Selection Cache's similarity check and TokenSelect's decode hit path: a hit reuses the cached choice
+(the chosen middle tokens) and must give exactly the plan a fresh assembly of that choice gives."""
 
 from __future__ import annotations
 
