@@ -2,7 +2,8 @@
 # The committed end-to-end tables (issue #9), regenerated on one 80 GB GPU, one part per call so that each
 # fits a 10-minute device command. Each part writes OUTDIR/e2e_<tag>.{md,json,png}; copy them to
 # benchmarks/results, add the notes, then run benchmarks/update_readme.py.
-# Usage: benchmarks/gpu_e2e.sh OUTDIR PART
+# Usage: benchmarks/gpu_e2e.sh OUTDIR PART [FLAG ...]   (FLAGs go to every `bench e2e` of the part, e.g.
+#   `profile --select-dtype fp8 --tag 128k_fp8_select_profile_h100`: a later --tag replaces the part's)
 #   tests    the GPU tests of whole-step graphs (really captured and checked), offload, the Selection Cache and
 #            InfLLM, and the kernel tests of the row copies, the live-prefix attention, the Selection Cache's update
 #            and silu_mul (about 6 minutes on a fresh machine), then the
@@ -16,6 +17,9 @@
 #   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 4 minutes)
 #   256k     256K, past where a linear fit of the 128K and 32K rows puts the crossover of TokenSelect's selecting
 #            decode step and full attention (~180K): dense, full, TokenSelect and its hit path (about 4 minutes)
+#   fp8-select  128K and 256K with fp8 selection keys (--select-dtype fp8: TokenSelect scores an fp8 copy of the bf16
+#            keys): dense, TokenSelect and its hit path, a table of its own (its dense row is its own run's)
+#                                                                                          (about 4 minutes)
 #   512k     512K with an fp8 KV pool (dense's bf16 cache does not fit): TokenSelect, its hit path, streaming and
 #            InfLLM                                                                        (about 3 minutes)
 #   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 3.5 minutes)
@@ -25,7 +29,9 @@
 set -euo pipefail
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
+shift 2
 e2e=(python3 -m tokenselect.cli bench e2e --decode-steps 32 --output "$out")
+extra=("$@")
 offload=(--kv-dtype fp8 --kv-offload values --decode-steps 16)
 case "$part" in
   tests) python3 -m pytest -q -rs tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_offload.py \
@@ -38,16 +44,18 @@ case "$part" in
                | tee "$out/kernels_b.log" | tail -15 ;;
   decode) python3 benchmarks/decode_attention_gpu.py "$out" ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
-             --profile-steps 2 ;;
+             --profile-steps 2 "${extra[@]}" ;;
   128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_h100 \
-          --policies dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1 ;;
-  256k) "${e2e[@]}" --lengths 256k --tag 256k_h100 --policies dense,full,tokenselect,tokenselect:theta=-1 ;;
+          --policies dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  256k) "${e2e[@]}" --lengths 256k --tag 256k_h100 --policies dense,full,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  fp8-select) "${e2e[@]}" --lengths 128k,256k --tag fp8_select_h100 --select-dtype fp8 \
+                --policies dense,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
   512k) "${e2e[@]}" --lengths 512k --tag 512k_h100 --kv-dtype fp8 --decode-steps 16 \
-          --policies tokenselect,tokenselect:theta=-1,streaming,infllm ;;
-  1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 ;;
-  1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_h100 "${offload[@]}" --policies streaming,infllm ;;
+          --policies tokenselect,tokenselect:theta=-1,streaming,infllm "${extra[@]}" ;;
+  1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_h100 "${offload[@]}" --policies streaming,infllm "${extra[@]}" ;;
   merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
-         "${e2e[@]}" --tag h100 --merge "${runs[@]}" ;;
-  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, 512k, 1m, 1m-more or merge" >&2
+         "${e2e[@]}" --tag h100 --merge "${runs[@]}" "${extra[@]}" ;;
+  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m, 1m-more or merge" >&2
      exit 2 ;;
 esac

@@ -1,9 +1,10 @@
 """Merge ``tokenselect eval`` runs of the same tasks, lengths and seed (e.g. one process per policy,
 run side by side on one GPU) into one output folder: predictions, summary, table and plots.
 
-    python benchmarks/merge_eval.py OUT RUN_DIR [RUN_DIR ...]
+    python benchmarks/merge_eval.py OUT RUN_DIR[=LABEL] [RUN_DIR[=LABEL] ...]
 
-Columns come in the order of the RUN_DIRs. Every run must have answered the very same prompts.
+Columns come in the order of the RUN_DIRs. Every run must have answered the very same prompts. A run of one
+policy given a LABEL is that column's name (for two runs of one policy under different engine settings).
 """
 
 from __future__ import annotations
@@ -13,28 +14,39 @@ import sys
 from pathlib import Path
 
 from tokenselect.eval.plots import plot_all
-from tokenselect.eval.runner import markdown_table, summarize, write_outputs
+from tokenselect.eval.runner import markdown_table, selection_cache_lines, summarize, write_outputs
 
 
 def main(out: str, *runs: str) -> None:
-    records, configs, cells = [], [], None
-    for run in map(Path, runs):
+    records, configs, cells, selection_cache = [], [], None, {}
+    for spec in runs:
+        path, _, label = spec.partition("=")
+        run = Path(path)
         rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+        summary = json.loads((run / "summary.json").read_text())
+        hit_rates = summary.get("selection_cache", {})
+        if label:
+            if len({r["policy"] for r in rows}) != 1:
+                raise SystemExit(f"{run}: a LABEL names the column of a run of one policy")
+            hit_rates = {label: counts for counts in hit_rates.values()}
+            rows = [{**r, "policy": label} for r in rows]
         mine = sorted({(r["task"], r["length"], r["sample"], tuple(r["answers"])) for r in rows})
         if cells is not None and mine != cells:
             raise SystemExit(f"{run} answered other prompts than {runs[0]}: not mergeable")
         cells = mine
         records += rows
-        configs.append(json.loads((run / "summary.json").read_text())["config"])
+        configs.append(summary["config"])
+        selection_cache.update(hit_rates)
         title = (run / "table.md").read_text().splitlines()[0]
     scores = summarize(records)
     target = Path(out)
-    write_outputs(records, scores, {"merged": [str(r) for r in runs], "configs": configs}, target)
+    write_outputs(records, scores, {"merged": [str(r) for r in runs], "configs": configs}, target, selection_cache)
     plot_all(records, target)
     table = markdown_table(scores)
     policies = ", ".join(dict.fromkeys(r["policy"] for r in records))
     (target / "table.md").write_text(f"{title}\n\n{table}\n\nPolicies {policies}: one `tokenselect eval` "
-                                     f"process each, merged by `benchmarks/merge_eval.py`.\n")
+                                     f"process each, merged by `benchmarks/merge_eval.py`.\n"
+                                     f"{selection_cache_lines(selection_cache)}")
     print(table)
 
 

@@ -69,8 +69,9 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
 
 
 def test_bench_e2e_merges_runs_into_one_table(tmp_path):
-    """Runs made one device call each (here: two lengths, two KV settings) become one table and plot, in order
-    of length, each row with its own KV setting and its ratio against the dense row of its own length."""
+    """Runs made one device call each (here: two lengths, two KV settings, fp8 selection keys) become one table
+    and plot, in order of length, each row with its own KV setting and its ratio against the dense row of its own
+    length."""
     import argparse
     import json
 
@@ -80,9 +81,9 @@ def test_bench_e2e_merges_runs_into_one_table(tmp_path):
     e2e.add_parser(parser.add_subparsers())
     common = ["--config", "tiny", "--decode-steps", "2", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
               "--output", str(tmp_path)]
-    for length, tag, kv in (("2k", "long", "fp8"), ("1k", "short", "auto")):
+    for length, tag, kv, select in (("2k", "long", "fp8", "fp8"), ("1k", "short", "auto", "fp8")):
         args = parser.parse_args(["e2e", "--lengths", length, "--policies", "dense,streaming", "--kv-dtype", kv,
-                                  "--tag", tag, *common])
+                                  "--select-dtype", select, "--tag", tag, *common])
         assert args.func(args) == 0
     args = parser.parse_args(["e2e", "--merge", str(tmp_path / "e2e_long.json"), str(tmp_path / "e2e_short.json"),
                               "--output", str(tmp_path), "--tag", "all"])
@@ -90,7 +91,8 @@ def test_bench_e2e_merges_runs_into_one_table(tmp_path):
     merged = json.loads((tmp_path / "e2e_all.json").read_text())
     rows = merged["rows"]
     assert [(r["length"], r["policy"], r["kv"]) for r in rows] == [
-        (1024, "dense", "bf16"), (1024, "streaming", "fp32"), (2048, "dense", "bf16"), (2048, "streaming", "fp8")]
+        (1024, "dense", "bf16"), (1024, "streaming", "fp32, fp8 selection keys"), (2048, "dense", "bf16"),
+        (2048, "streaming", "fp8")]  # (an fp8 pool is its own selection keys)
     assert merged["merged"] == ["e2e_long.json", "e2e_short.json"]
     table = (tmp_path / "e2e_all.md").read_text()
     assert "merged from e2e_long, e2e_short" in table

@@ -14,11 +14,13 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokenselect.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_generate_prints_text_and_selection_cache_hit_rate(tiny_llama, tmp_path):
+@pytest.mark.parametrize("select_dtype", ["auto", "fp8"])  # fp8: selection scores an fp8 copy of the keys
+def test_generate_prints_text_and_selection_cache_hit_rate(tiny_llama, tmp_path, select_dtype):
     prompt_file = tmp_path / "long.txt"
     prompt_file.write_text("".join(CORPUS) * 25)  # ~4x the tiny model's window
     res = run("generate", "--model", str(tiny_llama), "--prompt-file", str(prompt_file), "--attention", "tokenselect",
-              "--k", "32", "--n-init", "4", "--n-local", "16", "--theta", "0.5", "--max-tokens", "8", "--chunk-size", "64")
+              "--k", "32", "--n-init", "4", "--n-local", "16", "--theta", "0.5", "--max-tokens", "8", "--chunk-size", "64",
+              "--select-dtype", select_dtype)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip()
     assert "Selection Cache hit rate" in res.stderr

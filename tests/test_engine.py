@@ -184,12 +184,43 @@ def test_bad_sampling_settings_are_rejected():
 
 def test_fp8_kv_storage_halves_the_pool_and_stays_close(tiny_llama):
     ids = prompt(120, 6)
-    exact = LLM(tiny_llama, kv_cache_tokens=512)
-    fp8 = LLM(tiny_llama, kv_cache_tokens=512, kv_dtype="fp8")
+    exact = LLM(tiny_llama, kv_cache_tokens=512, dtype="float32")
+    fp8 = LLM(tiny_llama, kv_cache_tokens=512, kv_dtype="fp8", dtype="float32")
     assert fp8.cache.k.dtype == torch.float8_e4m3fn
     assert fp8.cache.k.nbytes * 4 == exact.cache.k.nbytes  # fp32 model: 4 bytes -> 1 byte
     a, b = exact.prompt_logits(ids), fp8.prompt_logits(ids)
     assert (a - b).abs().max() < 0.1 * a.abs().max()  # e4m3 keeps ~2 significant digits
+
+
+def test_fp8_selection_keys_are_a_copy_written_beside_the_keys(tiny_llama, monkeypatch):
+    """select_dtype="fp8": every key is written to an e4m3 copy as well (one byte an element, counted when the
+    pool is sized); attention reads the model-dtype pool, so with the budget covering the context the logits
+    are full attention's exactly. An fp8 pool is its own copy."""
+    from tokenselect import engine
+
+    ids = prompt(200, 8)
+    llm = LLM(tiny_llama, "tokenselect", kv_cache_tokens=512, select_dtype="fp8", chunk_size=32, k=4096, n_init=4,
+              n_local=32, dtype="float32")
+    cache = llm.cache
+    assert cache.k.dtype == torch.float32 and cache.k_select.dtype == torch.float8_e4m3fn
+    assert cache.k_select.nbytes * 4 == cache.k.nbytes and len(cache.pools) == 3
+    logits = llm.prompt_logits(ids)
+    full = LLM(tiny_llama, kv_cache_tokens=512, chunk_size=32, dtype="float32")
+    torch.testing.assert_close(logits, full.prompt_logits(ids), atol=0, rtol=0)
+    written = slice(0, len(ids))  # a fresh pool hands out slots 0, 1, ... first
+    assert cache.k[:, written].abs().sum() > 0
+    assert torch.equal(cache.k_select[:, written].view(torch.uint8),
+                       cache.k[:, written].to(torch.float8_e4m3fn).view(torch.uint8))
+    fp8_pool = LLM(tiny_llama, kv_cache_tokens=64, kv_dtype="fp8", select_dtype="fp8")
+    assert fp8_pool.cache.k_select is fp8_pool.cache.k and len(fp8_pool.cache.pools) == 2
+    monkeypatch.setattr(engine, "CPU_POOL_BYTES", 1 << 20)  # a pool sized by memory: K + V + the copy per token
+    cfg = llm.config
+    per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    sized = [LLM(tiny_llama, dtype="float32", device="cpu", **extra).cache.n_slots
+             for extra in ({"select_dtype": "fp8"}, {})]
+    assert sized == [(1 << 20) // (2 * per_pool + per_pool // 4), (1 << 20) // (2 * per_pool)]
+    with pytest.raises(ValueError, match="select_dtype"):
+        LLM(tiny_llama, select_dtype="int4")
 
 
 def test_set_attention_switches_policy_on_a_loaded_model(tiny_llama):

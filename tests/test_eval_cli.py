@@ -50,10 +50,18 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
             for length, value in by_length.items():
                 cell = [r["score"] for r in records if (r["policy"], r["task"], r["length"]) == (policy, task, length)]
                 assert value == pytest.approx(100 * sum(cell) / len(cell))
+    # the Selection Cache's count over tokenselect's decode steps (2 layers; each of the 4 samples decodes at most
+    # passkey's 6 tokens, the first from the prefill): every sample's first lookup in a layer finds no entry
+    cache = summary["selection_cache"]
+    assert list(cache) == ["tokenselect"]
+    hits, misses = cache["tokenselect"]["hits"], cache["tokenselect"]["misses"]
+    assert 2 * 4 <= misses and hits + misses <= 2 * 4 * 5
+    assert cache["tokenselect"]["hit_rate"] == round(hits / (hits + misses), 4)
     pngs = sorted(p.name for p in out.rglob("*.png"))
     assert sum("heatmap" in name for name in pngs) == 3 and sum("score_vs_length" in name for name in pngs) == 2
     table = (out / "table.md").read_text()
     assert table.startswith("# Eval: ") and "| passkey | 1x |" in table and "| full@dynamic:2 |" in table
+    assert f"Selection Cache of tokenselect: {hits / (hits + misses):.1%} hits ({hits} of {hits + misses} " in table
     assert all(p.stat().st_size > 1000 for p in out.rglob("*.png"))
 
     # the same command line gives the same predictions

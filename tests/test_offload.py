@@ -178,9 +178,9 @@ def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, mo
 
 
 def test_default_pool_counts_only_keys_against_gpu_memory_with_offload(monkeypatch):
-    """Llama-3-8B shape, fp8: 32 KiB of K (and as much V) per token."""
+    """Llama-3-8B shape, fp8: 32 KiB of K (and as much V) per token; an fp8 pool is its own selection keys."""
     gpu = SimpleNamespace(config=SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128),
-                          kv_dtype=torch.float8_e4m3fn, device=torch.device("cuda"))
+                          kv_dtype=torch.float8_e4m3fn, select_dtype=torch.float8_e4m3fn, device=torch.device("cuda"))
     per_pool = 32 * 8 * 128
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 << 30, 80 << 30))
     monkeypatch.setattr(engine, "host_memory_available", lambda: 1 << 40)
@@ -189,6 +189,19 @@ def test_default_pool_counts_only_keys_against_gpu_memory_with_offload(monkeypat
     assert LLM._default_pool_tokens(gpu, "values") == on_gpu // per_pool
     monkeypatch.setattr(engine, "host_memory_available", lambda: 16 << 30)  # now the host is the limit
     assert LLM._default_pool_tokens(gpu, "values") == int((16 << 30) * engine.HOST_MEMORY_FRACTION) // per_pool
+
+
+def test_default_pool_counts_the_fp8_selection_keys_on_the_gpu(monkeypatch):
+    """bf16 K and V (64 KiB a token each) and an fp8 copy of the keys (32 KiB) on the GPU; with value offload the
+    host holds V alone."""
+    gpu = SimpleNamespace(config=SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128),
+                          kv_dtype=torch.bfloat16, select_dtype=torch.float8_e4m3fn, device=torch.device("cuda"))
+    per_pool, copy = 2 * 32 * 8 * 128, 32 * 8 * 128
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 << 30, 80 << 30))
+    monkeypatch.setattr(engine, "host_memory_available", lambda: 1 << 40)
+    on_gpu = int((40 << 30) * engine.GPU_MEMORY_FRACTION)
+    assert LLM._default_pool_tokens(gpu, "none") == on_gpu // (2 * per_pool + copy)
+    assert LLM._default_pool_tokens(gpu, "values") == on_gpu // (per_pool + copy)
 
 
 def test_kv_offload_flag_reaches_the_engine_settings():

@@ -89,6 +89,29 @@ def test_hard_vote_matches_brute_force_count(n_kv):
     assert counts[chosen].sum() == torch.topk(counts, k).values.sum()
 
 
+@pytest.mark.parametrize("attention", ["tokenselect", "reattention"])
+def test_selection_ranks_by_the_fp8_selection_keys(attention):
+    """With select_dtype fp8 the policies that score every key rank by the e4m3 copy: token 10's key (1.07, 0)
+    is (1.125, 0) there and outscores token 25's (0.53, 0.57) -> (0.5, 0.5625), which wins at full precision
+    (1.10 against 1.07). The other tokens score <= 0."""
+    t = 40
+    keys = torch.zeros(t, 1, 2)
+    keys[:, 0, 0] = torch.linspace(-1, 0, t)
+    keys[10, 0] = torch.tensor([1.07, 0.0])
+    keys[25, 0] = torch.tensor([0.53, 0.57])
+    q = torch.ones(1, 1, 2)  # a decode step's query, one head
+    for select_dtype, want in ((None, 25), (torch.float8_e4m3fn, 10)):
+        cache = KVCache(1, t, 1, 2, torch.float32, torch.device("cpu"), select_dtype=select_dtype)
+        slots = cache.allocate(t)[torch.randperm(t)]
+        cache.write(0, slots, keys, torch.randn_like(keys))
+        if attention == "tokenselect":
+            policy = TokenSelect(cache, TORCH, k=1, n_init=2, n_local=4, theta=None)
+        else:
+            policy = ReAttention(cache, TORCH, window=16, n_init=2, n_local=4, span=1, n_spans=1, chunk=1)
+        plan = policy.plan(0, SeqView(0, slots, decode=True), q)
+        assert plan.slots.tolist() == slots[[0, 1, want, 36, 37, 38, 39]].tolist()
+
+
 def test_chunk_selects_with_its_mean_query():
     """Prefill selects once per chunk with the mean query: a token aligned with the mean wins even
     though no single query of the chunk points at it."""

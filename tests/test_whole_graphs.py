@@ -266,6 +266,7 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
     ("tokenselect", {"theta": 0.5}),
     ("tokenselect", {"theta": None, "selector": "topk"}),
     ("tokenselect", {"theta": -1.0}),
+    ("tokenselect", {"theta": 0.5, "select_dtype": "fp8"}),
     ("streaming", {}),
     ("full", {}),
 ])
@@ -317,9 +318,10 @@ def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA graphs")
-@pytest.mark.parametrize("kv_offload", ["none", "values"])  # the step's cache rows restored on the host too
+# the step's cache rows restored on the host too, and in the selection keys' copy
+@pytest.mark.parametrize("kv_offload,select_dtype", [("none", "auto"), ("values", "auto"), ("none", "fp8")])
 def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_llama, batch_invariant_matmuls,
-                                                                        monkeypatch, kv_offload):
+                                                                        monkeypatch, kv_offload, select_dtype):
     """A graph that leaves work out (here: under capture the policy returns its stored selection without
     checking or selecting, as a host read baked into the graph would) fails its check: a warning, whole-step
     graphs off for good, and the tokens of the plain path all the same."""
@@ -334,6 +336,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     monkeypatch.setattr(TokenSelect, "graph_choose", graph_choose)
     settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    settings["select_dtype"] = select_dtype
     want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)
     graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, kv_offload=kv_offload, **settings)
     with pytest.warns(UserWarning, match="whole-step CUDA graphs turned off"):

@@ -32,6 +32,7 @@ CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
 HOST_MEMORY_FRACTION = 0.8  # of the available host memory, for an offloaded V pool
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SELECT_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: selection reads the K pool itself
 
 
 class LLM:
@@ -45,7 +46,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, attention: str = "full", *, dtype: str = "auto",
                  device: str | None = None, **settings):
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
-        V pool in pinned host memory, K on the GPU), max_model_len, max_num_seqs, rope_scaling,
+        V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
+        that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
         cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
         steps and a long prompt's full prefill chunks of TokenSelect / StreamingLLM / full attention as one
         graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs eagerly)
@@ -80,7 +82,8 @@ class LLM:
 
     def _start(self, attention: str, kernels: str | None = None, chunk_size: int | None = None,
                kv_cache_tokens: int | None = None, kv_dtype: str = "auto", kv_offload: str = "none",
-               max_model_len: int | None = None, max_num_seqs: int = 64, rope_scaling: str | None = None,
+               select_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
+               rope_scaling: str | None = None,
                cuda_graphs: bool | None = None, **policy_settings) -> None:
         cfg = self.config
         self.window = cfg.window
@@ -96,9 +99,12 @@ class LLM:
         self.kernels = get_kernels(kernels)
         self.chunk_size = chunk_size or default_chunk(self.window)
         self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
+        if select_dtype not in SELECT_DTYPES:
+            raise ValueError(f"select_dtype must be one of {', '.join(SELECT_DTYPES)}, not {select_dtype!r}")
+        self.select_dtype = SELECT_DTYPES[select_dtype] or self.kv_dtype  # the keys a selection reads
         n_slots = kv_cache_tokens or self._default_pool_tokens(kv_offload)
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
-                             kv_offload)
+                             kv_offload, self.select_dtype)
         self.max_model_len = min(max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
@@ -135,17 +141,20 @@ class LLM:
         return self._policies[key]
 
     def _default_pool_tokens(self, kv_offload: str) -> int:
-        """Pool slots that fit: on a GPU, K and V in its free memory, or with value offload K alone
-        there and V in the available host memory; on the CPU, K and V in CPU_POOL_BYTES."""
+        """Pool slots that fit: on a GPU, K and V (and the selection keys' copy) in its free memory, or with
+        value offload K (and the copy) alone there and V in the available host memory; on the CPU, all of them
+        in CPU_POOL_BYTES."""
         cfg = self.config
         per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8  # K or V
+        per_copy = per_pool // self.kv_dtype.itemsize * self.select_dtype.itemsize  # the selection keys' copy
+        copy = 0 if self.select_dtype == self.kv_dtype else per_copy
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if kv_offload == "values":
-                return min(int(free * GPU_MEMORY_FRACTION) // per_pool,
+                return min(int(free * GPU_MEMORY_FRACTION) // (per_pool + copy),
                            int(host_memory_available() * HOST_MEMORY_FRACTION) // per_pool)
-            return int(free * GPU_MEMORY_FRACTION) // (2 * per_pool)
-        return min(131072, CPU_POOL_BYTES // (2 * per_pool))
+            return int(free * GPU_MEMORY_FRACTION) // (2 * per_pool + copy)
+        return min(131072, CPU_POOL_BYTES // (2 * per_pool + copy))
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -12,6 +12,11 @@ the host pool is page-locked and mapped into the GPU's address space, and the GP
 values into it and gathers the attended rows from it (``kernels/row_copy.py``), in the step's stream:
 the host never waits, and a step with offloaded values can run as one CUDA graph. (These copies use the
 Triton kernels whatever the engine's ``kernels`` setting: only a kernel can reach host memory from the GPU.)
+
+Selection keys (``select_dtype``, e.g. fp8): a second copy of the keys in a narrower dtype, written with
+them, that the policies which score every key (TokenSelect, ReAttention) read instead of ``k``: a
+selection reads half the bytes of bf16 keys, while attention still reads ``k`` and ``v`` at full
+precision. Without it (or when the pool is already stored in that dtype) ``k_select`` is ``k`` itself.
 """
 
 from __future__ import annotations
@@ -71,13 +76,17 @@ def _unpin(address: int) -> None:
 
 class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, offload: str = "none"):
-        """offload: "none" (K and V on ``device``) or "values" (V in host memory, see the module)."""
+                 dtype: torch.dtype, device: torch.device, offload: str = "none",
+                 select_dtype: torch.dtype | None = None):
+        """offload: "none" (K and V on ``device``) or "values" (V in host memory, see the module).
+        select_dtype: None, or the dtype of the selection keys' own copy (see the module)."""
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"kv_offload must be one of {', '.join(OFFLOAD_MODES)}, not {offload!r}")
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
         self.offload = offload
         self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.k_select = (self.k if select_dtype in (None, dtype)
+                         else torch.empty(shape, dtype=select_dtype, device=device))  # [n_layers, n_slots, n_kv, d]
         if offload == "values":
             self.v = self._host_pool(shape, dtype)
         else:
@@ -100,6 +109,11 @@ class KVCache:
         return torch.empty(shape, dtype=dtype)
 
     @property
+    def pools(self) -> list[torch.Tensor]:
+        """Every pool a write stores into: K, V and the selection keys' copy if there is one."""
+        return [self.k, self.v] + ([self.k_select] if self.k_select is not self.k else [])
+
+    @property
     def num_free(self) -> int:
         return self._top
 
@@ -118,8 +132,11 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store un-rotated ``k, v: [n, n_kv_heads, head_dim]`` at ``slots: [n]`` (cast to the pool's
-        dtype, e.g. fp8 storage); with value offload the values go straight to the host pool."""
+        dtype, e.g. fp8 storage), the keys also in the selection keys' copy if there is one; with value offload
+        the values go straight to the host pool."""
         self.k[layer, slots] = k.to(self.k.dtype)
+        if self.k_select is not self.k:
+            self.k_select[layer, slots] = k.to(self.k_select.dtype)
         if self.offload == "values":
             self._scatter(v.to(self.v.dtype).contiguous(), self.v[layer], slots)  # v may be a view of qkv
         else:

@@ -196,7 +196,7 @@ class _GraphStep:
         torch.cuda.current_stream().wait_stream(stream)
         after = [t.clone() for t in state]
         cache = self.owner.cache  # the step's keys and values, as the eager step wrote them
-        pools = [pool.view(torch.uint8) for pool in (cache.k, cache.v)]  # (the V pool may be on the host)
+        pools = [pool.view(torch.uint8) for pool in cache.pools]  # (the V pool may be on the host)
         written = [pool[:, self.new_slots.to(pool.device)].clone() for pool in pools]
         _restore(state, before)
         try:

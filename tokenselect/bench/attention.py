@@ -120,7 +120,8 @@ class Layer:
     def policy(self, kern, theta: float | None, fp8: bool = False) -> TokenSelect:
         """The engine's TokenSelect policy over this layer's keys (the fp8 copy for fp8 selection)."""
         a = self.args
-        keys = SimpleNamespace(k=(self.k_select if fp8 else self.k_pool)[None])  # the policy reads only cache.k
+        pool = (self.k_select if fp8 else self.k_pool)[None]
+        keys = SimpleNamespace(k=pool, k_select=pool)  # the policy reads only the cache's keys
         return TokenSelect(keys, kern, k=a.k, n_init=a.n_init, n_local=a.n_local, theta=theta)
 
     def step(self, kern, policy: TokenSelect, c: int):

@@ -40,7 +40,10 @@ TINY = {**LLAMA3_8B, "vocab_size": 8192, "hidden_size": 128, "intermediate_size"
 CONFIGS = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 FULL_OFFLOAD_BYTES = 256 << 30  # host->GPU value copies full attention may make in one prefill
 PROGRESS_SECONDS = 30  # prefill progress lines at most this often
-WARMUP_TOKENS = 16384  # prompt of the untimed request each policy runs first
+# prompt of the untimed request each policy runs first (the whole prompt when it is shorter). Triton compiles a
+# kernel again when an integer argument first becomes divisible by 16 (e.g. the top-k's block count, middle
+# tokens / 2048, reaches 16 past 30K tokens): a 16K warm-up left such compiles inside the first timed 32K prefill
+WARMUP_TOKENS = 40960
 # its decode steps: Triton compiles a kernel again for a length argument divisible by 16 (and for 1), so 16
 # consecutive lengths meet every variant an eagerly planned decode step (InfLLM's) launches
 WARMUP_DECODE_STEPS = 17
@@ -218,8 +221,9 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
 
     start = time.perf_counter()
     try:
+        slots = length + max(args.decode_steps + args.profile_steps, WARMUP_DECODE_STEPS) + 8
         llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, kv_offload=args.kv_offload,
-                         kv_cache_tokens=length + max(args.decode_steps + args.profile_steps, WARMUP_DECODE_STEPS) + 8,
+                         select_dtype=args.select_dtype, kv_cache_tokens=slots,
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs)
     except (torch.OutOfMemoryError, HostMemoryError) as e:
         where = "on the GPU" if isinstance(e, torch.OutOfMemoryError) else "in host memory"
@@ -229,7 +233,7 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     print(f"{length} tokens: engine with a {llm.cache.n_slots}-slot KV pool (offload {args.kv_offload}) built in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     ids = text_prompt(length, config["vocab_size"])
-    kv = kv_label(llm.kv_dtype, args.kv_offload)
+    kv = kv_label(llm.kv_dtype, args.kv_offload, llm.select_dtype)
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
@@ -252,12 +256,14 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
         torch.cuda.empty_cache()
 
 
-def kv_label(dtype: torch.dtype, offload: str) -> str:
-    """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host' (the names of ``--kv-dtype``)."""
+def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:
+    """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host', 'bf16, fp8 selection keys' (the
+    names of ``--kv-dtype``)."""
     from ..engine import KV_DTYPES
 
-    name = next(name for name, kv_dtype in KV_DTYPES.items() if kv_dtype == dtype)
-    return name + (", V on host" if offload == "values" else "")
+    names = {kv_dtype: name for name, kv_dtype in KV_DTYPES.items()}
+    copy = f", {names[select_dtype]} selection keys" if select_dtype not in (None, dtype) else ""
+    return names[dtype] + (", V on host" if offload == "values" else "") + copy
 
 
 def policy_spec(text: str) -> tuple[str, dict]:
@@ -328,7 +334,8 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
     title = (f"{args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, KV offload {args.kv_offload}, "
-             f"chunk {args.chunk_size}, {args.decode_steps} decode steps, {'CUDA graphs' if graphs else 'eager'}")
+             f"selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
+             f"{'CUDA graphs' if graphs else 'eager'}")
     return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload},
                 rows)
 
@@ -405,6 +412,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
     p.add_argument("--kv-offload", default="none", choices=["none", "values"],
                    help="values: V pool in pinned host memory, K on the GPU (what fits 1M tokens of Llama-3-8B)")
+    p.add_argument("--select-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: TokenSelect scores an fp8 copy of the keys (the engine's --select-dtype)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N prefill chunks and N extra decode steps (writes <stem>_profile.txt)")
     p.add_argument("--kernels", choices=["triton", "torch"])

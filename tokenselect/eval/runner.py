@@ -105,8 +105,10 @@ def generate_all(llm, cells: list[dict], progress) -> list:
     return [s.output() for s in seqs]
 
 
-def evaluate(args: argparse.Namespace) -> list[dict]:
-    """Generate with every policy on every cell; one record per (cell, policy)."""
+def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Generate with every policy on every cell -> (one record per (cell, policy), the Selection Cache's
+    counts over all the cells of each policy that has one: ``{policy: {"hits", "misses", "hit_rate"}}``, the
+    hit rate of its decode steps on the eval's real text)."""
     from tqdm import tqdm
 
     from ..engine import LLM
@@ -118,7 +120,7 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
     by_rope: dict[str | None, list[str]] = {}
     for spec in specs:
         by_rope.setdefault(split_policy(spec)[1], []).append(spec)
-    records, cells = [], None
+    records, cells, selection_cache = [], None, {}
     progress = tqdm(total=len(specs) * len(tasks) * len(lengths) * args.samples, desc="eval", unit="sample",
                     file=sys.stderr)
     for rope, group in by_rope.items():
@@ -138,8 +140,20 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
                                 "target_tokens": cell["target_tokens"], "prompt_tokens": len(out.prompt_token_ids),
                                 "sample": cell["sample"], "depth": cell["depth"], "answers": cell["answers"],
                                 "prediction": out.text, "score": score(cell["task"], out.text, cell["answers"])})
+            stats = llm.stats()  # the policy's own counters: set_attention started them afresh
+            if "selection_cache_hits" in stats:
+                selection_cache[spec] = {"hits": stats["selection_cache_hits"],
+                                         "misses": stats["selection_cache_misses"],
+                                         "hit_rate": round(stats["selection_cache_hit_rate"], 4)}
     progress.close()
-    return records
+    return records, selection_cache
+
+
+def selection_cache_lines(selection_cache: dict) -> str:
+    """The table's note of each policy's Selection Cache hit rate ('' without one)."""
+    return "".join(f"\nSelection Cache of {policy}: {c['hit_rate']:.1%} hits ({c['hits']} of "
+                   f"{c['hits'] + c['misses']} decode lookups, every layer of every step of every sample).\n"
+                   for policy, c in selection_cache.items())
 
 
 def summarize(records: list[dict]) -> dict:
@@ -174,8 +188,9 @@ def title(args: argparse.Namespace, records: list[dict]) -> str:
             f"on {device}")
 
 
-def write_outputs(records: list[dict], scores: dict, config: dict, out: Path) -> None:
-    """predictions.jsonl, predictions.csv and summary.json in ``out``."""
+def write_outputs(records: list[dict], scores: dict, config: dict, out: Path,
+                  selection_cache: dict | None = None) -> None:
+    """predictions.jsonl, predictions.csv and summary.json (with the Selection Cache's counts) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "predictions.jsonl", "w") as f:
         for r in records:
@@ -185,7 +200,8 @@ def write_outputs(records: list[dict], scores: dict, config: dict, out: Path) ->
         writer.writeheader()
         for r in records:
             writer.writerow({**r, "answers": json.dumps(r["answers"])})
-    (out / "summary.json").write_text(json.dumps({"config": config, "scores": scores}, indent=2) + "\n")
+    summary = {"config": config, "scores": scores, "selection_cache": selection_cache or {}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def check_names(args: argparse.Namespace) -> None:
@@ -205,16 +221,17 @@ def run(args: argparse.Namespace) -> int:
     from .plots import plot_all
 
     check_names(args)
-    records = evaluate(args)
+    records, selection_cache = evaluate(args)
     scores = summarize(records)
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "func"}
     out = Path(args.output)
-    write_outputs(records, scores, config, out)
+    write_outputs(records, scores, config, out, selection_cache)
     plot_all(records, out)
     table = markdown_table(scores)
+    notes = selection_cache_lines(selection_cache)
     (out / "table.md").write_text(f"# {title(args, records)}\n\n{table}\n\nCommand: `tokenselect eval "
-                                  f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n")
-    print(table)
+                                  f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n{notes}")
+    print(table + ("\n" + notes if notes else ""))
     print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json, table.md and plots", file=sys.stderr)
     return 0

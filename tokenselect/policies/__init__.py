@@ -93,6 +93,10 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                    help="values: keep the V pool in pinned host memory and only K on the GPU, which roughly "
                         "doubles the tokens that fit; the GPU gathers the values it attends over the bus "
                         "(default none)")
+    e.add_argument("--select-dtype", choices=["auto", "fp8"],
+                   help="fp8: keep an fp8 copy of the keys for TokenSelect and ReAttention to score, so that a "
+                        "selection reads half the bytes of bf16 keys (attention still reads the KV pool; costs one "
+                        "byte per key element); default auto: selection reads the KV pool's keys")
     e.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's layers as CUDA graphs captured around attention, and decode steps and "
                         "long prompts' prefill chunks of tokenselect / streaming / full as one graph each, attention "
@@ -102,7 +106,7 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
 POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions",
                 "block_size", "repr_keys", "page_size")
 ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype",
-                "kv_offload", "cuda_graphs")
+                "kv_offload", "select_dtype", "cuda_graphs")
 
 
 def load_config_file(path: Path) -> dict:

@@ -35,7 +35,7 @@ class ReAttention(SelectivePolicy):
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         if self.n_spans == 0:
             return torch.empty(0, dtype=torch.int64, device=middle.device)
-        k_pool = self.cache.k[layer]
+        k_pool = self.cache.k_select[layer]
         n_heads, m = q.shape[1], middle.numel()
         block = max(1, SCORE_ELEMENTS // (n_heads * m))
         picks = []

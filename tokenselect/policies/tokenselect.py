@@ -1,7 +1,8 @@
 """TokenSelect: token-level, per-head query-key criticality with a head vote (Wu et al., 2024).
 
 For a chunk the middle of the cache is scored against the chunk-mean un-rotated query; every
-kv head is read in place through the slot list (paged dot product), the per-head scores are
+kv head is read in place through the slot list (paged dot product) from the cache's selection keys
+(``KVCache.k_select``: the K pool, or its fp8 copy with ``select_dtype="fp8"``), the per-head scores are
 combined by one of three selectors, and the top ``k`` tokens are attended together with the
 sinks and the local window. Decode steps go through the Selection Cache.
 
@@ -53,7 +54,8 @@ class TokenSelect(SelectivePolicy):
         cached = sc.lookup(seq.id, layer, query)
         if cached is not None:
             return self.reuse(cached, seq, c)
-        chosen = self.choose(query.to(q.dtype), self.cache.k[layer], seq.past[self.n_init:t - self.n_local])
+        middle = seq.past[self.n_init:t - self.n_local]
+        chosen = self.choose(query.to(q.dtype), self.cache.k_select[layer], middle)
         plan = self.assemble(seq, chosen, c)
         if sc.theta is not None:
             part = slice(self.n_init, self.n_init + self.k)
@@ -87,7 +89,8 @@ class TokenSelect(SelectivePolicy):
         miss = sc.miss(seq.row, layer, query) if seq.decode else None  # None: select, store nothing
         middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
         live = seq.once(f"length - {self.n_init + self.n_local}", lambda: seq.length - (self.n_init + self.n_local))
-        chosen = self.choose(query, self.cache.k[layer], middle, live if miss is None else live * miss, middle)
+        keys = self.cache.k_select[layer]
+        chosen = self.choose(query, keys, middle, live if miss is None else live * miss, middle)
         if miss is None:
             out.copy_(chosen)
         else:
@@ -102,7 +105,7 @@ class TokenSelect(SelectivePolicy):
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         """A chunk's selection, with its mean query in the queries' dtype (the keys may be stored in another)."""
-        return self.choose(selection_query(q).to(q.dtype), self.cache.k[layer], middle)
+        return self.choose(selection_query(q).to(q.dtype), self.cache.k_select[layer], middle)
 
     def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
               live: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""Sweep the scores kernel's tile (the key pass of TokenSelect's vote) over bf16 and fp8 keys on a GPU.
+
+    python benchmarks/scores_tile_gpu.py OUTDIR
+
+The kernel runs as the soft vote of a decode step runs it (``scores_with_stats``: 32 query heads, 8 kv heads,
+d=128, per-block softmax statistics, the live length read on the device) over N random slots of a pool
+holding N + 1024 keys, for N = 128K and 1M. Each tile's scores are first checked against ``paged_dot_ref``;
+times are medians of ``triton.testing.do_bench`` (the L2 cache flushed before every run), next to the floor
+of reading the keys once at the copy bandwidth measured here. Writes OUTDIR/scores_tile.{json,md}.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")  # the module (the package exports a function)
+
+# (keys per block, warps, blocks per program, pipeline stages); the first is the shipped SCORES_TILE
+TILES = [paged_dot.SCORES_TILE, (128, 4, 8, 3), (128, 8, 4, 3), (128, 4, 4, 4), (256, 4, 2, 3), (256, 8, 2, 3),
+         (256, 8, 4, 3), (256, 4, 4, 3), (64, 4, 8, 3), (64, 4, 16, 3), (512, 8, 1, 3), (512, 8, 2, 3)]
+LENGTHS = {"128K": 1 << 17, "1M": 1 << 20}
+N_HEADS, N_KV, D = 32, 8, 128
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes a second of a 1 GiB device-to-device copy (read + write counted)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def main(out: str) -> None:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bandwidth = copy_bandwidth(dev)
+    rows = []
+    for name, n in LENGTHS.items():
+        q = torch.randn(N_HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
+        keys = torch.randn(n + 1024, N_KV, D, device=dev, generator=gen).to(torch.bfloat16)
+        slots = torch.randperm(n + 1024, device=dev, generator=gen)[:n]
+        live = torch.tensor(n, device=dev)
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            pool = keys.to(dtype)
+            want = paged_dot.paged_dot_ref(q, pool, slots[:4096])
+            floor_ms = n * N_KV * D * dtype.itemsize / bandwidth * 1e3
+            for tile in TILES:
+                paged_dot.SCORES_TILE = tile
+                row = {"length": name, "keys": str(dtype).removeprefix("torch."), "tile": list(tile),
+                       "floor_ms": floor_ms}
+                try:
+                    got = paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live)[0]
+                    torch.testing.assert_close(got[:, :4096], want, rtol=1e-3, atol=1e-3)
+                    row["ms"] = triton.testing.do_bench(
+                        lambda: paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live),
+                        return_mode="median")
+                except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
+                    row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
+                rows.append(row)
+                print(json.dumps(rows[-1]), flush=True)
+    shipped = list(TILES[0])
+    lines = [f"# Scores kernel tiles, {torch.cuda.get_device_name()} (copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
+             "", "Tile = (keys per block, warps, blocks per program, stages); the first is the shipped one.", "",
+             "| length | keys | tile | ms | / floor | / shipped |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(b for b in rows if (b["length"], b["keys"], b["tile"]) == (r["length"], r["keys"], shipped))
+        if "error" in r:
+            lines.append(f"| {r['length']} | {r['keys']} | {tuple(r['tile'])} | {r['error']} | | |")
+            continue
+        lines.append(f"| {r['length']} | {r['keys']} | {tuple(r['tile'])} | {r['ms']:.4f} | "
+                     f"{r['ms'] / r['floor_ms']:.2f}x | {r['ms'] / base['ms']:.3f} |")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "scores_tile.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                             "bandwidth": bandwidth, "rows": rows}, indent=1))
+    (Path(out) / "scores_tile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
