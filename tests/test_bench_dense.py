@@ -60,12 +60,16 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
     assert rows[2]["hit_rate"] is not None and rows[0]["hit_rate"] is None
     assert rows[3]["hit_rate"] > 0.5  # theta -1: every decode step after a sequence's first reuses
+    # the shipped model's hit rate on the same text, with each row's settings (theta -1: reuse after the first)
+    assert "real_hit_rate" not in rows[0] and "real_hit_rate" not in rows[1]
+    assert 0 <= rows[2]["real_hit_rate"] < rows[3]["real_hit_rate"] and rows[3]["real_hit_rate"] > 0.5
     table = (tmp_path / "e2e_t.md").read_text()
     dense = rows[0]
     want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
     assert rows[0]["kv"] == "bf16" and rows[2]["kv"] == "fp32"  # dense's rotated cache; the engine's pool
     assert f"| 2K | tokenselect | fp32 | {rows[2]['prefill_s']:.2f} | {want} |" in table
     assert "| 3/3 |" in table and "| 8/8 |" in table
+    assert f"| {rows[3]['hit_rate']:.0%} ({rows[3]['real_hit_rate']:.0%}) |" in table
 
 
 def test_bench_e2e_merges_runs_into_one_table(tmp_path):

@@ -1,12 +1,17 @@
 """``tokenselect bench e2e``: whole-model prefill and decode, every policy against dense, in one run.
 
 The model is built from a config with random weights (speed does not depend on their values); the
-prompt is real English text from the package's corpus, tokenized by the shipped tokenizer, so the
-Selection Cache sees the query similarity of real token sequences. For each prompt length one
-engine is built, then every policy runs on it in turn: prefill seconds, decode ms/token, Selection
-Cache hit rate, how many prefill chunks and timed decode steps ran as one CUDA graph each
-(``whole_graphs.py``) and peak GPU memory, with ratios against ``dense`` measured in the same run. Each
-policy first serves an untimed request of WARMUP_TOKENS tokens, so kernel compilation is not timed.
+prompt is real English text from the package's corpus, tokenized by the shipped tokenizer. For each
+prompt length one engine is built, then every policy runs on it in turn: prefill seconds, decode
+ms/token, Selection Cache hit rate, how many prefill chunks and timed decode steps ran as one CUDA graph
+each (``whole_graphs.py``) and peak GPU memory, with ratios against ``dense`` measured in the same run.
+Each policy first serves an untimed request of WARMUP_TOKENS tokens, so kernel compilation is not timed.
+
+Random weights' queries are not a real model's, so their Selection Cache hit rate says nothing about
+real text (at theta 0.9 it is 0). For a policy with a Selection Cache the bench therefore also runs the
+shipped model (trained weights) with the row's settings over the same prose prompt and length, and
+reports its hit rate ("real text"): the decode rows with every layer selecting and with the cache always
+reusing (theta=-1) bracket a real model's step, which lies between them according to that rate.
 
 ``dense`` is attention as a conventional engine runs it (``bench/dense.py``: keys rotated once when
 cached, a contiguous cache, flash SDPA) on the same weights; ``full`` is the engine's own full-attention
@@ -22,6 +27,7 @@ prefill chunks and N extra decode steps under torch.profiler and writes the top 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -56,13 +62,15 @@ def parse_length(text: str) -> int:
     return int(float(text.rstrip("km")) * scale)
 
 
-def text_prompt(n: int, vocab: int) -> list[int]:
-    """n token ids of real prose (repeated if the corpus is shorter)."""
+def text_prompt(n: int, vocab: int | None) -> list[int]:
+    """n token ids of real prose by the shipped tokenizer (repeated if the corpus is shorter), folded into a
+    vocabulary of ``vocab`` ids (None: the tokenizer's own ids)."""
     from ..data import default_model_path, prose_text
     from ..models import load_tokenizer
 
     ids = load_tokenizer(default_model_path())(prose_text()[:4_000_000])["input_ids"]
-    ids = [i % vocab for i in ids]
+    if vocab is not None:
+        ids = [i % vocab for i in ids]
     return (ids * (n // len(ids) + 1))[:n]
 
 
@@ -158,6 +166,27 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     return {**row, "profile": profile} if profile else row
 
 
+def real_text_hit_rate(settings: dict, ids: list[int], decode_steps: int, args) -> float | None:
+    """The Selection Cache's hit rate over ``decode_steps`` greedy tokens of the shipped model (trained weights,
+    its own window's default sizes, the run's KV and selection-key dtypes) with the row's TokenSelect
+    ``settings`` after the prompt ``ids`` (token ids of the shipped tokenizer); None if no decode step looked the
+    cache up."""
+    from ..engine import LLM
+    from ..sampling import SamplingParams
+
+    llm = LLM(None, "tokenselect", device=args.device, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+              kv_dtype=args.kv_dtype, select_dtype=args.select_dtype, kv_cache_tokens=len(ids) + decode_steps + 8,
+              **settings)
+    llm.generate([ids], SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    stats = llm.stats()
+    del llm  # its pool and graphs, before the next row is timed
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    looked_up = stats["selection_cache_hits"] + stats["selection_cache_misses"]
+    return stats["selection_cache_hits"] / looked_up if looked_up else None
+
+
 def full_offload_bytes(llm, length: int) -> int:
     """Bytes of values full attention copies from host memory in one prefill of ``length`` tokens
     with value offload: each chunk, in each layer, gathers the values of the whole context so far."""
@@ -245,6 +274,9 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
             try:
                 warm_up(llm, ids)
                 row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}"))
+                if row["hit_rate"] is not None:
+                    row["real_hit_rate"] = real_text_hit_rate(settings, text_prompt(length, None), args.decode_steps,
+                                                              args)
             except torch.OutOfMemoryError:
                 for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
                     llm.abort(seq)
@@ -285,7 +317,7 @@ def policy_spec(text: str) -> tuple[str, dict]:
 def table(rows: list[dict]) -> str:
     """Markdown table with speedups against ``dense`` at the same length."""
     dense = {r["length"]: r for r in rows if r["policy"] == "dense" and "error" not in r}
-    lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | SC hit rate "
+    lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | SC hit rate (real text) "
              "| one-graph prefill | one-graph decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['length'] // 1024}K"
@@ -296,6 +328,8 @@ def table(rows: list[dict]) -> str:
         px = f"{d['prefill_s'] / r['prefill_s']:.2f}x" if d else "dense n/a"
         dx = f"{d['decode_ms'] / r['decode_ms']:.2f}x" if d else "dense n/a"
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
+        if r.get("real_hit_rate") is not None:
+            hit += f" ({r['real_hit_rate']:.0%})"
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
         whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
         chunks = (f"{r['whole_graph_chunks']}/{r['prefill_chunks']}" if r.get("whole_graph_chunks") is not None
