@@ -432,7 +432,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "e2e", help="whole-model prefill/decode speed of every policy against dense",
         description="Time prefill (s) and decode (ms/token) of a random-weight model (default Llama-3-8B "
-                    "shape) for each prompt length and policy, and write a table, JSON and plot.")
+                    "shape) for each prompt length and policy, and write a table, JSON and plot. Rows with a "
+                    "Selection Cache also report its hit rate on real text: the shipped model's, with the row's "
+                    "settings, over the same prose prompt.")
     p.add_argument("--config", default="llama3-8b", help="llama3-8b, tiny, or a config.json path")
     p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
