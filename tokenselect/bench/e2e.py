@@ -27,6 +27,7 @@ prefill chunks and N extra decode steps under torch.profiler and writes the top 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -62,13 +63,20 @@ def parse_length(text: str) -> int:
     return int(float(text.rstrip("km")) * scale)
 
 
-def text_prompt(n: int, vocab: int | None) -> list[int]:
-    """n token ids of real prose by the shipped tokenizer (repeated if the corpus is shorter), folded into a
-    vocabulary of ``vocab`` ids (None: the tokenizer's own ids)."""
+@functools.lru_cache(maxsize=1)
+def prose_ids() -> tuple[int, ...]:
+    """The corpus's prose as token ids of the shipped tokenizer, tokenized once a process (every length's
+    dense run, engine run and real-text run reads it)."""
     from ..data import default_model_path, prose_text
     from ..models import load_tokenizer
 
-    ids = load_tokenizer(default_model_path())(prose_text()[:4_000_000])["input_ids"]
+    return tuple(load_tokenizer(default_model_path())(prose_text()[:4_000_000])["input_ids"])
+
+
+def text_prompt(n: int, vocab: int | None) -> list[int]:
+    """n token ids of real prose by the shipped tokenizer (repeated if the corpus is shorter), folded into a
+    vocabulary of ``vocab`` ids (None: the tokenizer's own ids)."""
+    ids = list(prose_ids())
     if vocab is not None:
         ids = [i % vocab for i in ids]
     return (ids * (n // len(ids) + 1))[:n]
