@@ -101,10 +101,14 @@ def main() -> None:
             "q_ptr": q, "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
             "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},
             {"EPS": 1e-8, "BLOCK": 1024})
-    for word, gather in (("*i32", True), ("*i32", False), ("*u8", True), ("*u8", False)):
-        compile_one("row_copy", "_copy_rows_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
-                                                      "words": i32}, {"GATHER": gather, "BLOCK_R": 16, "BLOCK_W": 256})
-
+    for word in ("*i32", "*u8"):
+        compile_one("row_copy", "_gather_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
+                                                   "words": i32}, {"BLOCK_R": 16, "BLOCK_W": 256})
+    pair = {"src": "*i32", "dst": "*i32", "stride": i32, "words": i32}  # K and V as words, the fp8 copy as bytes
+    pairs = {f"{name}{i}": ("*u8" if i == 2 and name in ("src", "dst") else t) for i in range(3) for name, t in pair.items()}
+    for n_pairs in (1, 2, 3):
+        compile_one("row_copy", "_scatter_kernel", {"index_ptr": i64p, "n": i32, **pairs},
+                    {"PAIRS": n_pairs, "BLOCK_R": 16, "BLOCK_W": 256})
 
 if __name__ == "__main__":
     main()

@@ -266,6 +266,19 @@ def test_topk_matches_reference(n, k, dtype):
     assert torch.equal(TORCH.topk(scores, k, values=slots), slots[ref])
 
 
+@pytest.mark.parametrize("step", [1, 3 << 7, 1 << 13])  # keys that differ in the last byte only, across two
+@pytest.mark.parametrize("sign", [1, -1])  # bytes, and in the second byte and up
+def test_topk_resolves_every_digit(step, sign):
+    """fp32 scores whose bit patterns share their top bits and differ step apart below them (distinct, in a random
+    order, of one sign): the radix select has to pin the k-th largest in its lower bytes."""
+    gen = torch.Generator().manual_seed(step)
+    n, k = 6000, 1777
+    bits = 0x3F800000 + torch.randperm(n, generator=gen).to(torch.int64) * step
+    scores = (sign * bits.to(torch.int32).view(torch.float32)).to(DEVICE)
+    got = TRITON.topk(scores, k)
+    assert torch.equal(got, TORCH.topk(scores, k)) and torch.equal(got, scores.argsort(descending=True)[:k].sort().values)
+
+
 @pytest.mark.parametrize("n, k", [(10, 4), (3000, 700), (5000, 4999)])
 def test_topk_takes_the_first_of_tied_scores(n, k):
     """Scores from a handful of values, so the k-th largest is tied: every score above it, then the first
@@ -299,6 +312,23 @@ def test_topk_over_a_live_prefix(n, live, k):
     assert torch.equal(TRITON.topk(poisoned, k, n_valid), got)
     slots = torch.randperm(2 * n, generator=gen)[:n].to(DEVICE)
     assert torch.equal(TRITON.topk(scores, k, n_valid, slots), slots[got])
+
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+def test_topk_writes_to_out(kern):
+    """With ``out`` the picks (or the values at them) land in that tensor, which comes back; a wrong one is refused."""
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randn(5000, generator=gen).to(DEVICE)
+    slots = torch.randperm(9000, generator=gen)[:5000].to(DEVICE)
+    frame = torch.full((1500,), -1, dtype=torch.int64, device=DEVICE)
+    out = frame[100:1400]  # a slice of a longer list, as a graph's attended list
+    got = kern.topk(scores, 1300, torch.tensor(4000, device=DEVICE), slots, out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, TORCH.topk(scores, 1300, torch.tensor(4000, device=DEVICE), slots))
+    assert (frame[:100] == -1).all() and (frame[1400:] == -1).all()
+    for bad in (frame[:1299], frame[:2600:2], frame[:1300].int()):
+        with pytest.raises(ValueError, match="out must be"):
+            kern.topk(scores, 1300, out=bad)
 
 
 def test_topk_of_nothing_live():
@@ -572,9 +602,39 @@ def test_gather_and_scatter_rows_match_reference(n, row, dtype):
     index = torch.randperm(n + 40, generator=gen)[:n].to(DEVICE)
     rows = torch.randn(n, *row, generator=gen).to(DEVICE, dtype)
     got, want = pool.clone(), pool.clone()
-    scatter_rows(rows, got, index)
-    scatter_rows_ref(rows, want, index)
+    scatter_rows([(rows, got)], index)
+    scatter_rows_ref([(rows, want)], index)
     assert raw_equal(got, want) and raw_equal(got[index], rows)
+
+
+@pytest.mark.parametrize("n_kv,d", [(8, 128), (2, 16), (1, 3)])  # word rows, and rows of odd byte counts
+@pytest.mark.parametrize("n", [1, 19, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_scatter_rows_writes_kv_pools_in_one_launch(n, n_kv, d, dtype):
+    """The KV cache's write: keys and values are slices of one q/k/v product's rows (strided rows), written to a
+    layer of the K and V pools and, cast, to the selection keys' fp8 copy; fresh random rows and slots, ragged n.
+    Every pool equals the reference's, bit for bit, and nothing outside the written slots changes."""
+    gen = torch.Generator().manual_seed(n * 7 + n_kv * d)
+    n_heads, slots = 4 * n_kv, n + 23
+    qkv = torch.randn(n, (n_heads + 2 * n_kv) * d, generator=gen).to(DEVICE, dtype)
+    k = qkv[:, n_heads * d:(n_heads + n_kv) * d].view(n, n_kv, d)
+    v = qkv[:, (n_heads + n_kv) * d:].view(n, n_kv, d)
+    index = torch.randperm(slots, generator=gen)[:n].to(DEVICE)
+    pools = [torch.randn(3, slots, n_kv, d, generator=gen).to(DEVICE, t) for t in (dtype, dtype, torch.float8_e4m3fn)]
+    for count in (1, 2, 3):
+        pairs = [(k, 1), (v, 1), (k.to(torch.float8_e4m3fn), 1)][:count]
+        got, want = [p.clone() for p in pools], [p.clone() for p in pools]
+        scatter_rows([(rows, got[i][layer]) for i, (rows, layer) in enumerate(pairs)], index)
+        scatter_rows_ref([(rows, want[i][layer]) for i, (rows, layer) in enumerate(pairs)], index)
+        for i, (rows, layer) in enumerate(pairs):
+            assert raw_equal(got[i], want[i])
+            assert raw_equal(got[i][layer][index], rows.contiguous())
+            untouched = torch.ones(slots, dtype=torch.bool)
+            untouched[index.cpu()] = False
+            assert raw_equal(got[i][layer][untouched.to(DEVICE)], pools[i][layer][untouched.to(DEVICE)])
+            assert raw_equal(got[i][[0, 2]], pools[i][[0, 2]])  # the other layers
+        for i in range(count, 3):
+            assert raw_equal(got[i], pools[i])
 
 
 def test_row_copy_of_a_layer_of_a_pool_and_bad_input():
@@ -586,12 +646,17 @@ def test_row_copy_of_a_layer_of_a_pool_and_bad_input():
         assert raw_equal(gather_rows(pools[1], index), gather_rows_ref(pools[1], index))
         rows = torch.randn(3, *row).to(DEVICE, dtype)
         got, want = pools.clone(), pools.clone()
-        scatter_rows(rows, got[2], index[:3])
-        scatter_rows_ref(rows, want[2], index[:3])
+        scatter_rows([(rows, got[2])], index[:3])
+        scatter_rows_ref([(rows, want[2])], index[:3])
         assert raw_equal(got, want)
     pool = torch.zeros(10, 2, 8, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.tensor([1, 2], device=DEVICE)
     with pytest.raises(ValueError, match="do not match"):
-        scatter_rows(torch.zeros(2, 2, 8, device=DEVICE), pool, torch.tensor([1, 2], device=DEVICE))
+        scatter_rows([(torch.zeros(2, 2, 8, device=DEVICE), pool)], slots)
+    with pytest.raises(ValueError, match="1 to 3 pools"):
+        scatter_rows([(torch.zeros(2, 2, 8, dtype=torch.bfloat16, device=DEVICE), pool)] * 4, slots)
+    with pytest.raises(ValueError, match="int64"):
+        scatter_rows([(torch.zeros(2, 2, 8, dtype=torch.bfloat16, device=DEVICE), pool)], slots.int())
     with pytest.raises(ValueError, match="contiguous"):
         gather_rows(torch.zeros(10, 2, 8, device=DEVICE)[:, 0], torch.tensor([1], device=DEVICE))
 
@@ -600,6 +665,8 @@ def test_row_copy_reference_is_the_definition():
     pool = torch.randn(10, 2, 3)
     index = torch.tensor([4, 0, 4, 9])
     torch.testing.assert_close(gather_rows_ref(pool, index), pool[index], atol=0, rtol=0)
-    scatter_rows_ref(torch.ones(2, 2, 3), pool, torch.tensor([1, 7]))
-    assert (pool[[1, 7]] == 1).all()
+    other = torch.zeros(8, 2, 3, dtype=torch.bfloat16)
+    scatter_rows_ref([(torch.ones(2, 2, 3), pool), (torch.full((2, 2, 3), 2.0, dtype=torch.bfloat16), other)],
+                     torch.tensor([1, 7]))
+    assert (pool[[1, 7]] == 1).all() and (other[[1, 7]] == 2).all() and (other[[0, 2, 3, 4, 5, 6]] == 0).all()
     assert gather_rows(pool, torch.empty(0, dtype=torch.int64)).shape == (0, 2, 3)

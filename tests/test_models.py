@@ -37,7 +37,7 @@ def test_logits_match_transformers(checkpoint_factory, case):
     family, overrides = CASES[case]
     path = checkpoint_factory(family, **overrides)
     ids = torch.randint(2, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-    llm = LLM(path, chunk_size=32)  # 100 tokens = 4 prefill chunks
+    llm = LLM(path, chunk_size=32, device="cpu")  # 100 tokens = 4 prefill chunks
     ours = llm.prompt_logits(ids)
     ref = hf_logits(path, ids)
     assert ours.shape == ref.shape
@@ -50,7 +50,7 @@ def test_dynamic_ntk_beyond_window_matches_transformers(checkpoint_factory):
     path = checkpoint_factory("llama", max_position_embeddings=64,
                               rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     ids = torch.randint(2, 300, (100,), generator=torch.Generator().manual_seed(2)).tolist()
-    ours = LLM(path, chunk_size=128).prompt_logits(ids)
+    ours = LLM(path, chunk_size=128, device="cpu").prompt_logits(ids)
     torch.testing.assert_close(ours, hf_logits(path, ids), atol=1e-4, rtol=1e-4)
 
 
@@ -60,7 +60,8 @@ def test_greedy_generation_matches_transformers(checkpoint_factory, family):
 
     path = checkpoint_factory(family)
     ids = torch.randint(2, 300, (70,), generator=torch.Generator().manual_seed(3)).tolist()
-    out = LLM(path, chunk_size=32).generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    out = LLM(path, chunk_size=32, device="cpu").generate([ids], SamplingParams(max_tokens=32, temperature=0,
+                                                                                 ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                       pad_token_id=0)[0, len(ids):].tolist()
@@ -70,7 +71,7 @@ def test_greedy_generation_matches_transformers(checkpoint_factory, family):
 
 def test_bfloat16_close_to_fp32(tiny_llama):
     ids = list(range(2, 90))
-    fp32 = LLM(tiny_llama, chunk_size=32).prompt_logits(ids)
-    bf16 = LLM(tiny_llama, chunk_size=32, dtype="bfloat16").prompt_logits(ids)
+    fp32 = LLM(tiny_llama, chunk_size=32, device="cpu").prompt_logits(ids)
+    bf16 = LLM(tiny_llama, chunk_size=32, dtype="bfloat16", device="cpu").prompt_logits(ids)
     assert bf16.dtype == torch.float32  # logits always come back in fp32
     assert (bf16 - fp32).abs().max() < 0.15 * fp32.abs().max()

@@ -131,16 +131,14 @@ class KVCache:
         self._top += n
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store un-rotated ``k, v: [n, n_kv_heads, head_dim]`` at ``slots: [n]`` (cast to the pool's
-        dtype, e.g. fp8 storage), the keys also in the selection keys' copy if there is one; with value offload
-        the values go straight to the host pool."""
-        self.k[layer, slots] = k.to(self.k.dtype)
+        """Store un-rotated ``k, v: [n, n_kv_heads, head_dim]`` (each row contiguous: they may be slices of the
+        q/k/v product's rows) at ``slots: [n]``, cast to the pool's dtype (e.g. fp8 storage), the keys also in
+        the selection keys' copy if there is one; with value offload the values go straight to the host pool.
+        One kernel on a GPU writes every pool (``kernels/row_copy.py``)."""
+        pairs = [(k.to(self.k.dtype), self.k[layer]), (v.to(self.v.dtype), self.v[layer])]
         if self.k_select is not self.k:
-            self.k_select[layer, slots] = k.to(self.k_select.dtype)
-        if self.offload == "values":
-            self._scatter(v.to(self.v.dtype).contiguous(), self.v[layer], slots)  # v may be a view of qkv
-        else:
-            self.v[layer, slots] = v.to(self.v.dtype)
+            pairs.append((k.to(self.k_select.dtype), self.k_select[layer]))
+        (scatter_rows if slots.is_cuda else scatter_rows_ref)(pairs, slots)
 
     def stage(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device tensors
@@ -160,6 +158,3 @@ class KVCache:
 
     def _gather(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return (gather_rows if slots.is_cuda else gather_rows_ref)(pool, slots)
-
-    def _scatter(self, rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
-        (scatter_rows if slots.is_cuda else scatter_rows_ref)(rows, pool, slots)

@@ -116,8 +116,12 @@ class WholeGraphs:
         return out
 
     def clear(self) -> None:
-        """Drop every recorded graph (their policies are being replaced)."""
+        """Drop every recorded graph (their policies are being replaced). Later graphs record into a memory pool
+        of their own: capturing into the pool of graphs that all died failed under the profiler (PyTorch 2.11's
+        caching allocator: "use_count > 0 INTERNAL ASSERT FAILED", seen in ``bench e2e --profile-steps``)."""
         self._steps.clear()
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
 
 
 class GraphCheckFailed(RuntimeError):

@@ -32,8 +32,8 @@ from .window_mass import window_mass, window_mass_ref  # noqa: E402
 class Kernels:
     """paged_dot(q [H, d], k_pool [S, H_kv, d], slots [N]) -> [H, N] fp32;
     head_soft_vote(q, k_pool, slots, scale, n_valid=None) -> [N] fp32;
-    topk(scores [N], k, n_valid=None, values=None) -> indices [min(k, N)] of the largest scores, ascending (or
-    values [N] at them);
+    topk(scores [N], k, n_valid=None, values=None, out=None) -> indices [min(k, N)] of the largest scores,
+    ascending (or values [N] at them; in ``out`` when given);
     sparse_attention(q [c, H, d], k_pool, v_pool, slots [n], key_pos [n], q_pos [c], inv_freq [d/2],
     rope_scale, sm_scale, n_valid=None) -> [c, H, d];
     selection_check(q [n], unit, valid, row, layer, theta, counts) -> miss (the Selection Cache's decision,

@@ -1,15 +1,22 @@
-"""Row copies, run by the GPU, between device tensors and a pool in page-locked host memory.
+"""Row copies run by the GPU: the KV cache's writes, and the gathers and scatters of a pool in page-locked host
+memory.
+
+    gather_rows(pool, index) = pool[index]       pool: [S, *row], index: [n] -> [n, *row] on index's device
+    scatter_rows([(rows, pool), ...], index):  pool[index] = rows for every pair    rows: [n, *row]
+
+A step writes each layer's new keys and values, and with ``select_dtype`` the keys' copy, into their pools
+(``KVCache.write``): as ``index_put`` that is a kernel per pool, and in a decode step captured as one graph
+(``whole_graphs.py``) a node per pool and layer; ``scatter_rows`` writes up to three pools in one launch. The
+rows may be views of one wider tensor (the keys and values are slices of the q/k/v product's rows): only each
+row must be contiguous.
 
 With value offload (``kv_cache.py``) the V pool lives in host memory that is page-locked and mapped into
 the GPU's address space, so a kernel reads and writes it in place over the bus. Gathering the attended
 rows this way needs no host read of the slot list and no copy on the CPU: a step stays on the device
 (and fits in a CUDA graph).
 
-    gather_rows(pool, index) = pool[index]       pool: [S, *row], index: [n] -> [n, *row] on index's device
-    scatter_rows(rows, pool, index):  pool[index] = rows     rows: [n, *row] (index without repeats)
-
-Each row moves as 32-bit words (as bytes when its size or a tensor's start is not a multiple of 4), a block
-of rows per program. Pool and rows must be contiguous, as a layer of the KV pool is.
+Each row moves as 32-bit words (as bytes when its size, its stride or a tensor's start is not a multiple of 4),
+a block of rows per program. Pools must be contiguous, as a layer of the KV pool is.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+MAX_PAIRS = 3  # (rows, pool) pairs one scatter launch writes: K, V and the selection keys' copy
 BLOCK_ROWS = 16
 BLOCK_WORDS = 256  # 1 KiB of a row per load: a whole fp8 row of Llama-3-8B's 8 kv heads x 128
 
@@ -29,29 +37,41 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1).view(torch.uint8)
 
 
+def _raw_rows(t: torch.Tensor) -> torch.Tensor:
+    """[R, *row] whose rows are each contiguous (row 0's stride may be anything) -> [R, row bytes] as uint8,
+    sharing t's memory; a copy when a row is not contiguous."""
+    if not t[:1].is_contiguous():
+        t = t.contiguous()
+    return t.flatten(1).view(torch.uint8)
+
+
 def gather_rows_ref(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """pool: [S, *row] (any device), index: [n] int64 -> pool[index]: [n, *row] on index's device."""
     rows = _raw(pool)[index.to(pool.device)].to(index.device)
     return rows.view(pool.dtype).view(index.numel(), *pool.shape[1:])
 
 
-def scatter_rows_ref(rows: torch.Tensor, pool: torch.Tensor, index: torch.Tensor) -> None:
-    """pool[index] = rows. rows: [n, *row] of pool's dtype; index: [n] int64 without repeats."""
-    _raw(pool)[index.to(pool.device)] = _raw(rows).to(pool.device)
+def scatter_rows_ref(pairs, index: torch.Tensor) -> None:
+    """For each (rows, pool) of pairs: pool[index] = rows. rows: [n, *row] of pool's dtype (each row contiguous);
+    pool: [S, *row] contiguous; index: [n] int64 without repeats."""
+    for rows, pool in _checked(pairs):
+        _raw(pool)[index.to(pool.device)] = _raw_rows(rows).to(pool.device)
+
+
+def _checked(pairs):
+    pairs = list(pairs)
+    if not 0 < len(pairs) <= MAX_PAIRS:
+        raise ValueError(f"scatter_rows writes 1 to {MAX_PAIRS} pools at once, not {len(pairs)}")
+    for rows, pool in pairs:
+        if rows.dtype != pool.dtype or rows.shape[1:] != pool.shape[1:]:
+            raise ValueError(f"rows {rows.dtype} {tuple(rows.shape)} do not match the pool's {pool.dtype} "
+                             f"{tuple(pool.shape)}")
+    return pairs
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, n, words, GATHER: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
-    """Program = block of BLOCK_R of the n rows. GATHER: dst[r] = src[index[r]]; else dst[index[r]] = src[r].
-    Rows are ``words`` elements long."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n
-    picked = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    if GATHER:
-        src_row, dst_row = picked * words, rows.to(tl.int64) * words
-    else:
-        src_row, dst_row = rows.to(tl.int64) * words, picked * words
+def _copy_block(src_ptr, dst_ptr, src_row, dst_row, row_ok, words, BLOCK_W: tl.constexpr):
+    """dst[dst_row[r] + c] = src[src_row[r] + c] for the rows r where row_ok and c < words."""
     for start in range(0, words, BLOCK_W):
         cols = start + tl.arange(0, BLOCK_W)
         mask = row_ok[:, None] & (cols < words)[None, :]
@@ -59,31 +79,72 @@ def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, n, words, GATHER: tl.constexp
         tl.store(dst_ptr + dst_row[:, None] + cols[None, :], values, mask=mask)
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool) -> None:
-    """src, dst: [*, row bytes] uint8 views; moves whole rows as int32 words when their layout allows."""
+@triton.jit
+def _gather_kernel(src_ptr, dst_ptr, index_ptr, n, words, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program = block of BLOCK_R of the n rows: dst[r] = src[index[r]], rows ``words`` elements long."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n
+    picked = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    _copy_block(src_ptr, dst_ptr, picked * words, rows.to(tl.int64) * words, row_ok, words, BLOCK_W)
+
+
+@triton.jit
+def _scatter_kernel(index_ptr, n, src0, dst0, stride0, words0, src1, dst1, stride1, words1, src2, dst2, stride2,
+                    words2, PAIRS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program (block of BLOCK_R of the n rows, pair p < PAIRS): dst_p[index[r]] = src_p[r], rows ``words_p``
+    elements long, src_p's rows ``stride_p`` elements apart (the pairs a launch does not use are not read)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n
+    picked = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    pair = tl.program_id(1)
+    rows = rows.to(tl.int64)
+    if pair == 0:
+        _copy_block(src0, dst0, rows * stride0, picked * words0, row_ok, words0, BLOCK_W)
+    if PAIRS > 1:
+        if pair == 1:
+            _copy_block(src1, dst1, rows * stride1, picked * words1, row_ok, words1, BLOCK_W)
+    if PAIRS > 2:
+        if pair == 2:
+            _copy_block(src2, dst2, rows * stride2, picked * words2, row_ok, words2, BLOCK_W)
+
+
+def _words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """src: [n, row bytes] uint8 (rows stride(0) apart), dst: [S, row bytes] uint8 -> both as int32 words when
+    every row's start in both is a multiple of 4 bytes, else as they are."""
     if src.shape[1] != dst.shape[1]:
         raise ValueError(f"rows of {src.shape[1]} bytes cannot be copied to rows of {dst.shape[1]} bytes")
+    aligned = (src.shape[1] % 4 == 0 and src.stride(0) % 4 == 0 and src.storage_offset() % 4 == 0
+               and dst.storage_offset() % 4 == 0)
+    return (src.view(torch.int32), dst.view(torch.int32)) if aligned else (src, dst)
+
+
+def _check_index(index: torch.Tensor) -> None:
     if index.dtype != torch.int64:
         raise ValueError(f"index must be int64, not {index.dtype}")
-    n = index.numel()
-    if src.shape[1] % 4 == 0 and src.storage_offset() % 4 == 0 and dst.storage_offset() % 4 == 0:
-        src, dst = src.view(torch.int32), dst.view(torch.int32)
-    _copy_rows_kernel[(triton.cdiv(n, BLOCK_ROWS),)](src, dst, index, n, src.shape[1], GATHER=gather,
-                                                     BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
 
 
 def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`gather_rows_ref`; pool may be page-locked host memory mapped for the GPU."""
+    _check_index(index)
     out = torch.empty(index.numel(), *pool.shape[1:], dtype=pool.dtype, device=index.device)
     if index.numel():
-        _launch(_raw(pool), _raw(out), index, gather=True)
+        src, dst = _words(_raw(pool), _raw(out))
+        _gather_kernel[(triton.cdiv(index.numel(), BLOCK_ROWS),)](src, dst, index, index.numel(), src.shape[1],
+                                                                  BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
     return out
 
 
-def scatter_rows(rows: torch.Tensor, pool: torch.Tensor, index: torch.Tensor) -> None:
-    """Triton version of :func:`scatter_rows_ref`; pool may be page-locked host memory mapped for the GPU."""
-    if rows.dtype != pool.dtype or rows.shape[1:] != pool.shape[1:]:
-        raise ValueError(f"rows {rows.dtype} {tuple(rows.shape)} do not match the pool's {pool.dtype} "
-                         f"{tuple(pool.shape)}")
-    if index.numel():
-        _launch(_raw(rows.contiguous()), _raw(pool), index, gather=False)
+def scatter_rows(pairs, index: torch.Tensor) -> None:
+    """Triton version of :func:`scatter_rows_ref`, one launch for every pair; a pool may be page-locked host
+    memory mapped for the GPU."""
+    pairs = _checked(pairs)
+    _check_index(index)
+    if not index.numel():
+        return
+    args = []
+    for rows, pool in pairs:
+        src, dst = _words(_raw_rows(rows), _raw(pool))
+        args += [src, dst, src.stride(0), src.shape[1]]
+    args += args[:4] * (MAX_PAIRS - len(pairs))  # the unused pairs' arguments: never read
+    _scatter_kernel[(triton.cdiv(index.numel(), BLOCK_ROWS), len(pairs))](
+        index, index.numel(), *args, PAIRS=len(pairs), BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)

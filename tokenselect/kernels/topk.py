@@ -23,14 +23,22 @@ import triton.language as tl
 
 
 def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
-             values: torch.Tensor | None = None) -> torch.Tensor:
+             values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """scores: [N] -> indices [min(k, N)] int64 of the largest scores, ascending (ties: any of them).
     n_valid: None, or an int64 tensor []: scores[n_valid:] count as -inf.
-    values: None, or [N] int64: return values[indices] instead."""
+    values: None, or [N] int64: return values[indices] instead.
+    out: None, or a contiguous int64 [min(k, N)] to write the result to (and return)."""
     if n_valid is not None:
         scores = scores.masked_fill(torch.arange(scores.numel(), device=scores.device) >= n_valid, float("-inf"))
     picked = torch.topk(scores, min(k, scores.numel()), sorted=False).indices.sort().values
-    return picked if values is None else values[picked]
+    picked = picked if values is None else values[picked]
+    return picked if out is None else _checked_out(out, picked.numel()).copy_(picked)
+
+
+def _checked_out(out: torch.Tensor, k: int) -> torch.Tensor:
+    if out.shape != (k,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int64 tensor of shape ({k},), not {out.dtype} {tuple(out.shape)}")
+    return out
 
 
 @triton.jit
@@ -149,14 +157,14 @@ BLOCK, BLOCK_C = 2048, 1024
 
 
 def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
-         values: torch.Tensor | None = None) -> torch.Tensor:
+         values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`topk_ref` (same arguments; the same positions where no two scores tie at the
     k-th largest, otherwise the first of the tied ones). scores: fp32, bf16 or fp16."""
     if values is not None and values.shape != scores.shape:
         raise ValueError(f"values of shape {tuple(values.shape)} for scores of shape {tuple(scores.shape)}")
     n = scores.numel()
     k = min(k, n)
-    out = torch.empty(k, dtype=torch.int64, device=scores.device)
+    out = torch.empty(k, dtype=torch.int64, device=scores.device) if out is None else _checked_out(out, k)
     if k == 0:
         return out
     scores = scores.contiguous()

@@ -90,11 +90,10 @@ class TokenSelect(SelectivePolicy):
         middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
         live = seq.once(f"length - {self.n_init + self.n_local}", lambda: seq.length - (self.n_init + self.n_local))
         keys = self.cache.k_select[layer]
-        chosen = self.choose(query, keys, middle, live if miss is None else live * miss, middle)
-        if miss is None:
-            out.copy_(chosen)
+        if miss is None:  # the picks straight into the list
+            self.choose(query, keys, middle, live, middle, out)
         else:
-            sc.update(seq.row, layer, query, chosen, miss, out)
+            sc.update(seq.row, layer, query, self.choose(query, keys, middle, live * miss, middle), miss, out)
 
     def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
         return self.selection_cache.row(seq_id, query_size, device)
@@ -128,10 +127,11 @@ class TokenSelect(SelectivePolicy):
         return vote if dead is None else vote.masked_fill(dead, float("-inf"))
 
     def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
-               live: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+               live: torch.Tensor | None = None, values: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live]); with
-        values ([M], e.g. ``middle`` itself), values at those indices."""
-        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live, values)
+        values ([M], e.g. ``middle`` itself), values at those indices; written to ``out`` ([k] int64) if given."""
+        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live, values, out)
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
