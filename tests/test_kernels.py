@@ -657,6 +657,8 @@ def test_row_copy_of_a_layer_of_a_pool_and_bad_input():
         scatter_rows([(torch.zeros(2, 2, 8, dtype=torch.bfloat16, device=DEVICE), pool)] * 4, slots)
     with pytest.raises(ValueError, match="int64"):
         scatter_rows([(torch.zeros(2, 2, 8, dtype=torch.bfloat16, device=DEVICE), pool)], slots.int())
+    with pytest.raises(ValueError, match="3 rows"):  # one row more than slots: would be dropped
+        scatter_rows([(torch.zeros(3, 2, 8, dtype=torch.bfloat16, device=DEVICE), pool)], slots)
     with pytest.raises(ValueError, match="contiguous"):
         gather_rows(torch.zeros(10, 2, 8, device=DEVICE)[:, 0], torch.tensor([1], device=DEVICE))
 

@@ -54,11 +54,11 @@ def gather_rows_ref(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def scatter_rows_ref(pairs, index: torch.Tensor) -> None:
     """For each (rows, pool) of pairs: pool[index] = rows. rows: [n, *row] of pool's dtype (each row contiguous);
     pool: [S, *row] contiguous; index: [n] int64 without repeats."""
-    for rows, pool in _checked(pairs):
+    for rows, pool in _checked(pairs, index):
         _raw(pool)[index.to(pool.device)] = _raw_rows(rows).to(pool.device)
 
 
-def _checked(pairs):
+def _checked(pairs, index: torch.Tensor):
     pairs = list(pairs)
     if not 0 < len(pairs) <= MAX_PAIRS:
         raise ValueError(f"scatter_rows writes 1 to {MAX_PAIRS} pools at once, not {len(pairs)}")
@@ -66,6 +66,8 @@ def _checked(pairs):
         if rows.dtype != pool.dtype or rows.shape[1:] != pool.shape[1:]:
             raise ValueError(f"rows {rows.dtype} {tuple(rows.shape)} do not match the pool's {pool.dtype} "
                              f"{tuple(pool.shape)}")
+        if rows.shape[0] != index.numel() or rows.device != index.device:
+            raise ValueError(f"{rows.shape[0]} rows on {rows.device} for {index.numel()} slots on {index.device}")
     return pairs
 
 
@@ -137,7 +139,7 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def scatter_rows(pairs, index: torch.Tensor) -> None:
     """Triton version of :func:`scatter_rows_ref`, one launch for every pair; a pool may be page-locked host
     memory mapped for the GPU."""
-    pairs = _checked(pairs)
+    pairs = _checked(pairs, index)
     _check_index(index)
     if not index.numel():
         return
