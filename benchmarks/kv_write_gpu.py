@@ -11,36 +11,15 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from tokenselect.bench.attention import graph_us
 from tokenselect.kernels.row_copy import scatter_rows
 
 LAYERS, REPLAYS = 32, 20
 N_KV, D, N_HEADS, SLOTS = 8, 128, 32, 1 << 15
-
-
-def graph_us(fn) -> float:
-    """Microseconds per call of ``fn(layer)`` in a graph of LAYERS calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for layer in range(LAYERS):
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (LAYERS * REPLAYS) * 1e6
 
 
 def kv_write_rows(rows: int) -> list[dict]:
@@ -51,7 +30,8 @@ def kv_write_rows(rows: int) -> list[dict]:
     slots = torch.randperm(SLOTS, device=dev)[:rows]
     out = []
     for copy in (False, True):
-        pools = [torch.zeros(LAYERS, SLOTS, N_KV, D, device=dev, dtype=t) for t in (bf16, bf16) + ((fp8,) if copy else ())]
+        dtypes = (bf16, bf16) + ((fp8,) if copy else ())
+        pools = [torch.zeros(LAYERS, SLOTS, N_KV, D, device=dev, dtype=t) for t in dtypes]
         want = [p.clone() for p in pools]
 
         def index_put(layer, pools=pools):
@@ -69,7 +49,8 @@ def kv_write_rows(rows: int) -> list[dict]:
         assert all(torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) for a, b in zip(pools, want))
         label = "K, V and the fp8 copy" if copy else "K and V"
         for name, fn in ((f"index_put per pool ({label})", index_put), (f"scatter_rows ({label})", one_launch)):
-            out.append({"op": "kv write", "rows": rows, "variant": name, "graph_us": round(graph_us(fn), 2)})
+            us = graph_us(fn, LAYERS, REPLAYS)
+            out.append({"op": "kv write", "rows": rows, "variant": name, "graph_us": round(us, 2)})
             print(out[-1], flush=True)
     return out
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from tokenselect.bench.attention import timer
+from tokenselect.bench.attention import graph_us, timer
 from tokenselect.kernels.topk import topk, topk_ref
 
 K, CALLS, REPLAYS = 2048, 20, 10
@@ -21,23 +20,7 @@ K, CALLS, REPLAYS = 2048, 20, 10
 
 def timed(fn) -> tuple[float, float]:
     """(eager: the median of ``tokenselect bench attention``'s timer, in-graph) microseconds per call."""
-    eager = timer(torch.device("cuda"))(fn) * 1e3
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    return eager, (time.perf_counter() - start) / (CALLS * REPLAYS) * 1e6
+    return timer(torch.device("cuda"))(fn) * 1e3, graph_us(lambda _: fn(), CALLS, REPLAYS)
 
 
 def main(out: Path) -> None:

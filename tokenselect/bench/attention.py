@@ -65,6 +65,29 @@ def timer(device: torch.device):
     return wall
 
 
+def graph_us(call, calls: int, replays: int) -> float:
+    """Microseconds per call of ``call(i)`` for i < calls, captured in one CUDA graph (as a decode step captured as
+    one graph runs its per-layer work: the gaps between nodes count): run once on a side stream (compiling and
+    warming), captured, then replayed ``replays`` times, timed by the host over all of them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (calls * replays) * 1e6
+
+
 def copy_bandwidth(device: torch.device, ms) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written over the time)."""
     n = (1 << 30) if device.type == "cuda" else (1 << 24)
