@@ -150,6 +150,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["end", ""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "policy": {"k": -3}}, 400, "policy.k"),
     ("/v1/completions", {"prompt": "hi", "policy": {"theta": 2.5}}, 400, "policy.theta"),
     ("/v1/completions", {"prompt": "hi", "policy": {"span": 3}}, 400, "policy.span"),

@@ -178,7 +178,7 @@ class LLM:
             raise ContextTooLong(
                 f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {need} exceeds the context "
                 f"limit of {self.max_model_len} tokens (raise kv_cache_tokens / --kv-cache-tokens)")
-        seq = Sequence(ids, params, self.device, policy)
+        seq = Sequence(ids, params, self.device, policy, self.tokenizer)
         self.scheduler.add(seq)
         return seq
 
@@ -239,11 +239,15 @@ class LLM:
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
         p = seq.params
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        hits = [i for i in (seq.text.find(s) for s in p.stop) if i >= 0]
+        detok = seq.detokenizer
+        hits = []
+        if detok is not None:
+            searched = detok.stable  # every stop string was looked for in the text up to here
+            detok.update(seq.output_ids)
+            # so an occurrence not yet seen ends past ``searched``
+            hits = [i for i in (detok.text.find(s, max(searched - len(s) + 1, 0)) for s in p.stop) if i >= 0]
         if hits:
-            seq.text = seq.text[:min(hits)]
+            detok.text = detok.text[:min(hits)]
             seq.finish_reason = "stop"
         elif token in self.eos_ids and not p.ignore_eos:
             seq.finish_reason = "stop"

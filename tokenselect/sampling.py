@@ -24,6 +24,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, not {self.stop!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
         if self.temperature < 0:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .detokenize import IncrementalText
 from .sampling import SamplingParams
 
 _ids = itertools.count()
@@ -26,7 +27,8 @@ class RequestOutput:
 class Sequence:
     """One request: prompt and generated tokens, its slot table in the KV pool, its sampler."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, device: torch.device, policy=None):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, device: torch.device, policy=None,
+                 tokenizer=None):
         self.id = next(_ids)
         self.policy = policy  # the AttentionPolicy that plans this sequence's attention
         self.prompt_ids = list(prompt_ids)
@@ -35,12 +37,17 @@ class Sequence:
         # Slot table: slot of token i of the sequence, filled as tokens enter the cache.
         self.slots = torch.empty(len(prompt_ids) + params.max_tokens, dtype=torch.int64, device=device)
         self.n_cached = 0  # tokens whose K/V are in the cache
-        self.text = ""
+        self.detokenizer = IncrementalText(tokenizer) if tokenizer is not None else None  # None: no text
         self.finish_reason: str | None = None
         self.logits: list[torch.Tensor] | None = None  # a list to record every row's logits
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def text(self) -> str:
+        """The generated text so far (empty without a tokenizer), cut before a stop string once one is hit."""
+        return self.detokenizer.text if self.detokenizer is not None else ""
 
     @property
     def n_tokens(self) -> int:

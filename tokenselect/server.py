@@ -28,7 +28,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,7 +43,8 @@ from .sampling import SamplingParams
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; used for chat too
 POLICY_OVERRIDES = ("k", "n_local", "theta")  # per-request settings the ``policy`` field may name
 log = logging.getLogger("tokenselect.server")
-UNION_TAG = re.compile(r"str|int|float|bool|\w+\[.*\]")  # how pydantic names a union member in an error
+# how pydantic names a union member in an error
+UNION_TAG = re.compile(r"(constrained-)?(str|int|float|bool)|\w+\[.*\]")
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class APIError(Exception):
 # ---- request bodies -----------------------------------------------------------------------------
 
 Number = Union[StrictInt, StrictFloat]
+StopString = Annotated[StrictStr, Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -76,7 +78,7 @@ class _Request(BaseModel):
     temperature: Number = Field(default=1.0, ge=0)
     top_p: Number = Field(default=1.0, gt=0, le=1)
     top_k: StrictInt = Field(default=0, ge=0)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopString | list[StopString] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
     n: StrictInt = Field(default=1, ge=1, le=1)

@@ -1,0 +1,43 @@
+"""Incremental detokenization: a generation's text, kept up to date one token at a time.
+
+Decoding the whole output at every token would make a long generation quadratic (at 4K generated tokens
+a full decode takes longer than a small model's step). ``IncrementalText`` decodes only the tokens since
+the text last ended on a whole character, together with the token before them: a tokenizer that treats
+a list's first token specially (a dropped leading space) treats it the same in both decodes whose
+difference is the new text. The result is the whole list's decode for tokenizers whose decoding is local
+(byte-level BPE, SentencePiece: the decoders of causal LMs); a WordPiece tokenizer's clean-up of spaces around
+punctuation that spans the window's start is the known exception (vLLM's detokenizer shares it).
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"  # what a tokenizer decodes a partial UTF-8 character to
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it,
+    found by decoding only the list's tail at each ``update``.
+
+    text: the text so far; it ends in U+FFFD while the last tokens hold part of a character, which a later
+        token may complete (then that tail is replaced).
+    stable: the length of the prefix of ``text`` that no later token can change.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.stable = 0
+        self._start = 0  # ids[_start:_end]: the tokens that completed text[:stable] (decoded again for context)
+        self._end = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, ids: list[int]) -> str:
+        """ids: every token so far, the previous call's followed by new ones. Returns the text now."""
+        before = self._decode(ids[self._start:self._end])
+        after = self._decode(ids[self._start:])
+        self.text = self.text[:self.stable] + after[len(before):]
+        if not self.text.endswith(REPLACEMENT):
+            self.stable, self._start, self._end = len(self.text), self._end, len(ids)
+        return self.text
