@@ -6,7 +6,7 @@
 #   `profile --select-dtype fp8 --tag 128k_fp8_select_profile_h100`: a later --tag replaces the part's)
 #   tests    the GPU tests of whole-step graphs (really captured and checked), offload, the Selection Cache, InfLLM
 #            and the models, and the kernel tests of the row copies (the KV write), the top-k, the live-prefix attention,
-#            the Selection Cache's update and silu_mul (about 6 minutes on a fresh machine), then the
+#            the Selection Cache's update, silu_mul and InfLLM's block scores (about 6 minutes on a fresh machine), then the
 #            top-k timed against torch.topk + sort (benchmarks/topk_gpu.py); OUTDIR/tests.log as it goes
 #   kernels-a, kernels-b  test_kernels.py in two halves (b: sparse attention and window mass), each about 8 minutes
 #            on a fresh machine (Triton compiles a variant per shape); OUTDIR/kernels_{a,b}.log
@@ -37,7 +37,7 @@ case "$part" in
   tests) python3 -m pytest -q -rs tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_offload.py \
            tests/test_selection_cache.py tests/test_baselines.py tests/test_models.py tests/test_kernels.py -k "row_copy or \
            scatter_rows or gather_and_scatter or topk or sparse_attention_over_a_live_prefix or selection_update or \
-           silu_mul or not test_kernels" 2>&1 | tee "$out/tests.log" | tail -15
+           silu_mul or block_scores or not test_kernels" 2>&1 | tee "$out/tests.log" | tail -15
          python3 benchmarks/topk_gpu.py "$out" ;;
   kernels-a) python3 -m pytest -q tests/test_kernels.py -k "not sparse_attention and not window_mass" 2>&1 \
                | tee "$out/kernels_a.log" | tail -15 ;;

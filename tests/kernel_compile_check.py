@@ -22,7 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
         ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check", "selection_update",
-         "topk", "window_mass", "row_copy")}
+         "topk", "window_mass", "row_copy", "block_scores")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **options) -> None:
@@ -70,6 +70,12 @@ def main() -> None:
     compile_one("sparse_attention", "_merge_kernel", {
         "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "rows": i32, "splits": i32},
         {"D": 128, "D_P": 128, "SPLITS_P": 32, "BLOCK_S": 32, "BLOCK_ROWS": 2})
+    block_scores = mods["block_scores"]
+    for masked in (True, False):  # InfLLM's fp32 representatives, a graph's live prefix or all of them
+        compile_one("block_scores", "_block_scores_kernel", {
+            "rows_ptr": "*fp32", "first_ptr": i64p, "query_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
+            "n": i32, "K": i32, "stride_row": i32},
+            {"BLOCK_B": block_scores.BLOCK_B, "BLOCK_K": block_scores.BLOCK_K, "MASKED": masked})
     for masked in (True, False):
         compile_one("head_vote", "_head_totals_kernel", {
             "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_valid_ptr": i64p,

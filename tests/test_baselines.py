@@ -186,7 +186,7 @@ def test_infllm_representatives_and_block_choice(one_buffer):
         for h in range(n_heads):
             top = sorted(block, key=lambda j: -received[j, h])[:r]
             reprs[b, h] = keys[top, h // 2].mean(dim=0)
-    torch.testing.assert_close(policy._memory[0][0].reprs, reprs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(policy.representatives(0, 0), reprs, atol=1e-5, rtol=1e-5)
 
     block_scores = [sum(query[0, h] @ reprs[b, h] for h in range(n_heads)) for b in range(n_blocks)]
     best = sorted(sorted(range(n_blocks), key=lambda b: -block_scores[b])[:2])
@@ -199,6 +199,17 @@ def test_infllm_representatives_and_block_choice(one_buffer):
     assert plan.q_positions.tolist() == [n_local]
     policy.release(0)
     assert policy._memory == {}
+
+
+def test_infllm_refuses_chunks_its_ring_cannot_hold():
+    """The local scores of the tokens not yet in a closed block live in a ring sized for the policy's chunk: a
+    longer chunk is an error that says so, not scores silently overwritten."""
+    cache, slots = cache_with_keys(torch.randn(300, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, chunk=8, k=16, n_init=4, n_local=16, block_size=8)
+    policy.plan(0, SeqView(0, slots[:0], decode=False), torch.randn(8, 4, 8))
+    policy.plan(0, SeqView(0, slots[:8], decode=False), torch.randn(100, 4, 8))  # counted at the next call
+    with pytest.raises(RuntimeError, match="ring of 71 tokens cannot hold tokens 4..107"):  # 23 + 16 + 2 * (8 + 8)
+        policy.plan(0, SeqView(0, slots[:108], decode=False), torch.randn(8, 4, 8))
 
 
 def test_infllm_whole_context_is_full_attention_inside_the_window_only():

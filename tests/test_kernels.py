@@ -242,6 +242,29 @@ def test_selection_update_matches_reference(n, width, dtype):
         selection_update(q, *tables["triton"], args[0], 0, new[:-1], args[-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [64, 1000, 4096])  # row sizes n_heads * head_dim, one ragged
+@pytest.mark.parametrize("n,live", [(1, None), (7, 3), (1000, None), (1000, 517), (300, 0)])
+def test_block_scores_matches_reference(n, live, k, dtype):
+    """Rows first..first+n-1 of a larger matrix (other sequences' and layers' blocks around them), the rows
+    from the live count on scoring -inf; the reference is the definition, a gather then a product."""
+    from tokenselect.kernels.block_scores import block_scores, block_scores_ref
+
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    rows = torch.randn(3 * n + 5, k, generator=gen).to(DEVICE, dtype)
+    query = torch.randn(k, generator=gen).to(DEVICE)
+    first = torch.tensor(n + 2, device=DEVICE)
+    n_valid = None if live is None else torch.tensor(live, device=DEVICE)
+    got, want = block_scores(rows, first, n, query, n_valid), block_scores_ref(rows, first, n, query, n_valid)
+    live = n if live is None else live
+    direct = rows[n + 2:n + 2 + live].float() @ query.float()
+    torch.testing.assert_close(want[:live], direct, atol=1e-3, rtol=1e-4)
+    assert torch.isneginf(want[live:]).all() and torch.isneginf(got[live:]).all()
+    torch.testing.assert_close(got[:live], want[:live], atol=1e-3 * k ** 0.5, rtol=1e-4)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        block_scores(rows.T, first, n, query)
+
+
 def test_paged_dot_reference_is_the_definition():
     gen = torch.Generator().manual_seed(3)
     q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]

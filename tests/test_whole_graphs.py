@@ -16,6 +16,7 @@ from tokenselect.kv_cache import KVCache
 from tokenselect.policies import SeqView
 from tokenselect.policies.base import GraphSeq
 from tokenselect.policies.full import FullAttention
+from tokenselect.policies.infllm import InfLLM
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
 from tokenselect.transfer import _ARANGES, arange
@@ -54,7 +55,7 @@ def test_graph_plan_equals_the_eager_plan(selector):
     settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
     eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
     table = torch.cat([slots, others])  # capacity t0 + 102: everything from the length on is not the sequence's
-    row = torch.tensor(graph.graph_row(5, 4 * 16, torch.device("cpu")))
+    row = torch.tensor(graph.graph_row(SeqView(5, slots[:t0], decode=True), table.numel(), 4 * 16))
     q = torch.randn(1, 4, 16)
     for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
         assert graph.graph_ready(t)
@@ -76,7 +77,7 @@ def test_prefill_chunk_graph_plan_equals_the_eager_plan(selector):
     cache.write(0, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
     settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
     eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
-    row = torch.tensor(graph.graph_row(7, 4 * 16, torch.device("cpu")))
+    row = torch.tensor(graph.graph_row(SeqView(7, slots[:t0], decode=False), slots.numel(), 4 * 16))
     for t in (t0, t0 + 8, t0 + 16):
         q = torch.randn(8, 4, 16)
         want = eager.plan(0, SeqView(7, slots[:t], decode=False), q)
@@ -108,6 +109,52 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     got = graph_context(policy, 0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True),
                         torch.randn(1, 4, 16))
     assert torch.equal(got, want.slots)
+
+
+@pytest.mark.parametrize("positions", ["fixed", "reindex", "original"])
+def test_infllm_graph_decode_equals_the_eager_plan(positions):
+    """After an eager prefill, InfLLM's decode steps planned on the device (two layers, a padded table, blocks
+    closing every 4 steps) attend the eager plans' tokens at their positions, the step's own token among them;
+    the attention its window receives, counted inside the step, gives the blocks the eager representatives."""
+    torch.manual_seed(6)
+    layers, t0, steps, n_heads, d = 2, 70, 14, 4, 16
+    cache = KVCache(layers, 400, 2, d, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(t0 + steps)[torch.randperm(t0 + steps)]
+    others = cache.allocate(50)
+    table = torch.cat([slots, others])
+    for layer in range(layers):
+        cache.write(layer, table, torch.randn(table.numel(), 2, d), torch.randn(table.numel(), 2, d))
+    settings = dict(window=1000, chunk=10, k=8, n_init=4, n_local=12, block_size=4, repr_keys=2, positions=positions)
+    eager, graph = InfLLM(cache, TORCH, **settings), InfLLM(cache, TORCH, **settings)
+    for t in range(0, t0, 10):  # the prompt, eagerly on both
+        q = torch.randn(10, n_heads, d)
+        for policy in (eager, graph):
+            for layer in range(layers):
+                policy.plan(layer, SeqView(3, slots[:t], decode=False), q)
+    for t in range(t0, t0 + steps):
+        assert graph.graph_ready(t)
+        row = torch.tensor(graph.graph_row(SeqView(3, slots[:t], decode=True), table.numel(), n_heads * d))
+        seq, own = GraphSeq(table, torch.tensor(t), row, decode=True), table[t:t + 1]
+        for layer in range(layers):
+            q = torch.randn(1, n_heads, d)
+            want = eager.plan(layer, SeqView(3, slots[:t], decode=True), q)
+            got = graph.graph_list(layer, seq, q, own)
+            n = int(got.n_valid)
+            assert got.slots[0] == own and got.q_pos.tolist() == want.q_positions.tolist()
+            pairs = sorted(zip(got.slots[:n].tolist(), got.key_pos[:n].tolist()))
+            assert pairs == sorted(zip(torch.cat([want.slots, own]).tolist(),
+                                       torch.cat([want.positions, want.q_positions]).tolist()))
+    for layer in range(layers):  # the eager side counts its last step's attention one call later
+        eager.plan(layer, SeqView(3, slots[:t0 + steps], decode=True), torch.randn(1, n_heads, d))
+    graph.graph_row(SeqView(3, slots[:t0 + steps], decode=True), table.numel(), n_heads * d)
+    for layer in range(layers):
+        closed = graph.representatives(3, layer)
+        assert closed.shape[0] == (t0 + steps - 4 - 12) // 4 > (t0 - 4 - 12) // 4 + 2  # blocks closed in decode
+        torch.testing.assert_close(closed, eager.representatives(3, layer), atol=1e-5, rtol=1e-5)
+        # both have counted every query before t0 + steps: the tokens after the closed blocks received the same
+        tracked = torch.arange(graph.tracked_from(graph._memory[3][layer]), t0 + steps) % graph.ring
+        torch.testing.assert_close(graph.mass[0, layer, tracked], eager.mass[0, layer, tracked])
+        assert tracked.numel() >= 12 and (graph.mass[0, layer, tracked].sum(dim=1) > 0).all()
 
 
 def test_every_layer_of_a_step_shares_one_list_assembled_once():
@@ -164,7 +211,8 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
     for policy, settings, works in (("tokenselect", {"k": 16, **sizes}, True), ("streaming", sizes, True),
-                                    ("full", {}, True), ("quest", {}, False)):
+                                    ("full", {}, True), ("quest", {}, False),
+                                    ("infllm", {"k": 16, "block_size": 4, **sizes}, True)):
         llm.set_attention(policy, **settings)
         seqs = [llm.add_request(ids(80, i), SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
         while any(s.prefilling for s in seqs):
@@ -269,6 +317,8 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
     ("tokenselect", {"theta": 0.5, "select_dtype": "fp8"}),
     ("streaming", {}),
     ("full", {}),
+    ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2}),
+    ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2, "positions": "original"}),
 ])
 def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_matmuls, monkeypatch, attention, settings):
     """Requests arriving at different times (so steps alternate between decode graphs and mixed steps

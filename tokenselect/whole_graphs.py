@@ -2,10 +2,10 @@
 
 ``StepGraphs`` leaves attention out of its graphs, because what a step attends changes from step to
 step. For a policy that can plan on the device alone (``AttentionPolicy.graph_ready``: TokenSelect and
-StreamingLLM with positions by index in the list, full attention) nothing has to leave the GPU once a
-sequence is past the selection threshold: the attended list has a fixed length (sinks + k chosen + local
-window) and fixed positions 0..n-1 whatever the context's length; the sequence's slot table goes in as a
-buffer of fixed size with its length as a device scalar. Full attention attends that table itself, at the
+StreamingLLM with positions by index in the list, full attention, InfLLM's decode steps) nothing has to leave
+the GPU once a sequence is past the selection threshold: the attended list has a fixed length (sinks + k
+chosen + local window; InfLLM's has a live prefix) and positions computed on the device; the sequence's slot
+table goes in as a buffer of fixed size with its length as a device scalar. Full attention attends that table itself, at the
 original positions, and the attention kernel reads how much of it is live from the same scalar, so it runs
 here from the first token on (but not with value offload: it would stage the table's whole capacity). Two
 kinds of step run here, each as one graph launch with no host read per layer:
@@ -49,7 +49,7 @@ import weakref
 import torch
 
 from .policies import AttentionPolicy
-from .policies.base import GraphSeq
+from .policies.base import GraphSeq, SeqView
 from .transfer import to_device
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
@@ -82,7 +82,8 @@ class WholeGraphs:
             return False
         if len(chunks) == 1 and not chunks[0].decode:
             ch = chunks[0]
-            return ch.length == self.chunk_size and len(ch.seq.prompt_ids) >= PREFILL_MIN_CHUNKS * self.chunk_size
+            long_prompt = len(ch.seq.prompt_ids) >= PREFILL_MIN_CHUNKS * self.chunk_size
+            return policy.graph_prefill and ch.length == self.chunk_size and long_prompt
         return all(ch.length == 1 and ch.decode for ch in chunks)
 
     def run(self, chunks, ids: list[int], new_slots: torch.Tensor) -> torch.Tensor:
@@ -91,13 +92,14 @@ class WholeGraphs:
         buffer, valid until the next run)."""
         policy: AttentionPolicy = chunks[0].seq.policy
         cfg = self.model.config
-        rows = [policy.graph_row(ch.seq.id, cfg.n_heads * cfg.head_dim, self.device) for ch in chunks]
         batch, decode = len(chunks), chunks[0].decode
         longest = max(ch.past for ch in chunks) + 1 if decode else len(chunks[0].seq.prompt_ids)
         capacity = -(-longest // GRAIN) * GRAIN
+        rows = [policy.graph_row(SeqView(ch.seq.id, ch.seq.slots[:ch.past], decode), capacity,
+                                 cfg.n_heads * cfg.head_dim) for ch in chunks]
         key = (decode, batch, capacity, id(policy))
         step = self._steps.get(key)
-        if step is None or step.state != _pointers(policy.graph_state()):
+        if step is None or step.state != _pointers(policy.graph_state() + policy.graph_reads()):
             for old in [k for k in self._steps if (k[0], k[1], k[3]) == (decode, batch, id(policy))]:
                 del self._steps[old]  # another capacity: free its memory
             step = self._steps[key] = _GraphStep(self, policy, batch, chunks[0].length, capacity, decode)
@@ -166,7 +168,7 @@ class _GraphStep:
         self.meta = self.inputs[batch * width:].view(2, batch)  # lengths, state rows
         self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
         self.new_slots = torch.zeros(batch * width, dtype=torch.int64, device=dev)
-        self.state = _pointers(policy.graph_state())
+        self.state = _pointers(policy.graph_state() + policy.graph_reads())
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 

@@ -19,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from .block_scores import block_scores, block_scores_ref  # noqa: E402
 from .head_vote import head_soft_vote, head_soft_vote_ref  # noqa: E402
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref  # noqa: E402
 from .selection_check import selection_check, selection_check_ref  # noqa: E402
@@ -41,7 +42,9 @@ class Kernels:
     selection_update(q [n], unit, selection, valid, row, layer, new [width], miss, out=None) -> entry [width] (its
     store-or-reuse in a decode graph, ``selection_update.py``);
     window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
-    local score, ``window_mass.py``)."""
+    local score, ``window_mass.py``);
+    block_scores(rows [R, K], first, n, query [K], n_valid=None) -> [n] fp32 (InfLLM's memory lookup in a graph,
+    ``block_scores.py``)."""
 
     name: str
     paged_dot: Callable
@@ -51,13 +54,14 @@ class Kernels:
     selection_check: Callable
     selection_update: Callable
     window_mass: Callable
+    block_scores: Callable
 
 
 KERNELS = {
     "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
-                      selection_update_ref, window_mass_ref),
+                      selection_update_ref, window_mass_ref, block_scores_ref),
     "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, selection_update,
-                      window_mass),
+                      window_mass, block_scores),
 }
 
 

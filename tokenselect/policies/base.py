@@ -83,7 +83,8 @@ class GraphSeq:
 class GraphList:
     """What a graph step's w queries attend (``AttentionPolicy.graph_list``), as device tensors.
 
-    slots: [n] (n fixed for the graph's life) cache slots, the step's own tokens last among the live ones.
+    slots: [n] (n fixed for the graph's life) cache slots, the step's own tokens last among the live ones (a
+        decode step's one token may stand anywhere among them: it sees every live entry).
     key_pos: [n] their RoPE positions; q_pos: [w] the queries'.
     n_valid: None (all n are attended) or int64 []: only ``slots[:n_valid]`` are.
     """
@@ -99,6 +100,7 @@ class AttentionPolicy:
     alone (``graph_ready``) also implement ``graph_list``."""
 
     name = "base"
+    graph_prefill = True  # whether ``graph_list`` also plans prefill chunks (else decode steps only)
 
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels
@@ -126,14 +128,20 @@ class AttentionPolicy:
         choose at ``plan``'s positions, then their own tokens."""
         raise NotImplementedError
 
-    def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
-        """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``); query_size:
-        n_heads * head_dim."""
+    def graph_row(self, seq: SeqView, capacity: int, query_size: int) -> int:
+        """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``), called on the host
+        before each graph step of the sequence (``seq.past``: its cached tokens' slots; capacity: the step's
+        table length); query_size: n_heads * head_dim."""
         return 0
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         """The device tensors a graph step reads and writes besides the cache: a graph is captured for
         these very tensors, and a warm-up run restores them."""
+        return ()
+
+    def graph_reads(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors a graph step only reads (besides the cache and the step's inputs): a graph is
+        captured for these very tensors."""
         return ()
 
 

@@ -20,6 +20,12 @@ remainder) at one position, n_local before the chunk's first query, and the loca
 true distances. While the budget still covers the whole context and it fits the model ``window`` at
 its own positions, the plan is plain full attention; past the window the fixed scheme applies to it
 too. ``"reindex"`` and ``"original"`` as for the other policies.
+
+The memory lives on the device, one row per sequence (``reprs``: the representatives of every layer's
+blocks; ``mass``: the attention received by the tokens not yet in a finished block, a ring indexed by token
+index), so that a decode step can also run as one CUDA graph (``graph_list``): there the step counts its
+own query's attention at once, and the blocks that leave the window are given their representatives on the
+host before the step is launched (``graph_row``), one block every ``block_size`` steps.
 """
 
 from __future__ import annotations
@@ -32,31 +38,34 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import arange
-from .base import Plan, SelectivePolicy, SeqView, selection_query
+from .base import GraphList, GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
+
+BLOCK_GRAIN = 1024  # the representatives' room grows in this many blocks
 
 
 @dataclass
 class Memory:
-    """One sequence's context memory in one layer.
+    """What the host knows of one sequence's memory in one layer (the values are in the policy's device state).
 
-    reprs: [B, H, d] fp32, the representative key of each finished block, per query head.
-    scores: [L, H] fp32, local-window attention received by the tokens after the finished blocks
-        (token indices n_init + B * block_size onwards).
-    pending: the last chunk's queries [c, H, d], the context slots it attended [n] and its first
-        token index, until their attention weights are counted.
+    closed: the blocks that have representatives, ``reprs[row, layer, :closed]``.
+    tracked: tokens up to here have an entry in the ring ``mass[row, layer]`` (zeroed when the token came).
+    pending: the last chunk's queries [c, H, d], the context slots it attended [n] and its first token index,
+        until their attention weights are counted.
     """
 
-    reprs: torch.Tensor
-    scores: torch.Tensor
+    closed: int
+    tracked: int
     pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 class InfLLM(SelectivePolicy):
     name = "infllm"
     POSITIONS = ("fixed", "reindex", "original")
+    graph_prefill = False  # decode steps only: a chunk closes several blocks and counts c queries' attention
 
-    def __init__(self, cache: KVCache, kernels: Kernels, window: int, k: int = 4096, n_init: int = 128,
-                 n_local: int = 4096, block_size: int = 128, repr_keys: int = 4, positions: str = "fixed"):
+    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, k: int = 4096,
+                 n_init: int = 128, n_local: int = 4096, block_size: int = 128, repr_keys: int = 4,
+                 positions: str = "fixed"):
         if block_size < 1 or repr_keys < 1:
             raise ValueError("block_size and repr_keys must be >= 1")
         self.n_blocks = k // block_size
@@ -65,14 +74,77 @@ class InfLLM(SelectivePolicy):
                          budget=self.n_blocks * block_size + block_size - 1, positions=positions)
         self.k, self.block_size, self.repr_keys = k, block_size, min(repr_keys, block_size)
         self.window = window
-        self._memory: dict[int, dict[int, Memory]] = {}  # seq id -> layer -> memory
+        self.n_layers = cache.k.shape[0]
+        # the ring holds every token not yet in a closed block: before the first selection the whole context past
+        # the sinks (at most budget + n_local, then a chunk), later the window, a block and the chunks around it
+        self.ring = self.budget + n_local + 2 * (chunk + block_size)
+        self.reprs: torch.Tensor | None = None  # [rows, layers, blocks, H, d] fp32
+        self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32
+        self._rows: dict[int, int] = {}  # sequence id -> row
+        self._memory: dict[int, list[Memory]] = {}  # sequence id -> per layer
+
+    # ---- device state ---------------------------------------------------------------------------
+
+    def memory(self, layer: int, seq_id: int, n_heads: int, device: torch.device) -> Memory:
+        """The layer's memory of sequence ``seq_id``, with a row of device state (allocated on first use)."""
+        if seq_id not in self._memory:
+            taken = set(self._rows.values())
+            row = self._rows[seq_id] = next(r for r in range(len(taken) + 1) if r not in taken)
+            self._reserve(row + 1, 0, n_heads, device)
+            self._memory[seq_id] = [Memory(0, self.n_init) for _ in range(self.n_layers)]
+        return self._memory[seq_id][layer]
+
+    def _reserve(self, rows: int, blocks: int, n_heads: int, device: torch.device) -> None:
+        """Grow the device state to at least ``rows`` rows and ``blocks`` blocks, keeping what it holds (a grown
+        tensor is a new one: a graph recorded with the old one is recorded again, ``graph_reads``)."""
+        have = (0, 0) if self.reprs is None else (self.reprs.shape[0], self.reprs.shape[2])
+        if rows <= have[0] and blocks <= have[1]:
+            return
+        rows = max(rows, 2 * have[0]) if rows > have[0] else have[0]
+        blocks = max(-(-blocks // BLOCK_GRAIN) * BLOCK_GRAIN, have[1])
+        reprs = torch.zeros(rows, self.n_layers, blocks, n_heads, self.cache.k.shape[-1], device=device)
+        mass = torch.zeros(rows, self.n_layers, self.ring, n_heads, device=device)
+        if self.reprs is not None:
+            reprs[:have[0], :, :have[1]] = self.reprs
+            mass[:have[0]] = self.mass
+        self.reprs, self.mass = reprs, mass
+
+    def ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
+        """Tokens start..stop-1 in the ring: (ring entries, the same tokens' offsets from start) pieces, at
+        most two (where the ring wraps). Slices, not index tensors: the eager path launches no index kernel."""
+        spans, t = [], start
+        while t < stop:
+            entry = t % self.ring
+            n = min(stop - t, self.ring - entry)
+            spans.append((slice(entry, entry + n), slice(t - start, t - start + n)))
+            t += n
+        return spans
+
+    def track(self, layer: int, seq_id: int, mem: Memory, upto: int) -> None:
+        """Give the tokens from ``mem.tracked`` to ``upto`` - 1 their (zeroed) ring entries."""
+        if upto <= mem.tracked:
+            return
+        if upto - self.tracked_from(mem) > self.ring:
+            raise RuntimeError(f"InfLLM's local-score ring of {self.ring} tokens cannot hold tokens "
+                               f"{self.tracked_from(mem)}..{upto - 1}: a prefill chunk larger than the policy's "
+                               f"chunk setting?")
+        for entries, _ in self.ring_spans(mem.tracked, upto):
+            self.mass[self._rows[seq_id], layer, entries] = 0
+        mem.tracked = upto
+
+    def tracked_from(self, mem: Memory) -> int:
+        """Token index of the oldest token with a ring entry (the first not in a closed block)."""
+        return self.n_init + mem.closed * self.block_size
+
+    # ---- the eager path -------------------------------------------------------------------------
 
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        mem = self.memory(layer, seq, q)
+        mem = self.memory(layer, seq.id, q.shape[1], q.device)
         if mem.pending is not None:
             self.count_attention(layer, seq, mem)
-        plan = super().plan(layer, seq, q)
         t, c = seq.past.numel(), q.shape[0]
+        self.track(layer, seq.id, mem, t)
+        plan = super().plan(layer, seq, q)
         whole = plan.slots.numel() == t  # the budget covers the context: attended in order
         if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
             plan.positions, plan.q_positions = self.place(arange(t, plan.slots.device), t, c)
@@ -81,57 +153,47 @@ class InfLLM(SelectivePolicy):
         mem.pending = (q.clone(), plan.slots, t)
         return plan
 
-    def memory(self, layer: int, seq: SeqView, q: torch.Tensor) -> Memory:
-        """The layer's memory for ``seq``, its scores grown to cover every token in ``seq.past``."""
-        layers = self._memory.setdefault(seq.id, {})
-        if layer not in layers:
-            h, d, dev = q.shape[1], q.shape[2], q.device
-            layers[layer] = Memory(torch.empty(0, h, d, device=dev), torch.empty(0, h, device=dev))
-        mem = layers[layer]
-        missing = seq.past.numel() - self.tracked_from(mem) - mem.scores.shape[0]
-        if missing > 0:
-            mem.scores = torch.cat([mem.scores, mem.scores.new_zeros(missing, mem.scores.shape[1])])
-        return mem
-
-    def tracked_from(self, mem: Memory) -> int:
-        """Token index of ``mem.scores[0]``."""
-        return self.n_init + mem.reprs.shape[0] * self.block_size
-
     def count_attention(self, layer: int, seq: SeqView, mem: Memory) -> None:
-        """Add the pending chunk's local-window attention weights to ``mem.scores``."""
+        """Add the pending chunk's local-window attention weights to the ring."""
         q, context, t0 = mem.pending
         mem.pending = None
         c = q.shape[0]
         t = t0 + c  # the chunk's keys are seq.past[t0:t] now
-        start = self.tracked_from(mem)
-        lo = max(start, t0 - self.n_local + 1)  # oldest tracked key inside some query's window
+        self.track(layer, seq.id, mem, t)
+        lo = max(self.tracked_from(mem), t0 - self.n_local + 1)  # oldest tracked key inside some query's window
         if lo >= t:
             return
         # the plan's context ends with the local window, so tokens lo..t-1 are the last columns
         attended = torch.cat([context, seq.past[t0:t]])
         scale = 1.0 / math.sqrt(q.shape[-1])
-        mem.scores[lo - start:t - start] += self.kernels.window_mass(q, self.cache.k[layer], attended, c, t0, lo,
-                                                                     self.n_local, scale)
+        mass = self.kernels.window_mass(q, self.cache.k[layer], attended, c, t0, lo, self.n_local, scale)
+        ring = self.mass[self._rows[seq.id], layer]
+        for entries, part in self.ring_spans(lo, t):
+            ring[entries] += mass[part]
 
     def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
-        """Give representatives to the blocks 0..n_full-1 of the middle that have none yet."""
-        new, bs = n_full - mem.reprs.shape[0], self.block_size
+        """Give representatives to the blocks mem.closed..n_full-1 of the middle."""
+        new, bs, row = n_full - mem.closed, self.block_size, self._rows[seq.id]
         if new <= 0:
             return
+        n_heads, d = self.reprs.shape[3:]
+        self._reserve(0, n_full, n_heads, seq.past.device)
         start = self.tracked_from(mem)
-        n_heads, d = mem.reprs.shape[1:]
         keys = self.cache.k[layer][seq.past[start:start + new * bs]].float()  # [new * bs, n_kv, d]
         keys = keys.repeat_interleave(n_heads // keys.shape[1], dim=1).view(new, bs, n_heads, d)
-        top = mem.scores[:new * bs].view(new, bs, n_heads).topk(self.repr_keys, dim=1).indices  # [new, r, H]
+        ring = self.mass[row, layer]
+        scores = torch.cat([ring[entries] for entries, _ in self.ring_spans(start, start + new * bs)])
+        top = scores.view(new, bs, n_heads).topk(self.repr_keys, dim=1).indices  # [new, r, H]
         chosen = keys.gather(1, top[..., None].expand(-1, -1, -1, d))  # [new, r, H, d]
-        mem.reprs = torch.cat([mem.reprs, chosen.mean(dim=1)])
-        mem.scores = mem.scores[new * bs:]
+        self.reprs[row, layer, mem.closed:n_full] = chosen.mean(dim=1)
+        mem.closed = n_full
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         mem = self._memory[seq.id][layer]
         n_full = middle.numel() // self.block_size
         self.close_blocks(layer, seq, mem, n_full)
-        scores = mem.reprs.flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
+        reprs = self.reprs[self._rows[seq.id], layer, :n_full]
+        scores = reprs.flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
         blocks = self.kernels.topk(scores, self.n_blocks)
         offsets = arange(self.block_size, middle.device)
         tokens = (blocks[:, None] * self.block_size + offsets[None, :]).flatten()
@@ -148,5 +210,95 @@ class InfLLM(SelectivePolicy):
         index = arange(self.n_local + c, dev)
         return torch.cat([at_zero, index[:self.n_local]]), index[self.n_local:]
 
+    def representatives(self, seq_id: int, layer: int) -> torch.Tensor:
+        """The representatives of a sequence's closed blocks in one layer: [blocks, H, d] fp32."""
+        return self.reprs[self._rows[seq_id], layer, :self._memory[seq_id][layer].closed]
+
     def release(self, seq_id: int) -> None:
         self._memory.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
+
+    # ---- decode steps as one graph ----------------------------------------------------------------
+
+    def graph_ready(self, t: int) -> bool:
+        """Past the selection threshold, where every step selects blocks (any position scheme)."""
+        return t > self.n_init + self.budget + self.n_local
+
+    def graph_row(self, seq: SeqView, capacity: int, query_size: int) -> int:
+        """Bring the sequence's memory up to the decode step about to run, on the host: count the last eager
+        chunk's attention, give the blocks that have left the window their representatives, and make room for
+        the blocks of ``capacity`` tokens. The step starts its own token's ring entry itself."""
+        t, dev = seq.past.numel(), seq.past.device
+        n_heads = query_size // self.cache.k.shape[-1]
+        for layer in range(self.n_layers):
+            mem = self.memory(layer, seq.id, n_heads, dev)
+            if mem.pending is not None:
+                self.count_attention(layer, seq, mem)
+            self.track(layer, seq.id, mem, t)
+            self.close_blocks(layer, seq, mem, (t - self.n_init - self.n_local) // self.block_size)
+            mem.tracked = t + 1
+        self._reserve(0, capacity // self.block_size, n_heads, dev)
+        return self._rows[seq.id]
+
+    def graph_reads(self) -> tuple[torch.Tensor, ...]:
+        return () if self.reprs is None else (self.reprs,)
+
+    def graph_state(self) -> tuple[torch.Tensor, ...]:
+        return () if self.mass is None else (self.mass,)
+
+    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
+        """A decode step's list on the device: [own | sinks | the chosen blocks | the tail], n_valid of it live.
+        The tail is the remainder and the window, the table from the first token after the closed blocks to the
+        step's, read at its longest (n_local + block_size - 1 entries; those past the length are not live). The
+        own token comes first, where the list's length does not move it (one query sees every live entry).
+        Every layer writes its choice of blocks into one list, and counts its query's attention on the window
+        into its ring (the own token's entry written, the others' added to)."""
+        n_init, n_local, bs, nb, ring = self.n_init, self.n_local, self.block_size, self.n_blocks, self.ring
+        dev, n_heads, size = q.device, q.shape[1], self.reprs.shape[2]
+        chosen = slice(1 + n_init, 1 + n_init + nb * bs)
+        tail = arange(n_local + bs - 1, dev)
+        # what the layers share: the list and its positions, the tail's tokens and which of them are in the window
+        n_full = seq.once("infllm closed blocks", lambda: (seq.length - (n_init + n_local)) // bs)
+        tail_tokens = seq.once("infllm tail tokens", lambda: n_init + n_full * bs + tail)
+        slots = seq.once("infllm list", lambda: torch.cat([
+            own, seq.table[:n_init], own.new_zeros(nb * bs),
+            seq.table[tail_tokens.clamp(max=seq.table.numel() - 1)]]))
+        n_valid = seq.once("infllm live", lambda: seq.length - n_full * bs + 1 + nb * bs)
+        dead = seq.once("infllm dead", lambda: arange(slots.numel(), dev) >= n_valid)
+        key_pos = seq.once("infllm positions", lambda: self.graph_positions(seq, n_full, tail))
+        windowed = seq.once("infllm windowed", lambda: (
+            (seq.length - tail_tokens >= 1) & (seq.length - tail_tokens < n_local)).float()[:, None])
+        tail_ring = seq.once("infllm tail ring", lambda: tail_tokens % ring)
+        own_ring = seq.once("infllm own ring", lambda: (seq.length % ring).view(1))
+
+        # the blocks: scored against this sequence's representatives, read in place at its row
+        first = seq.row * (self.n_layers * size) + layer * size
+        scores = self.kernels.block_scores(self.reprs.view(-1, n_heads * q.shape[2]), first,
+                                           seq.table.numel() // bs, q[0].float().flatten(), n_full)
+        blocks = self.kernels.topk(scores, nb, n_full)
+        tokens = (blocks[:, None] * bs + arange(bs, dev)[None, :]).flatten() + n_init
+        torch.index_select(seq.table, 0, tokens, out=slots[chosen])
+        if self.positions == "original":
+            key_pos[chosen].copy_(tokens)
+
+        # the attention each window token receives from this query (what count_attention adds on the host)
+        logits = self.kernels.paged_dot(q[0], self.cache.k[layer], slots).mul_(1.0 / math.sqrt(q.shape[-1]))
+        p = torch.softmax(logits.masked_fill_(dead, float("-inf")), dim=1)  # [H, n]
+        base = (seq.row * self.n_layers + layer) * ring
+        mass = self.mass.view(-1, n_heads)
+        mass.index_copy_(0, base + own_ring, p[:, :1].T)
+        mass.index_add_(0, base + tail_ring, p[:, chosen.stop:].T * windowed)
+        return GraphList(slots, key_pos, key_pos[:1], n_valid)
+
+    def graph_positions(self, seq: GraphSeq, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """The positions of [own | sinks | chosen | tail] (the chosen blocks' are written by each layer with
+        "original"), as ``place`` gives them to the eager plan's [sinks | chosen | remainder | window]."""
+        n_init, n_local, bs, dev = self.n_init, self.n_local, self.block_size, tail.device
+        memory = n_init + self.n_blocks * bs
+        tail_len = seq.length - n_init - n_full * bs  # the remainder and the window
+        if self.positions == "fixed":  # the memory (the remainder too) at 0, the window at 0..n_local-1
+            return torch.cat([arange(n_local + 1, dev)[n_local:], torch.zeros(memory, dtype=torch.int64, device=dev),
+                              (tail - (tail_len - n_local)).clamp(min=0)])
+        if self.positions == "reindex":
+            return torch.cat([(memory + tail_len).view(1), arange(memory, dev), memory + tail])
+        return torch.cat([seq.length.view(1), arange(memory, dev), n_init + n_full * bs + tail])

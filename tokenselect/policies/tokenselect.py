@@ -95,8 +95,8 @@ class TokenSelect(SelectivePolicy):
         else:
             sc.update(seq.row, layer, query, self.choose(query, keys, middle, live * miss, middle), miss, out)
 
-    def graph_row(self, seq_id: int, query_size: int, device: torch.device) -> int:
-        return self.selection_cache.row(seq_id, query_size, device)
+    def graph_row(self, seq: SeqView, capacity: int, query_size: int) -> int:
+        return self.selection_cache.row(seq.id, query_size, seq.past.device)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         sc = self.selection_cache
