@@ -128,8 +128,9 @@ class InfLLM(SelectivePolicy):
             raise RuntimeError(f"InfLLM's local-score ring of {self.ring} tokens cannot hold tokens "
                                f"{self.tracked_from(mem)}..{upto - 1}: a prefill chunk larger than the policy's "
                                f"chunk setting?")
+        ring = self.mass[self._rows[seq_id], layer]
         for entries, _ in self.ring_spans(mem.tracked, upto):
-            self.mass[self._rows[seq_id], layer, entries] = 0
+            ring[entries].zero_()
         mem.tracked = upto
 
     def tracked_from(self, mem: Memory) -> int:
@@ -169,7 +170,7 @@ class InfLLM(SelectivePolicy):
         mass = self.kernels.window_mass(q, self.cache.k[layer], attended, c, t0, lo, self.n_local, scale)
         ring = self.mass[self._rows[seq.id], layer]
         for entries, part in self.ring_spans(lo, t):
-            ring[entries] += mass[part]
+            ring[entries].add_(mass[part])
 
     def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
         """Give representatives to the blocks mem.closed..n_full-1 of the middle."""
@@ -182,10 +183,11 @@ class InfLLM(SelectivePolicy):
         keys = self.cache.k[layer][seq.past[start:start + new * bs]].float()  # [new * bs, n_kv, d]
         keys = keys.repeat_interleave(n_heads // keys.shape[1], dim=1).view(new, bs, n_heads, d)
         ring = self.mass[row, layer]
-        scores = torch.cat([ring[entries] for entries, _ in self.ring_spans(start, start + new * bs)])
+        parts = [ring[entries] for entries, _ in self.ring_spans(start, start + new * bs)]
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts)
         top = scores.view(new, bs, n_heads).topk(self.repr_keys, dim=1).indices  # [new, r, H]
         chosen = keys.gather(1, top[..., None].expand(-1, -1, -1, d))  # [new, r, H, d]
-        self.reprs[row, layer, mem.closed:n_full] = chosen.mean(dim=1)
+        torch.mean(chosen, dim=1, out=self.reprs[row, layer, mem.closed:n_full])
         mem.closed = n_full
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
