@@ -45,14 +45,19 @@ BLOCK_GRAIN = 1024  # the representatives' room grows in this many blocks
 
 @dataclass
 class Memory:
-    """What the host knows of one sequence's memory in one layer (the values are in the policy's device state).
+    """One sequence's memory in one layer: its row of the policy's device state, as views, and what the host
+    knows of it.
 
-    closed: the blocks that have representatives, ``reprs[row, layer, :closed]``.
-    tracked: tokens up to here have an entry in the ring ``mass[row, layer]`` (zeroed when the token came).
+    reprs: [blocks, H, d] the representatives (``InfLLM.reprs[row, layer]``); closed: how many blocks have one.
+    ring: [ring, H] the local scores (``InfLLM.mass[row, layer]``); tracked: tokens up to here have an entry
+        (zeroed when the token came).
     pending: the last chunk's queries [c, H, d], the context slots it attended [n] and its first token index,
         until their attention weights are counted.
     """
 
+    row: int
+    reprs: torch.Tensor
+    ring: torch.Tensor
     closed: int
     tracked: int
     pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -80,7 +85,6 @@ class InfLLM(SelectivePolicy):
         self.ring = self.budget + n_local + 2 * (chunk + block_size)
         self.reprs: torch.Tensor | None = None  # [rows, layers, blocks, H, d] fp32
         self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32
-        self._rows: dict[int, int] = {}  # sequence id -> row
         self._memory: dict[int, list[Memory]] = {}  # sequence id -> per layer
 
     # ---- device state ---------------------------------------------------------------------------
@@ -88,15 +92,17 @@ class InfLLM(SelectivePolicy):
     def memory(self, layer: int, seq_id: int, n_heads: int, device: torch.device) -> Memory:
         """The layer's memory of sequence ``seq_id``, with a row of device state (allocated on first use)."""
         if seq_id not in self._memory:
-            taken = set(self._rows.values())
-            row = self._rows[seq_id] = next(r for r in range(len(taken) + 1) if r not in taken)
+            taken = {mems[0].row for mems in self._memory.values()}
+            row = next(r for r in range(len(taken) + 1) if r not in taken)
             self._reserve(row + 1, 0, n_heads, device)
-            self._memory[seq_id] = [Memory(0, self.n_init) for _ in range(self.n_layers)]
+            self._memory[seq_id] = [Memory(row, self.reprs[row, layer], self.mass[row, layer], 0, self.n_init)
+                                    for layer in range(self.n_layers)]
         return self._memory[seq_id][layer]
 
     def _reserve(self, rows: int, blocks: int, n_heads: int, device: torch.device) -> None:
         """Grow the device state to at least ``rows`` rows and ``blocks`` blocks, keeping what it holds (a grown
-        tensor is a new one: a graph recorded with the old one is recorded again, ``graph_reads``)."""
+        tensor is a new one: the memories' views move to it, and a graph recorded with the old one is recorded
+        again, ``graph_reads``)."""
         have = (0, 0) if self.reprs is None else (self.reprs.shape[0], self.reprs.shape[2])
         if rows <= have[0] and blocks <= have[1]:
             return
@@ -108,6 +114,9 @@ class InfLLM(SelectivePolicy):
             reprs[:have[0], :, :have[1]] = self.reprs
             mass[:have[0]] = self.mass
         self.reprs, self.mass = reprs, mass
+        for mems in self._memory.values():
+            for layer, mem in enumerate(mems):
+                mem.reprs, mem.ring = reprs[mem.row, layer], mass[mem.row, layer]
 
     def ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
         """Tokens start..stop-1 in the ring: (ring entries, the same tokens' offsets from start) pieces, at
@@ -120,7 +129,7 @@ class InfLLM(SelectivePolicy):
             t += n
         return spans
 
-    def track(self, layer: int, seq_id: int, mem: Memory, upto: int) -> None:
+    def track(self, mem: Memory, upto: int) -> None:
         """Give the tokens from ``mem.tracked`` to ``upto`` - 1 their (zeroed) ring entries."""
         if upto <= mem.tracked:
             return
@@ -128,9 +137,8 @@ class InfLLM(SelectivePolicy):
             raise RuntimeError(f"InfLLM's local-score ring of {self.ring} tokens cannot hold tokens "
                                f"{self.tracked_from(mem)}..{upto - 1}: a prefill chunk larger than the policy's "
                                f"chunk setting?")
-        ring = self.mass[self._rows[seq_id], layer]
         for entries, _ in self.ring_spans(mem.tracked, upto):
-            ring[entries].zero_()
+            mem.ring[entries].zero_()
         mem.tracked = upto
 
     def tracked_from(self, mem: Memory) -> int:
@@ -144,7 +152,7 @@ class InfLLM(SelectivePolicy):
         if mem.pending is not None:
             self.count_attention(layer, seq, mem)
         t, c = seq.past.numel(), q.shape[0]
-        self.track(layer, seq.id, mem, t)
+        self.track(mem, t)
         plan = super().plan(layer, seq, q)
         whole = plan.slots.numel() == t  # the budget covers the context: attended in order
         if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
@@ -160,7 +168,7 @@ class InfLLM(SelectivePolicy):
         mem.pending = None
         c = q.shape[0]
         t = t0 + c  # the chunk's keys are seq.past[t0:t] now
-        self.track(layer, seq.id, mem, t)
+        self.track(mem, t)
         lo = max(self.tracked_from(mem), t0 - self.n_local + 1)  # oldest tracked key inside some query's window
         if lo >= t:
             return
@@ -168,13 +176,12 @@ class InfLLM(SelectivePolicy):
         attended = torch.cat([context, seq.past[t0:t]])
         scale = 1.0 / math.sqrt(q.shape[-1])
         mass = self.kernels.window_mass(q, self.cache.k[layer], attended, c, t0, lo, self.n_local, scale)
-        ring = self.mass[self._rows[seq.id], layer]
         for entries, part in self.ring_spans(lo, t):
-            ring[entries].add_(mass[part])
+            mem.ring[entries].add_(mass[part])
 
     def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
         """Give representatives to the blocks mem.closed..n_full-1 of the middle."""
-        new, bs, row = n_full - mem.closed, self.block_size, self._rows[seq.id]
+        new, bs = n_full - mem.closed, self.block_size
         if new <= 0:
             return
         n_heads, d = self.reprs.shape[3:]
@@ -182,20 +189,18 @@ class InfLLM(SelectivePolicy):
         start = self.tracked_from(mem)
         keys = self.cache.k[layer][seq.past[start:start + new * bs]].float()  # [new * bs, n_kv, d]
         keys = keys.repeat_interleave(n_heads // keys.shape[1], dim=1).view(new, bs, n_heads, d)
-        ring = self.mass[row, layer]
-        parts = [ring[entries] for entries, _ in self.ring_spans(start, start + new * bs)]
+        parts = [mem.ring[entries] for entries, _ in self.ring_spans(start, start + new * bs)]
         scores = parts[0] if len(parts) == 1 else torch.cat(parts)
         top = scores.view(new, bs, n_heads).topk(self.repr_keys, dim=1).indices  # [new, r, H]
         chosen = keys.gather(1, top[..., None].expand(-1, -1, -1, d))  # [new, r, H, d]
-        torch.mean(chosen, dim=1, out=self.reprs[row, layer, mem.closed:n_full])
+        torch.mean(chosen, dim=1, out=mem.reprs[mem.closed:n_full])
         mem.closed = n_full
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         mem = self._memory[seq.id][layer]
         n_full = middle.numel() // self.block_size
         self.close_blocks(layer, seq, mem, n_full)
-        reprs = self.reprs[self._rows[seq.id], layer, :n_full]
-        scores = reprs.flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
+        scores = mem.reprs[:n_full].flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
         blocks = self.kernels.topk(scores, self.n_blocks)
         offsets = arange(self.block_size, middle.device)
         tokens = (blocks[:, None] * self.block_size + offsets[None, :]).flatten()
@@ -214,11 +219,11 @@ class InfLLM(SelectivePolicy):
 
     def representatives(self, seq_id: int, layer: int) -> torch.Tensor:
         """The representatives of a sequence's closed blocks in one layer: [blocks, H, d] fp32."""
-        return self.reprs[self._rows[seq_id], layer, :self._memory[seq_id][layer].closed]
+        mem = self._memory[seq_id][layer]
+        return mem.reprs[:mem.closed]
 
     def release(self, seq_id: int) -> None:
         self._memory.pop(seq_id, None)
-        self._rows.pop(seq_id, None)
 
     # ---- decode steps as one graph ----------------------------------------------------------------
 
@@ -236,11 +241,11 @@ class InfLLM(SelectivePolicy):
             mem = self.memory(layer, seq.id, n_heads, dev)
             if mem.pending is not None:
                 self.count_attention(layer, seq, mem)
-            self.track(layer, seq.id, mem, t)
+            self.track(mem, t)
             self.close_blocks(layer, seq, mem, (t - self.n_init - self.n_local) // self.block_size)
             mem.tracked = t + 1
         self._reserve(0, capacity // self.block_size, n_heads, dev)
-        return self._rows[seq.id]
+        return self._memory[seq.id][0].row
 
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
         return () if self.reprs is None else (self.reprs,)
