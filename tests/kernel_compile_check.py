@@ -73,7 +73,7 @@ def main() -> None:
     block_scores = mods["block_scores"]
     for masked in (True, False):  # InfLLM's fp32 representatives, a graph's live prefix or all of them
         compile_one("block_scores", "_block_scores_kernel", {
-            "rows_ptr": "*fp32", "first_ptr": i64p, "query_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
+            "rows_ptr": "*fp32", "index_ptr": i64p, "query_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
             "n": i32, "K": i32, "stride_row": i32},
             {"BLOCK_B": block_scores.BLOCK_B, "BLOCK_K": block_scores.BLOCK_K, "MASKED": masked})
     for masked in (True, False):

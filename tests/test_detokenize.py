@@ -57,3 +57,20 @@ def test_empty_stop_strings_are_refused():
         SamplingParams(stop=["ok", ""])
     with pytest.raises(ValueError, match="non-empty"):
         SamplingParams(stop="")
+
+
+def test_a_space_after_special_tokens_is_kept():
+    """A SentencePiece-style decoder drops the leading space of a list's first token. The window that gives the
+    new text its context must not start at a skipped special token (which decodes to nothing), or the space of
+    the word after it is lost. A real tokenizer, built in memory with the tokenizers library."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "\u2581world": 2, "\u2581Hello": 3, "<0xE4>": 4, "<0xB8>": 5, "<0xAD>": 6}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    inner.add_special_tokens([AddedToken("</s>", special=True)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>", unk_token="<unk>")
+    assert tok.decode([3, 2, 1, 3], skip_special_tokens=True) == "Hello world Hello"
+    for ids in ([3, 2, 1, 3, 2], [3, 1, 1, 2], [1, 3, 2, 1, 1, 1, 3]):
+        check_every_step(tok, ids)

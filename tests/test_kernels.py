@@ -246,23 +246,24 @@ def test_selection_update_matches_reference(n, width, dtype):
 @pytest.mark.parametrize("k", [64, 1000, 4096])  # row sizes n_heads * head_dim, one ragged
 @pytest.mark.parametrize("n,live", [(1, None), (7, 3), (1000, None), (1000, 517), (300, 0)])
 def test_block_scores_matches_reference(n, live, k, dtype):
-    """Rows first..first+n-1 of a larger matrix (other sequences' and layers' blocks around them), the rows
-    from the live count on scoring -inf; the reference is the definition, a gather then a product."""
+    """The pool rows an index lists (scattered through a larger pool, some twice), the entries from the live count
+    on scoring -inf whatever their index holds; the reference is the definition, a gather then a product."""
     from tokenselect.kernels.block_scores import block_scores, block_scores_ref
 
     gen = torch.Generator().manual_seed(n * 7 + k)
-    rows = torch.randn(3 * n + 5, k, generator=gen).to(DEVICE, dtype)
+    rows = torch.randn(2 * n + 5, k, generator=gen).to(DEVICE, dtype)
+    index = torch.randint(0, 2 * n + 5, (n,), generator=gen).to(DEVICE)
     query = torch.randn(k, generator=gen).to(DEVICE)
-    first = torch.tensor(n + 2, device=DEVICE)
     n_valid = None if live is None else torch.tensor(live, device=DEVICE)
-    got, want = block_scores(rows, first, n, query, n_valid), block_scores_ref(rows, first, n, query, n_valid)
     live = n if live is None else live
-    direct = rows[n + 2:n + 2 + live].float() @ query.float()
+    index[live:] = 1 << 40  # past the live prefix: never read
+    got, want = block_scores(rows, index, query, n_valid), block_scores_ref(rows, index, query, n_valid)
+    direct = torch.stack([rows[int(i)].float() @ query.float() for i in index[:live]]) if live else want[:0]
     torch.testing.assert_close(want[:live], direct, atol=1e-3, rtol=1e-4)
     assert torch.isneginf(want[live:]).all() and torch.isneginf(got[live:]).all()
     torch.testing.assert_close(got[:live], want[:live], atol=1e-3 * k ** 0.5, rtol=1e-4)
     with pytest.raises(ValueError, match="contiguous rows"):
-        block_scores(rows.T, first, n, query)
+        block_scores(rows.T, index, query)
 
 
 def test_paged_dot_reference_is_the_definition():
@@ -571,7 +572,7 @@ def test_infllm_counts_the_same_with_either_kernel_set():
         assert torch.equal(plans[0].slots, plans[1].slots)
     for p in policies:
         p.plan(0, SeqView(0, slots, decode=True), q[:1])  # counts the last chunk
-    ours, ref = (p._memory[0][0] for p in policies)
+    ours, ref = (p._memory[0].layers[0] for p in policies)
     assert ours.closed == ref.closed > 0 and ours.tracked == ref.tracked == t
     torch.testing.assert_close(ours.ring, ref.ring, atol=1e-5, rtol=1e-4)  # the local scores, as the ring holds them
     torch.testing.assert_close(*(p.representatives(0, 0) for p in policies), atol=1e-5, rtol=1e-4)

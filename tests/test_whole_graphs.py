@@ -152,9 +152,72 @@ def test_infllm_graph_decode_equals_the_eager_plan(positions):
         assert closed.shape[0] == (t0 + steps - 4 - 12) // 4 > (t0 - 4 - 12) // 4 + 2  # blocks closed in decode
         torch.testing.assert_close(closed, eager.representatives(3, layer), atol=1e-5, rtol=1e-5)
         # both have counted every query before t0 + steps: the tokens after the closed blocks received the same
-        tracked = torch.arange(graph.tracked_from(graph._memory[3][layer]), t0 + steps) % graph.ring
+        tracked = torch.arange(graph.tracked_from(graph._memory[3].layers[layer]), t0 + steps) % graph.ring
         torch.testing.assert_close(graph.mass[0, layer, tracked], eager.mass[0, layer, tracked])
         assert tracked.numel() >= 12 and (graph.mass[0, layer, tracked].sum(dim=1) > 0).all()
+
+
+def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
+    """Sequences come and go while others decode, steps alternate between graphs and the eager path: every step
+    attends what the eager policy attends; a new sequence takes the rows and the pool blocks a finished one gave
+    back; the pool holds no more blocks than the live sequences have."""
+    torch.manual_seed(8)
+    layers, n_heads, d, capacity = 2, 4, 16, 200
+    cache = KVCache(layers, 1000, 2, d, torch.float32, torch.device("cpu"))
+    settings = dict(window=1000, chunk=10, k=8, n_init=4, n_local=12, block_size=4, repr_keys=2)
+    eager, graph = InfLLM(cache, TORCH, **settings), InfLLM(cache, TORCH, **settings)
+
+    def sequence(seq_id: int, prompt: int) -> list:
+        slots = cache.allocate(150)[torch.randperm(150)]
+        for layer in range(layers):
+            cache.write(layer, slots, torch.randn(150, 2, d), torch.randn(150, 2, d))
+        for t in range(0, prompt, 10):
+            q = torch.randn(10, n_heads, d)
+            for policy in (eager, graph):
+                for layer in range(layers):
+                    policy.plan(layer, SeqView(seq_id, slots[:t], decode=False), q)
+        return [seq_id, slots, prompt]
+
+    def step(live: list, as_graph: bool) -> None:
+        table = {seq_id: torch.cat([slots, slots[:1].repeat(capacity - 150)]) for seq_id, slots, _ in live}
+        seqs = [GraphSeq(table[seq_id], torch.tensor(t), torch.tensor(graph.graph_row(
+            SeqView(seq_id, slots[:t], decode=True), capacity, n_heads * d)), decode=True)
+            for seq_id, slots, t in live] if as_graph else None
+        for layer in range(layers):
+            for i, (seq_id, slots, t) in enumerate(live):
+                q = torch.randn(1, n_heads, d)
+                want = eager.plan(layer, SeqView(seq_id, slots[:t], decode=True), q)
+                if as_graph:
+                    got = graph.graph_list(layer, seqs[i], q, slots[t:t + 1])
+                    n = int(got.n_valid)
+                    assert sorted(zip(got.slots[:n].tolist(), got.key_pos[:n].tolist())) == sorted(
+                        zip(torch.cat([want.slots, slots[t:t + 1]]).tolist(),
+                            torch.cat([want.positions, want.q_positions]).tolist()))
+                else:
+                    assert torch.equal(graph.plan(layer, SeqView(seq_id, slots[:t], decode=True), q).slots,
+                                       want.slots)
+        for entry in live:
+            entry[2] += 1
+
+    a = sequence(0, 70)
+    for _ in range(6):
+        step([a], as_graph=True)
+    b = sequence(1, 60)  # a second row
+    for i in range(10):
+        step([a, b], as_graph=i % 3 > 0)
+    a_blocks = list(graph._memory[0].blocks)
+    for policy in (eager, graph):
+        policy.release(0)
+    c = sequence(2, 80)
+    assert graph._memory[2].row == 0 and set(graph._memory[2].blocks) <= set(a_blocks)  # what A gave back
+    for i in range(30):
+        step([c, b], as_graph=i % 4 > 0)
+    for seq_id in (1, 2):
+        for layer in range(layers):
+            torch.testing.assert_close(graph.representatives(seq_id, layer), eager.representatives(seq_id, layer))
+    held = sum(len(m.blocks) for m in graph._memory.values())
+    assert held == sum((t - 1 - 4 - 12) // 4 for _, _, t in (b, c))  # the blocks closed by each one's last step
+    assert graph.reprs.shape[1] <= max(256, held)  # the pool: no more than the live blocks (or its first size)
 
 
 def test_every_layer_of_a_step_shares_one_list_assembled_once():

@@ -2,9 +2,10 @@
 
 Decoding the whole output at every token would make a long generation quadratic (at 4K generated tokens
 a full decode takes longer than a small model's step). ``IncrementalText`` decodes only the tokens since
-the text last ended on a whole character, together with the token before them: a tokenizer that treats
+the text last grew by whole characters, together with the tokens that grew it then: a tokenizer that treats
 a list's first token specially (a dropped leading space) treats it the same in both decodes whose
-difference is the new text. The result is the whole list's decode for tokenizers whose decoding is local
+difference is the new text. Tokens that add no text (special ones, skipped) do not move that window, so a
+space after them is not lost to a first-token rule. The result is the whole list's decode for tokenizers whose decoding is local
 (byte-level BPE, SentencePiece: the decoders of causal LMs); a WordPiece tokenizer's clean-up of spaces around
 punctuation that spans the window's start is the known exception (vLLM's detokenizer shares it).
 """
@@ -37,7 +38,8 @@ class IncrementalText:
         """ids: every token so far, the previous call's followed by new ones. Returns the text now."""
         before = self._decode(ids[self._start:self._end])
         after = self._decode(ids[self._start:])
-        self.text = self.text[:self.stable] + after[len(before):]
-        if not self.text.endswith(REPLACEMENT):
+        new = after[len(before):]
+        self.text = self.text[:self.stable] + new
+        if new and not self.text.endswith(REPLACEMENT):
             self.stable, self._start, self._end = len(self.text), self._end, len(ids)
         return self.text

@@ -21,11 +21,13 @@ true distances. While the budget still covers the whole context and it fits the 
 its own positions, the plan is plain full attention; past the window the fixed scheme applies to it
 too. ``"reindex"`` and ``"original"`` as for the other policies.
 
-The memory lives on the device, one row per sequence (``reprs``: the representatives of every layer's
-blocks; ``mass``: the attention received by the tokens not yet in a finished block, a ring indexed by token
-index), so that a decode step can also run as one CUDA graph (``graph_list``): there the step counts its
-own query's attention at once, and the blocks that leave the window are given their representatives on the
-host before the step is launched (``graph_row``), one block every ``block_size`` steps.
+The memory lives on the device, so that a decode step can also run as one CUDA graph (``graph_list``):
+the representatives in a pool of blocks shared by all sequences (``reprs``; a sequence's closed blocks are
+rows of it, listed in its row of ``table``, as the KV pool's slots are listed in a slot table), and, a row per
+sequence, the attention received by the tokens not yet in a closed block (``mass``, a ring indexed by token
+index). A graph step counts its own query's attention at once; the blocks that leave the window are given
+their representatives on the host before the step is launched (``graph_row``), one block every
+``block_size`` steps.
 """
 
 from __future__ import annotations
@@ -37,30 +39,37 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
+from ..transfer import arange, to_device
 from .base import GraphList, GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
 
-BLOCK_GRAIN = 1024  # the representatives' room grows in this many blocks
+POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
 
 
 @dataclass
 class Memory:
-    """One sequence's memory in one layer: its row of the policy's device state, as views, and what the host
-    knows of it.
+    """One sequence's memory in one layer, and what the host knows of it.
 
-    reprs: [blocks, H, d] the representatives (``InfLLM.reprs[row, layer]``); closed: how many blocks have one.
-    ring: [ring, H] the local scores (``InfLLM.mass[row, layer]``); tracked: tokens up to here have an entry
-        (zeroed when the token came).
+    ring: [ring, H] the local scores (a view of ``InfLLM.mass[row, layer]``); tracked: tokens up to here have an
+        entry (zeroed when the token came).
+    closed: how many of the sequence's blocks have a representative in this layer.
     pending: the last chunk's queries [c, H, d], the context slots it attended [n] and its first token index,
         until their attention weights are counted.
     """
 
-    row: int
-    reprs: torch.Tensor
     ring: torch.Tensor
     closed: int
     tracked: int
     pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+
+@dataclass
+class SequenceMemory:
+    """row: the sequence's row of ``InfLLM.mass`` and ``InfLLM.table``; blocks: the pool blocks holding its
+    closed blocks' representatives, in order (``table[row, :len(blocks)]`` on the device); layers: per layer."""
+
+    row: int
+    blocks: list[int]
+    layers: list[Memory]
 
 
 class InfLLM(SelectivePolicy):
@@ -71,8 +80,9 @@ class InfLLM(SelectivePolicy):
     def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, k: int = 4096,
                  n_init: int = 128, n_local: int = 4096, block_size: int = 128, repr_keys: int = 4,
                  positions: str = "fixed"):
-        if block_size < 1 or repr_keys < 1:
-            raise ValueError("block_size and repr_keys must be >= 1")
+        if block_size < 1 or repr_keys < 1 or n_local < 1:
+            raise ValueError("InfLLM's block_size, repr_keys and n_local must be >= 1 (its representatives come from "
+                             "the attention tokens receive inside the local window)")
         self.n_blocks = k // block_size
         # at most n_blocks blocks + a remainder shorter than a block
         super().__init__(cache, kernels, n_init=n_init, n_local=n_local,
@@ -83,40 +93,67 @@ class InfLLM(SelectivePolicy):
         # the ring holds every token not yet in a closed block: before the first selection the whole context past
         # the sinks (at most budget + n_local, then a chunk), later the window, a block and the chunks around it
         self.ring = self.budget + n_local + 2 * (chunk + block_size)
-        self.reprs: torch.Tensor | None = None  # [rows, layers, blocks, H, d] fp32
-        self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32
-        self._memory: dict[int, list[Memory]] = {}  # sequence id -> per layer
+        self.reprs: torch.Tensor | None = None  # [layers, pool blocks, H, d] fp32: the representatives
+        self.free: list[int] = []  # pool blocks no sequence holds
+        self.table: torch.Tensor | None = None  # [rows, blocks] int64: each sequence's pool blocks, in order
+        self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32: the local scores
+        self._memory: dict[int, SequenceMemory] = {}  # sequence id -> its memory
 
     # ---- device state ---------------------------------------------------------------------------
 
     def memory(self, layer: int, seq_id: int, n_heads: int, device: torch.device) -> Memory:
-        """The layer's memory of sequence ``seq_id``, with a row of device state (allocated on first use)."""
+        """The layer's memory of sequence ``seq_id``, with a row of device state (taken on first use)."""
         if seq_id not in self._memory:
-            taken = {mems[0].row for mems in self._memory.values()}
+            taken = {seq.row for seq in self._memory.values()}
             row = next(r for r in range(len(taken) + 1) if r not in taken)
-            self._reserve(row + 1, 0, n_heads, device)
-            self._memory[seq_id] = [Memory(row, self.reprs[row, layer], self.mass[row, layer], 0, self.n_init)
-                                    for layer in range(self.n_layers)]
-        return self._memory[seq_id][layer]
+            self._reserve_rows(row + 1, n_heads, device)
+            self._memory[seq_id] = SequenceMemory(row, [], [Memory(self.mass[row, layer], 0, self.n_init)
+                                                            for layer in range(self.n_layers)])
+        return self._memory[seq_id].layers[layer]
 
-    def _reserve(self, rows: int, blocks: int, n_heads: int, device: torch.device) -> None:
-        """Grow the device state to at least ``rows`` rows and ``blocks`` blocks, keeping what it holds (a grown
-        tensor is a new one: the memories' views move to it, and a graph recorded with the old one is recorded
-        again, ``graph_reads``)."""
-        have = (0, 0) if self.reprs is None else (self.reprs.shape[0], self.reprs.shape[2])
-        if rows <= have[0] and blocks <= have[1]:
+    def _reserve_rows(self, rows: int, n_heads: int, device: torch.device) -> None:
+        """At least ``rows`` rows of the per-sequence state (the ring and the block table), keeping what they hold
+        (grown tensors are new ones: the memories' views move to them, and a graph recorded with the old ones is
+        recorded again, ``graph_reads``)."""
+        have = 0 if self.mass is None else self.mass.shape[0]
+        if rows <= have:
             return
-        rows = max(rows, 2 * have[0]) if rows > have[0] else have[0]
-        blocks = max(-(-blocks // BLOCK_GRAIN) * BLOCK_GRAIN, have[1])
-        reprs = torch.zeros(rows, self.n_layers, blocks, n_heads, self.cache.k.shape[-1], device=device)
+        rows = max(rows, 2 * have)
         mass = torch.zeros(rows, self.n_layers, self.ring, n_heads, device=device)
-        if self.reprs is not None:
-            reprs[:have[0], :, :have[1]] = self.reprs
-            mass[:have[0]] = self.mass
-        self.reprs, self.mass = reprs, mass
-        for mems in self._memory.values():
-            for layer, mem in enumerate(mems):
-                mem.reprs, mem.ring = reprs[mem.row, layer], mass[mem.row, layer]
+        table = torch.zeros(rows, 0 if self.table is None else self.table.shape[1], dtype=torch.int64, device=device)
+        if have:
+            mass[:have], table[:have] = self.mass, self.table
+        self.mass, self.table = mass, table
+        for seq in self._memory.values():
+            for layer, mem in enumerate(seq.layers):
+                mem.ring = mass[seq.row, layer]
+        if self.reprs is None:
+            self.reprs = torch.zeros(self.n_layers, 0, n_heads, self.cache.k.shape[-1], device=device)
+
+    def _reserve_table(self, n: int) -> None:
+        """Room for ``n`` blocks in every row of the block table."""
+        if self.table.shape[1] < n:
+            wider = torch.zeros(self.table.shape[0], max(n, 2 * self.table.shape[1]), dtype=torch.int64,
+                                device=self.table.device)
+            wider[:, :self.table.shape[1]] = self.table
+            self.table = wider
+
+    def _reserve_blocks(self, seq: SequenceMemory, n: int) -> None:
+        """Give the sequence pool blocks for its first ``n`` blocks."""
+        self._reserve_table(n)
+        new = n - len(seq.blocks)
+        if new <= 0:
+            return
+        if len(self.free) < new:  # grow the pool, keeping what it holds
+            have = self.reprs.shape[1]
+            size = max(have + new - len(self.free), int(have * POOL_GROWTH), 256)
+            reprs = self.reprs.new_zeros(self.n_layers, size, *self.reprs.shape[2:])
+            reprs[:, :have] = self.reprs
+            self.reprs = reprs
+            self.free.extend(range(size - 1, have - 1, -1))
+        taken = [self.free.pop() for _ in range(new)]
+        self.table[seq.row, len(seq.blocks):n] = to_device(taken, self.table.device)
+        seq.blocks.extend(taken)
 
     def ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
         """Tokens start..stop-1 in the ring: (ring entries, the same tokens' offsets from start) pieces, at
@@ -180,12 +217,13 @@ class InfLLM(SelectivePolicy):
             mem.ring[entries].add_(mass[part])
 
     def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
-        """Give representatives to the blocks mem.closed..n_full-1 of the middle."""
+        """Give representatives to the blocks mem.closed..n_full-1 of the middle, in this layer."""
         new, bs = n_full - mem.closed, self.block_size
         if new <= 0:
             return
-        n_heads, d = self.reprs.shape[3:]
-        self._reserve(0, n_full, n_heads, seq.past.device)
+        memory = self._memory[seq.id]
+        self._reserve_blocks(memory, n_full)
+        n_heads, d = self.reprs.shape[2:]
         start = self.tracked_from(mem)
         keys = self.cache.k[layer][seq.past[start:start + new * bs]].float()  # [new * bs, n_kv, d]
         keys = keys.repeat_interleave(n_heads // keys.shape[1], dim=1).view(new, bs, n_heads, d)
@@ -193,14 +231,16 @@ class InfLLM(SelectivePolicy):
         scores = parts[0] if len(parts) == 1 else torch.cat(parts)
         top = scores.view(new, bs, n_heads).topk(self.repr_keys, dim=1).indices  # [new, r, H]
         chosen = keys.gather(1, top[..., None].expand(-1, -1, -1, d))  # [new, r, H, d]
-        torch.mean(chosen, dim=1, out=mem.reprs[mem.closed:n_full])
+        self.reprs[layer].index_copy_(0, self.table[memory.row, mem.closed:n_full], chosen.mean(dim=1))
         mem.closed = n_full
 
     def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        mem = self._memory[seq.id][layer]
+        memory = self._memory[seq.id]
         n_full = middle.numel() // self.block_size
-        self.close_blocks(layer, seq, mem, n_full)
-        scores = mem.reprs[:n_full].flatten(1) @ selection_query(q).flatten()  # [n_full]: sum_h <q_h, repr[b, h]>
+        self.close_blocks(layer, seq, memory.layers[layer], n_full)
+        # sum_h <q_h, repr[b, h]> for the sequence's closed blocks, read where the pool holds them
+        scores = self.kernels.block_scores(self.reprs[layer].flatten(1), self.table[memory.row, :n_full],
+                                           selection_query(q).flatten())
         blocks = self.kernels.topk(scores, self.n_blocks)
         offsets = arange(self.block_size, middle.device)
         tokens = (blocks[:, None] * self.block_size + offsets[None, :]).flatten()
@@ -219,11 +259,13 @@ class InfLLM(SelectivePolicy):
 
     def representatives(self, seq_id: int, layer: int) -> torch.Tensor:
         """The representatives of a sequence's closed blocks in one layer: [blocks, H, d] fp32."""
-        mem = self._memory[seq_id][layer]
-        return mem.reprs[:mem.closed]
+        memory = self._memory[seq_id]
+        return self.reprs[layer, memory.blocks[:memory.layers[layer].closed]]
 
     def release(self, seq_id: int) -> None:
-        self._memory.pop(seq_id, None)
+        memory = self._memory.pop(seq_id, None)
+        if memory is not None:
+            self.free.extend(reversed(memory.blocks))
 
     # ---- decode steps as one graph ----------------------------------------------------------------
 
@@ -244,11 +286,11 @@ class InfLLM(SelectivePolicy):
             self.track(mem, t)
             self.close_blocks(layer, seq, mem, (t - self.n_init - self.n_local) // self.block_size)
             mem.tracked = t + 1
-        self._reserve(0, capacity // self.block_size, n_heads, dev)
-        return self._memory[seq.id][0].row
+        self._reserve_table(capacity // self.block_size)
+        return self._memory[seq.id].row
 
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
-        return () if self.reprs is None else (self.reprs,)
+        return () if self.reprs is None else (self.reprs, self.table)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         return () if self.mass is None else (self.mass,)
@@ -261,7 +303,7 @@ class InfLLM(SelectivePolicy):
         Every layer writes its choice of blocks into one list, and counts its query's attention on the window
         into its ring (the own token's entry written, the others' added to)."""
         n_init, n_local, bs, nb, ring = self.n_init, self.n_local, self.block_size, self.n_blocks, self.ring
-        dev, n_heads, size = q.device, q.shape[1], self.reprs.shape[2]
+        dev, n_heads = q.device, q.shape[1]
         chosen = slice(1 + n_init, 1 + n_init + nb * bs)
         tail = arange(n_local + bs - 1, dev)
         # what the layers share: the list and its positions, the tail's tokens and which of them are in the window
@@ -277,11 +319,10 @@ class InfLLM(SelectivePolicy):
             (seq.length - tail_tokens >= 1) & (seq.length - tail_tokens < n_local)).float()[:, None])
         tail_ring = seq.once("infllm tail ring", lambda: tail_tokens % ring)
         own_ring = seq.once("infllm own ring", lambda: (seq.length % ring).view(1))
+        pool_blocks = seq.once("infllm pool blocks", lambda: self.table[seq.row, :seq.table.numel() // bs])
 
-        # the blocks: scored against this sequence's representatives, read in place at its row
-        first = seq.row * (self.n_layers * size) + layer * size
-        scores = self.kernels.block_scores(self.reprs.view(-1, n_heads * q.shape[2]), first,
-                                           seq.table.numel() // bs, q[0].float().flatten(), n_full)
+        # the blocks: scored against this sequence's representatives, read where the pool holds them
+        scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, q[0].float().flatten(), n_full)
         blocks = self.kernels.topk(scores, nb, n_full)
         tokens = (blocks[:, None] * bs + arange(bs, dev)[None, :]).flatten() + n_init
         torch.index_select(seq.table, 0, tokens, out=slots[chosen])
