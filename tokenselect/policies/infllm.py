@@ -319,7 +319,9 @@ class InfLLM(SelectivePolicy):
             (seq.length - tail_tokens >= 1) & (seq.length - tail_tokens < n_local)).float()[:, None])
         tail_ring = seq.once("infllm tail ring", lambda: tail_tokens % ring)
         own_ring = seq.once("infllm own ring", lambda: (seq.length % ring).view(1))
-        pool_blocks = seq.once("infllm pool blocks", lambda: self.table[seq.row, :seq.table.numel() // bs])
+        # the sequence's row of the block table (index_select: indexing by a device scalar would read it on the host)
+        pool_blocks = seq.once("infllm pool blocks", lambda: self.table[:, :seq.table.numel() // bs].index_select(
+            0, seq.row.view(1))[0])
 
         # the blocks: scored against this sequence's representatives, read where the pool holds them
         scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, q[0].float().flatten(), n_full)
