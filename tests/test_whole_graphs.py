@@ -220,6 +220,22 @@ def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
     assert graph.reprs.shape[1] <= max(256, held)  # the pool: no more than the live blocks (or its first size)
 
 
+def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
+    """The record check compares the replay's change of the policy's state with the eager step's: a ring entry
+    the replay put in the wrong place is caught although it is tiny beside the ring's norm; integer state
+    must match exactly; rounding passes."""
+    before = [torch.rand(64, 32) * 50, torch.tensor([3, 4])]
+    eager = [before[0].clone(), before[1] + torch.tensor([0, 1])]
+    eager[0][7] += 0.3
+    replay = [eager[0] + 1e-7, eager[1].clone()]
+    assert whole_graphs._same_change(replay, before, eager)
+    wrong = [before[0].clone(), eager[1].clone()]
+    wrong[0][8] += 0.3  # the same mass, one entry off
+    assert whole_graphs._same(wrong[0], eager[0])  # the whole tensors alone would not tell
+    assert not whole_graphs._same_change(wrong, before, eager)
+    assert not whole_graphs._same_change([eager[0].clone(), before[1].clone()], before, eager)  # a count missed
+
+
 def test_every_layer_of_a_step_shares_one_list_assembled_once():
     """A step's GraphSeq serves all its layers: the sinks, the local window and the step's own slots are put in
     one list by the first layer's graph list (graph nodes once a step, not once a layer), and each layer

@@ -155,6 +155,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _same_change(state, before, after) -> bool:
+    """Whether the tensors ``state`` went from ``before`` to ``after`` (lists of the same tensors' copies), as
+    ``_same`` judges: integers exactly, floats by what changed, which may be small beside a float state's norm
+    (one step adds to a few entries of InfLLM's ring of every layer and sequence)."""
+    return all(_same(t - old, new - old) if t.is_floating_point() else _same(t, new)
+               for t, old, new in zip(state, before, after))
+
+
 class _GraphStep:
     """The static inputs, the step function and (when capturing) the graph of one kind (decode or
     prefill), batch size, width (tokens per sequence) and capacity."""
@@ -215,10 +223,7 @@ class _GraphStep:
                 self.out = self.forward()
             self.graph.replay()
             failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
-            # what the step changed (a float state's change is small beside its norm: InfLLM's ring)
-            changed = [(t - old, new - old) if t.is_floating_point() else (t, new)
-                       for t, old, new in zip(state, before, after)]
-            if failure is None and not all(_same(a, b) for a, b in changed):
+            if failure is None and not _same_change(state, before, after):
                 failure = "the replay left the policy's state (Selection Cache, InfLLM's ring) unlike the eager step"
         except Exception as err:  # a CUDA error under capture, an op that cannot be captured
             while err.__context__ is not None:  # the capture's end reports only that an op failed before
