@@ -236,6 +236,33 @@ def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
     assert not whole_graphs._same_change([eager[0].clone(), before[1].clone()], before, eager)  # a count missed
 
 
+@pytest.mark.parametrize("name", ["tokenselect", "tokenselect:theta=None", "streaming", "full", "infllm"])
+def test_graph_steps_read_nothing_on_the_host(name):
+    """What a graph step runs (``graph_list``, with the PyTorch reference kernels) never reads a device value on the
+    host, which a CUDA graph capture refuses: on the meta device, where a tensor has no values, any such read
+    raises. (Indexing with a device scalar does read it: InfLLM's first pool layout failed to record on the H100
+    that way.) Decode steps of every graph-ready policy and TokenSelect's prefill chunks."""
+    meta, layers, n_heads, d = torch.device("meta"), 2, 4, 16
+    cache = KVCache(layers, 400, 2, d, torch.float32, meta)
+    slots = cache.allocate(300)
+    sizes = dict(n_init=4, n_local=12)
+    policy = {"tokenselect": lambda: TokenSelect(cache, TORCH, k=16, theta=0.5, **sizes),
+              "tokenselect:theta=None": lambda: TokenSelect(cache, TORCH, k=16, theta=None, **sizes),
+              "streaming": lambda: StreamingLLM(cache, TORCH, **sizes),
+              "full": lambda: FullAttention(cache, TORCH),
+              "infllm": lambda: InfLLM(cache, TORCH, window=1000, chunk=10, k=8, block_size=4, **sizes)}[name]()
+    for t in range(0, 70, 10):  # an eager prompt first (InfLLM's memory, TokenSelect's cache row)
+        for layer in range(layers):
+            policy.plan(layer, SeqView(0, slots[:t], decode=False), torch.randn(10, n_heads, d, device=meta))
+    assert policy.graph_ready(70)
+    for w, decode in ((1, True), (8, False)) if policy.graph_prefill else ((1, True),):
+        row = policy.graph_row(SeqView(0, slots[:70], decode=decode), slots.numel(), n_heads * d)
+        seq = GraphSeq(slots, torch.tensor(70, device=meta), torch.tensor(row, device=meta), decode=decode)
+        for layer in range(layers):
+            got = policy.graph_list(layer, seq, torch.randn(w, n_heads, d, device=meta), slots[70:70 + w])
+            assert got.slots.device == meta and got.q_pos.shape == (w,)
+
+
 def test_every_layer_of_a_step_shares_one_list_assembled_once():
     """A step's GraphSeq serves all its layers: the sinks, the local window and the step's own slots are put in
     one list by the first layer's graph list (graph nodes once a step, not once a layer), and each layer

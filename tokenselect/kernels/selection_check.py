@@ -23,9 +23,10 @@ def selection_check_ref(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor
                         theta: float, counts: torch.Tensor) -> torch.Tensor:
     """q: [n] (any float dtype: computed in fp32); unit: [rows, n_layers, n] fp32; valid: [rows, n_layers] bool;
     row: int64 []; counts: [2] int64 (hits, misses), incremented in place. Returns miss: bool []."""
+    index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
     q = q.float()
-    dot = torch.dot(unit[row, layer], q)
-    miss = ~(valid[row, layer] & (dot >= theta * torch.linalg.vector_norm(q).clamp_min(EPS)))
+    dot = torch.dot(unit[:, layer].index_select(0, index)[0], q)
+    miss = ~(valid[:, layer].index_select(0, index)[0] & (dot >= theta * torch.linalg.vector_norm(q).clamp_min(EPS)))
     counts += torch.stack([~miss, miss])
     return miss
 
