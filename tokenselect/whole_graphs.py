@@ -5,10 +5,10 @@ step. For a policy that can plan on the device alone (``AttentionPolicy.graph_re
 StreamingLLM with positions by index in the list, full attention, InfLLM's decode steps) nothing has to leave
 the GPU once a sequence is past the selection threshold: the attended list has a fixed length (sinks + k
 chosen + local window; InfLLM's has a live prefix) and positions computed on the device; the sequence's slot
-table goes in as a buffer of fixed size with its length as a device scalar. Full attention attends that table itself, at the
-original positions, and the attention kernel reads how much of it is live from the same scalar, so it runs
-here from the first token on (but not with value offload: it would stage the table's whole capacity). Two
-kinds of step run here, each as one graph launch with no host read per layer:
+table goes in as a buffer of fixed size with its length as a device scalar. Full attention attends that table
+itself, at the original positions, and the attention kernel reads how much of it is live from the same scalar,
+so it runs here from the first token on (but not with value offload: it would stage the table's whole
+capacity). Two kinds of step run here, each as one graph launch with no host read per layer:
 
 - decode steps: one token for each of up to MAX_BATCH sequences sharing one policy instance. The
   Selection Cache's decision gates the selection instead of branching: on a hit the vote and the
