@@ -5,9 +5,10 @@ a full decode takes longer than a small model's step). ``IncrementalText`` decod
 the text last grew by whole characters, together with the tokens that grew it then: a tokenizer that treats
 a list's first token specially (a dropped leading space) treats it the same in both decodes whose
 difference is the new text. Tokens that add no text (special ones, skipped) do not move that window, so a
-space after them is not lost to a first-token rule. The result is the whole list's decode for tokenizers whose decoding is local
-(byte-level BPE, SentencePiece: the decoders of causal LMs); a WordPiece tokenizer's clean-up of spaces around
-punctuation that spans the window's start is the known exception (vLLM's detokenizer shares it).
+space after them is not lost to a first-token rule. The result is the whole list's decode for tokenizers
+whose decoding is local (byte-level BPE, SentencePiece: the decoders of causal LMs); a WordPiece tokenizer's
+clean-up of spaces around punctuation that spans the window's start is the known exception (vLLM's
+detokenizer shares it).
 """
 
 from __future__ import annotations
