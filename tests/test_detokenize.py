@@ -72,5 +72,10 @@ def test_a_space_after_special_tokens_is_kept():
     inner.add_special_tokens([AddedToken("</s>", special=True)])
     tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>", unk_token="<unk>")
     assert tok.decode([3, 2, 1, 3], skip_special_tokens=True) == "Hello world Hello"
-    for ids in ([3, 2, 1, 3, 2], [3, 1, 1, 2], [1, 3, 2, 1, 1, 1, 3]):
+    for ids in ([3, 2, 1, 3, 2], [3, 1, 1, 2], [1, 3, 2, 1, 1, 1, 3], [3, 4, 1, 5, 1, 6, 2]):
         check_every_step(tok, ids)
+    text, ids = IncrementalText(tok), [3, 2] + [1] * 3000
+    for n in range(1, len(ids) + 1):  # a long run of end-of-sequence tokens (ignore_eos): the window stays short
+        text.update(ids[:n])
+        assert len(text._context) + len(text._pending) <= 2
+    assert text.update(ids + [3]) == "Hello world Hello"

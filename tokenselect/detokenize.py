@@ -4,8 +4,8 @@ Decoding the whole output at every token would make a long generation quadratic 
 a full decode takes longer than a small model's step). ``IncrementalText`` decodes only the tokens since
 the text last grew by whole characters, together with the tokens that grew it then: a tokenizer that treats
 a list's first token specially (a dropped leading space) treats it the same in both decodes whose
-difference is the new text. Tokens that add no text (special ones, skipped) do not move that window, so a
-space after them is not lost to a first-token rule. The result is the whole list's decode for tokenizers
+difference is the new text. Special tokens (which the decode skips) are left out of that window, so a space
+after them is not lost to a first-token rule, and a run of them costs nothing. The result is the whole list's decode for tokenizers
 whose decoding is local (byte-level BPE, SentencePiece: the decoders of causal LMs); a WordPiece tokenizer's
 clean-up of spaces around punctuation that spans the window's start is the known exception (vLLM's
 detokenizer shares it).
@@ -27,20 +27,20 @@ class IncrementalText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.special = set(tokenizer.all_special_ids)  # decoded to nothing: left out of the window
         self.text = ""
         self.stable = 0
-        self._start = 0  # ids[_start:_end]: the tokens that completed text[:stable] (decoded again for context)
-        self._end = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._seen = 0  # ids taken in so far
+        self._context: list[int] = []  # the tokens that completed text[:stable] (decoded again for context)
+        self._pending: list[int] = []  # the tokens after them
 
     def update(self, ids: list[int]) -> str:
         """ids: every token so far, the previous call's followed by new ones. Returns the text now."""
-        before = self._decode(ids[self._start:self._end])
-        after = self._decode(ids[self._start:])
-        new = after[len(before):]
+        self._pending += [i for i in ids[self._seen:] if i not in self.special]
+        self._seen = len(ids)
+        before = self.tokenizer.decode(self._context, skip_special_tokens=True)
+        new = self.tokenizer.decode(self._context + self._pending, skip_special_tokens=True)[len(before):]
         self.text = self.text[:self.stable] + new
         if new and not self.text.endswith(REPLACEMENT):
-            self.stable, self._start, self._end = len(self.text), self._end, len(ids)
+            self.stable, self._context, self._pending = len(self.text), self._pending, []
         return self.text
