@@ -111,6 +111,15 @@ def test_streaming_graph_plan_equals_the_eager_plan():
     assert torch.equal(got, want.slots)
 
 
+def assert_attends_as(got, want, own: torch.Tensor) -> None:
+    """InfLLM's graph list (a GraphList: [own | sinks | blocks | tail], a live prefix) attends what the eager plan
+    (``want``) attends with the step's own token: the same slots at the same positions, the own token first."""
+    n = int(got.n_valid)
+    assert got.slots[0] == own and got.q_pos.tolist() == want.q_positions.tolist()
+    assert sorted(zip(got.slots[:n].tolist(), got.key_pos[:n].tolist())) == sorted(
+        zip(torch.cat([want.slots, own]).tolist(), torch.cat([want.positions, want.q_positions]).tolist()))
+
+
 @pytest.mark.parametrize("positions", ["fixed", "reindex", "original"])
 def test_infllm_graph_decode_equals_the_eager_plan(positions):
     """After an eager prefill, InfLLM's decode steps planned on the device (two layers, a padded table, blocks
@@ -138,12 +147,7 @@ def test_infllm_graph_decode_equals_the_eager_plan(positions):
         for layer in range(layers):
             q = torch.randn(1, n_heads, d)
             want = eager.plan(layer, SeqView(3, slots[:t], decode=True), q)
-            got = graph.graph_list(layer, seq, q, own)
-            n = int(got.n_valid)
-            assert got.slots[0] == own and got.q_pos.tolist() == want.q_positions.tolist()
-            pairs = sorted(zip(got.slots[:n].tolist(), got.key_pos[:n].tolist()))
-            assert pairs == sorted(zip(torch.cat([want.slots, own]).tolist(),
-                                       torch.cat([want.positions, want.q_positions]).tolist()))
+            assert_attends_as(graph.graph_list(layer, seq, q, own), want, own)
     for layer in range(layers):  # the eager side counts its last step's attention one call later
         eager.plan(layer, SeqView(3, slots[:t0 + steps], decode=True), torch.randn(1, n_heads, d))
     graph.graph_row(SeqView(3, slots[:t0 + steps], decode=True), table.numel(), n_heads * d)
@@ -188,11 +192,7 @@ def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
                 q = torch.randn(1, n_heads, d)
                 want = eager.plan(layer, SeqView(seq_id, slots[:t], decode=True), q)
                 if as_graph:
-                    got = graph.graph_list(layer, seqs[i], q, slots[t:t + 1])
-                    n = int(got.n_valid)
-                    assert sorted(zip(got.slots[:n].tolist(), got.key_pos[:n].tolist())) == sorted(
-                        zip(torch.cat([want.slots, slots[t:t + 1]]).tolist(),
-                            torch.cat([want.positions, want.q_positions]).tolist()))
+                    assert_attends_as(graph.graph_list(layer, seqs[i], q, slots[t:t + 1]), want, slots[t:t + 1])
                 else:
                     assert torch.equal(graph.plan(layer, SeqView(seq_id, slots[:t], decode=True), q).slots,
                                        want.slots)

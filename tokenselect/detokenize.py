@@ -5,10 +5,10 @@ a full decode takes longer than a small model's step). ``IncrementalText`` decod
 the text last grew by whole characters, together with the tokens that grew it then: a tokenizer that treats
 a list's first token specially (a dropped leading space) treats it the same in both decodes whose
 difference is the new text. Special tokens (which the decode skips) are left out of that window, so a space
-after them is not lost to a first-token rule, and a run of them costs nothing. The result is the whole list's decode for tokenizers
-whose decoding is local (byte-level BPE, SentencePiece: the decoders of causal LMs); a WordPiece tokenizer's
-clean-up of spaces around punctuation that spans the window's start is the known exception (vLLM's
-detokenizer shares it).
+after them is not lost to a first-token rule, and a run of them costs nothing. The result is the whole list's
+decode for tokenizers whose decoding is local (byte-level BPE, SentencePiece: the decoders of causal LMs); a
+WordPiece tokenizer's clean-up of spaces around punctuation that spans the window's start is the known
+exception (vLLM's detokenizer shares it).
 """
 
 from __future__ import annotations

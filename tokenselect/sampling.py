@@ -22,8 +22,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.stop is None or isinstance(self.stop, str):
-            self.stop = [] if self.stop is None else [self.stop]
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, not {self.stop!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

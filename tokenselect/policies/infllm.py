@@ -184,12 +184,17 @@ class InfLLM(SelectivePolicy):
 
     # ---- the eager path -------------------------------------------------------------------------
 
-    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        mem = self.memory(layer, seq.id, q.shape[1], q.device)
+    def catch_up(self, layer: int, seq: SeqView, n_heads: int, device: torch.device) -> Memory:
+        """The layer's memory of ``seq``, the last chunk's attention counted and every cached token in the ring."""
+        mem = self.memory(layer, seq.id, n_heads, device)
         if mem.pending is not None:
             self.count_attention(layer, seq, mem)
+        self.track(mem, seq.past.numel())
+        return mem
+
+    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
+        mem = self.catch_up(layer, seq, q.shape[1], q.device)
         t, c = seq.past.numel(), q.shape[0]
-        self.track(mem, t)
         plan = super().plan(layer, seq, q)
         whole = plan.slots.numel() == t  # the budget covers the context: attended in order
         if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
@@ -280,10 +285,7 @@ class InfLLM(SelectivePolicy):
         t, dev = seq.past.numel(), seq.past.device
         n_heads = query_size // self.cache.k.shape[-1]
         for layer in range(self.n_layers):
-            mem = self.memory(layer, seq.id, n_heads, dev)
-            if mem.pending is not None:
-                self.count_attention(layer, seq, mem)
-            self.track(mem, t)
+            mem = self.catch_up(layer, seq, n_heads, dev)
             self.close_blocks(layer, seq, mem, (t - self.n_init - self.n_local) // self.block_size)
             mem.tracked = t + 1
         self._reserve_table(capacity // self.block_size)
