@@ -55,7 +55,7 @@ def test_graph_plan_equals_the_eager_plan(selector):
     settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
     eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
     table = torch.cat([slots, others])  # capacity t0 + 102: everything from the length on is not the sequence's
-    row = torch.tensor(graph.graph_row(SeqView(5, slots[:t0], decode=True), table.numel(), 4 * 16))
+    row = torch.tensor(graph.graph_row(SeqView(5, slots[:t0], decode=True), table.numel(), (1, 4, 16), torch.float32))
     q = torch.randn(1, 4, 16)
     for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
         assert graph.graph_ready(t)
@@ -77,7 +77,7 @@ def test_prefill_chunk_graph_plan_equals_the_eager_plan(selector):
     cache.write(0, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
     settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
     eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
-    row = torch.tensor(graph.graph_row(SeqView(7, slots[:t0], decode=False), slots.numel(), 4 * 16))
+    row = torch.tensor(graph.graph_row(SeqView(7, slots[:t0], decode=False), slots.numel(), (8, 4, 16), torch.float32))
     for t in (t0, t0 + 8, t0 + 16):
         q = torch.randn(8, 4, 16)
         want = eager.plan(0, SeqView(7, slots[:t], decode=False), q)
@@ -142,7 +142,8 @@ def test_infllm_graph_decode_equals_the_eager_plan(positions):
                 policy.plan(layer, SeqView(3, slots[:t], decode=False), q)
     for t in range(t0, t0 + steps):
         assert graph.graph_ready(t)
-        row = torch.tensor(graph.graph_row(SeqView(3, slots[:t], decode=True), table.numel(), n_heads * d))
+        row = torch.tensor(graph.graph_row(SeqView(3, slots[:t], decode=True), table.numel(), (1, n_heads, d),
+                                            torch.float32))
         seq, own = GraphSeq(table, torch.tensor(t), row, decode=True), table[t:t + 1]
         for layer in range(layers):
             q = torch.randn(1, n_heads, d)
@@ -150,7 +151,7 @@ def test_infllm_graph_decode_equals_the_eager_plan(positions):
             assert_attends_as(graph.graph_list(layer, seq, q, own), want, own)
     for layer in range(layers):  # the eager side counts its last step's attention one call later
         eager.plan(layer, SeqView(3, slots[:t0 + steps], decode=True), torch.randn(1, n_heads, d))
-    graph.graph_row(SeqView(3, slots[:t0 + steps], decode=True), table.numel(), n_heads * d)
+    graph.graph_row(SeqView(3, slots[:t0 + steps], decode=True), table.numel(), (1, n_heads, d), torch.float32)
     for layer in range(layers):
         closed = graph.representatives(3, layer)
         assert closed.shape[0] == (t0 + steps - 4 - 12) // 4 > (t0 - 4 - 12) // 4 + 2  # blocks closed in decode
@@ -159,6 +160,65 @@ def test_infllm_graph_decode_equals_the_eager_plan(positions):
         tracked = torch.arange(graph.tracked_from(graph._memory[3].layers[layer]), t0 + steps) % graph.ring
         torch.testing.assert_close(graph.mass[0, layer, tracked], eager.mass[0, layer, tracked])
         assert tracked.numel() >= 12 and (graph.mass[0, layer, tracked].sum(dim=1) > 0).all()
+
+
+def assert_chunk_attends_as(got, want, own: torch.Tensor) -> None:
+    """InfLLM's graph list of a prefill chunk ([sinks | blocks | tail], a live prefix) attends what the eager plan
+    (``want``) attends, at the same positions, then the chunk's own tokens, last among the live entries."""
+    n, w = int(got.n_valid), own.numel()
+    assert torch.equal(got.slots[n - w:n], own) and torch.equal(got.key_pos[n - w:n], got.q_pos)
+    assert got.q_pos.tolist() == want.q_positions.tolist()
+    assert sorted(zip(got.slots[:n - w].tolist(), got.key_pos[:n - w].tolist())) == sorted(
+        zip(want.slots.tolist(), want.positions.tolist()))
+
+
+@pytest.mark.parametrize("positions", ["fixed", "reindex", "original"])
+def test_infllm_graph_prefill_equals_the_eager_plan(positions):
+    """Two prompts prefilled in alternation, their chunks past the selection threshold planned on the device: each
+    chunk attends the eager plan's tokens at its positions, its own tokens last. A chunk's attention is counted
+    from what its graph saved at the sequence's next step, after the other sequence's chunk has overwritten the
+    saved queries: the blocks get the eager representatives, the ring the eager scores."""
+    torch.manual_seed(9)
+    layers, n_heads, d, c, length, capacity = 2, 4, 16, 10, 150, 160
+    cache = KVCache(layers, 800, 2, d, torch.float32, torch.device("cpu"))
+    settings = dict(window=1000, chunk=c, k=8, n_init=4, n_local=12, block_size=4, repr_keys=2, positions=positions)
+    eager, graph = InfLLM(cache, TORCH, **settings), InfLLM(cache, TORCH, **settings)
+    prompts = {}
+    for seq_id in (4, 7):
+        slots = prompts[seq_id] = cache.allocate(length)[torch.randperm(length)]
+        for layer in range(layers):
+            cache.write(layer, slots, torch.randn(length, 2, d), torch.randn(length, 2, d))
+    graph_chunks = 0
+    for t in range(0, length, c):
+        for seq_id, slots in prompts.items():
+            qs, seq = [torch.randn(c, n_heads, d) for _ in range(layers)], SeqView(seq_id, slots[:t], decode=False)
+            if not graph.graph_ready(t):
+                for policy in (eager, graph):
+                    for layer in range(layers):
+                        policy.plan(layer, seq, qs[layer])
+                continue
+            row = graph.graph_row(seq, capacity, (c, n_heads, d), torch.float32)
+            table = torch.cat([slots, slots[:1].repeat(capacity - length)])
+            on_device = GraphSeq(table, torch.tensor(t), torch.tensor(row), decode=False)
+            for layer in range(layers):
+                want = eager.plan(layer, seq, qs[layer])
+                assert_chunk_attends_as(graph.graph_list(layer, on_device, qs[layer], slots[t:t + c]), want,
+                                        slots[t:t + c])
+            graph_chunks += 1
+    assert graph_chunks == 2 * 12  # from t = 30, past 4 + (2 * 4 + 3) + 12
+    for seq_id, slots in prompts.items():  # a decode step counts each prompt's last chunk
+        for layer in range(layers):
+            q = torch.randn(1, n_heads, d)
+            for policy in (eager, graph):
+                policy.plan(layer, SeqView(seq_id, slots[:length], decode=True), q)
+        for layer in range(layers):
+            closed = graph.representatives(seq_id, layer)
+            assert closed.shape[0] == (length - 4 - 12) // 4
+            torch.testing.assert_close(closed, eager.representatives(seq_id, layer), atol=1e-5, rtol=1e-5)
+            mem, row = graph._memory[seq_id].layers[layer], graph._memory[seq_id].row
+            tracked = torch.arange(graph.tracked_from(mem), length) % graph.ring
+            torch.testing.assert_close(graph.mass[row, layer, tracked], eager.mass[row, layer, tracked])
+            assert tracked.numel() >= 12 and (graph.mass[row, layer, tracked].sum(dim=1) > 0).all()
 
 
 def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
@@ -185,7 +245,7 @@ def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
     def step(live: list, as_graph: bool) -> None:
         table = {seq_id: torch.cat([slots, slots[:1].repeat(capacity - 150)]) for seq_id, slots, _ in live}
         seqs = [GraphSeq(table[seq_id], torch.tensor(t), torch.tensor(graph.graph_row(
-            SeqView(seq_id, slots[:t], decode=True), capacity, n_heads * d)), decode=True)
+            SeqView(seq_id, slots[:t], decode=True), capacity, (1, n_heads, d), torch.float32)), decode=True)
             for seq_id, slots, t in live] if as_graph else None
         for layer in range(layers):
             for i, (seq_id, slots, t) in enumerate(live):
@@ -216,8 +276,10 @@ def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
         for layer in range(layers):
             torch.testing.assert_close(graph.representatives(seq_id, layer), eager.representatives(seq_id, layer))
     held = sum(len(m.blocks) for m in graph._memory.values())
-    assert held == sum((t - 1 - 4 - 12) // 4 for _, _, t in (b, c))  # the blocks closed by each one's last step
-    assert graph.reprs.shape[1] <= max(256, held)  # the pool: no more than the live blocks (or its first size)
+    # each holds the blocks of its graph steps' capacity (given before the first, so that the pool does not grow under
+    # a recorded graph), more than it has closed; the pool: no more than the live sequences hold (or its first size)
+    assert held == 2 * (capacity // 4) and all(len(graph._memory[i].blocks) > (t - 1 - 4 - 12) // 4 for i, _, t in (b, c))
+    assert graph.reprs.shape[1] <= max(256, held)
 
 
 def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
@@ -241,7 +303,7 @@ def test_graph_steps_read_nothing_on_the_host(name):
     """What a graph step runs (``graph_list``, with the PyTorch reference kernels) never reads a device value on the
     host, which a CUDA graph capture refuses: on the meta device, where a tensor has no values, any such read
     raises. (Indexing with a device scalar does read it: InfLLM's first pool layout failed to record on the H100
-    that way.) Decode steps of every graph-ready policy and TokenSelect's prefill chunks."""
+    that way.) Decode steps and prefill chunks of every graph-ready policy."""
     meta, layers, n_heads, d = torch.device("meta"), 2, 4, 16
     cache = KVCache(layers, 400, 2, d, torch.float32, meta)
     slots = cache.allocate(300)
@@ -255,8 +317,8 @@ def test_graph_steps_read_nothing_on_the_host(name):
         for layer in range(layers):
             policy.plan(layer, SeqView(0, slots[:t], decode=False), torch.randn(10, n_heads, d, device=meta))
     assert policy.graph_ready(70)
-    for w, decode in ((1, True), (8, False)) if policy.graph_prefill else ((1, True),):
-        row = policy.graph_row(SeqView(0, slots[:70], decode=decode), slots.numel(), n_heads * d)
+    for w, decode in ((1, True), (8, False)):
+        row = policy.graph_row(SeqView(0, slots[:70], decode=decode), slots.numel(), (w, n_heads, d), torch.float32)
         seq = GraphSeq(slots, torch.tensor(70, device=meta), torch.tensor(row, device=meta), decode=decode)
         for layer in range(layers):
             got = policy.graph_list(layer, seq, torch.randn(w, n_heads, d, device=meta), slots[70:70 + w])
@@ -360,7 +422,9 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("attention,settings", [("tokenselect", {"theta": 0.5}),
                                                 ("tokenselect", {"theta": None, "selector": "topk"}),
-                                                ("streaming", {}), ("full", {})])
+                                                ("streaming", {}), ("full", {}),
+                                                ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2}),
+                                                ("infllm", {"k": 16, "block_size": 4, "positions": "original"})])
 def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, batch_invariant_matmuls, monkeypatch,
                                                                    attention, settings):
     """Every prompt position's logits, and then the generated tokens, are the plain path's when the prompt's
@@ -372,9 +436,9 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     prompt = distinct_tokens(200, 6)  # the graph's padded span must not break ties another way
     logits = [llm.prompt_logits(prompt) for llm in engines]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-    # the full chunks past the threshold (4 + 16 + 16 tokens, streaming's 4 + 16, full attention's 0): from 64
-    # (32, 0), 96, 128, 160; not the last 8 tokens
-    assert engines[1].whole_graphs.steps_run == {"tokenselect": 4, "streaming": 5, "full": 6}[attention]
+    # the full chunks past the threshold (4 + 16 + 16 tokens, InfLLM's 4 + (4 * 4 + 3) + 16, streaming's 4 + 16,
+    # full attention's 0): from 64 (32, 0), 96, 128, 160; not the last 8 tokens
+    assert engines[1].whole_graphs.steps_run == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
     assert len([key for key in engines[1].whole_graphs._steps if not key[0]]) == 1

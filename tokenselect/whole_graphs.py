@@ -2,9 +2,9 @@
 
 ``StepGraphs`` leaves attention out of its graphs, because what a step attends changes from step to
 step. For a policy that can plan on the device alone (``AttentionPolicy.graph_ready``: TokenSelect and
-StreamingLLM with positions by index in the list, full attention, InfLLM's decode steps) nothing has to leave
-the GPU once a sequence is past the selection threshold: the attended list has a fixed length (sinks + k
-chosen + local window; InfLLM's has a live prefix) and positions computed on the device; the sequence's slot
+StreamingLLM with positions by index in the list, full attention, InfLLM) nothing has to leave the GPU once a
+sequence is past the selection threshold: the attended list has a fixed length (sinks + k chosen + local
+window; InfLLM's has a live prefix) and positions computed on the device; the sequence's slot
 table goes in as a buffer of fixed size with its length as a device scalar. Full attention attends that table
 itself, at the original positions, and the attention kernel reads how much of it is live from the same scalar,
 so it runs here from the first token on (but not with value offload: it would stage the table's whole
@@ -17,8 +17,10 @@ capacity). Two kinds of step run here, each as one graph launch with no host rea
   the step's list. (CUDA graph conditional nodes would skip even the launches; torch 2.11, what the GPU
   runs, cannot capture them.)
 - prefill chunks: a step that is one sequence's full chunk (``chunk_size`` tokens) of a prompt of at
-  least PREFILL_MIN_CHUNKS x ``chunk_size`` tokens. The chunk always selects (no Selection Cache), with its mean query.
-  Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU.
+  least PREFILL_MIN_CHUNKS x ``chunk_size`` tokens. The chunk always selects (no Selection Cache), with its mean
+  query. Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU. (InfLLM's host
+  work between chunks, closing blocks and counting the last chunk's attention, is queued by ``graph_row`` while
+  the GPU still runs the previous chunk.)
 
 A graph is recorded per (kind, batch size, table capacity, policy). A decode graph's capacity is the
 longest sequence's length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a
@@ -83,7 +85,7 @@ class WholeGraphs:
         if len(chunks) == 1 and not chunks[0].decode:
             ch = chunks[0]
             long_prompt = len(ch.seq.prompt_ids) >= PREFILL_MIN_CHUNKS * self.chunk_size
-            return policy.graph_prefill and ch.length == self.chunk_size and long_prompt
+            return ch.length == self.chunk_size and long_prompt
         return all(ch.length == 1 and ch.decode for ch in chunks)
 
     def run(self, chunks, ids: list[int], new_slots: torch.Tensor) -> torch.Tensor:
@@ -95,8 +97,9 @@ class WholeGraphs:
         batch, decode = len(chunks), chunks[0].decode
         longest = max(ch.past for ch in chunks) + 1 if decode else len(chunks[0].seq.prompt_ids)
         capacity = -(-longest // GRAIN) * GRAIN
-        rows = [policy.graph_row(SeqView(ch.seq.id, ch.seq.slots[:ch.past], decode), capacity,
-                                 cfg.n_heads * cfg.head_dim) for ch in chunks]
+        q_shape, q_dtype = (chunks[0].length, cfg.n_heads, cfg.head_dim), self.model.model.embed_tokens.weight.dtype
+        rows = [policy.graph_row(SeqView(ch.seq.id, ch.seq.slots[:ch.past], decode), capacity, q_shape, q_dtype)
+                for ch in chunks]
         key = (decode, batch, capacity, id(policy))
         step = self._steps.get(key)
         if step is None or step.state != _pointers(policy.graph_state() + policy.graph_reads()):

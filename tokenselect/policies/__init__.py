@@ -99,8 +99,8 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                         "byte per key element); default auto: selection reads the KV pool's keys")
     e.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run each step's layers as CUDA graphs captured around attention, and decode steps "
-                        "(tokenselect, streaming, full, infllm) and long prompts' prefill chunks (tokenselect, "
-                        "streaming, full) as one graph each, attention included (default: on with CUDA)")
+                        "and long prompts' prefill chunks (tokenselect, streaming, full, infllm) as one graph "
+                        "each, attention included (default: on with CUDA)")
 
 
 POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions",

@@ -100,7 +100,6 @@ class AttentionPolicy:
     alone (``graph_ready``) also implement ``graph_list``."""
 
     name = "base"
-    graph_prefill = True  # whether ``graph_list`` also plans prefill chunks (else decode steps only)
 
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels
@@ -128,10 +127,10 @@ class AttentionPolicy:
         choose at ``plan``'s positions, then their own tokens."""
         raise NotImplementedError
 
-    def graph_row(self, seq: SeqView, capacity: int, query_size: int) -> int:
+    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
         """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``), called on the host
         before each graph step of the sequence (``seq.past``: its cached tokens' slots; capacity: the step's
-        table length); query_size: n_heads * head_dim."""
+        table length; q_shape, q_dtype: the step's queries of the sequence, [w, n_heads, head_dim])."""
         return 0
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:

@@ -21,13 +21,15 @@ true distances. While the budget still covers the whole context and it fits the 
 its own positions, the plan is plain full attention; past the window the fixed scheme applies to it
 too. ``"reindex"`` and ``"original"`` as for the other policies.
 
-The memory lives on the device, so that a decode step can also run as one CUDA graph (``graph_list``):
-the representatives in a pool of blocks shared by all sequences (``reprs``; a sequence's closed blocks are
-rows of it, listed in its row of ``table``, as the KV pool's slots are listed in a slot table), and, a row per
-sequence, the attention received by the tokens not yet in a closed block (``mass``, a ring indexed by token
-index). A graph step counts its own query's attention at once; the blocks that leave the window are given
-their representatives on the host before the step is launched (``graph_row``), one block every
-``block_size`` steps.
+The memory lives on the device, so that decode steps and a long prompt's prefill chunks can also run as one
+CUDA graph each (``graph_list``): the representatives in a pool of blocks shared by all sequences (``reprs``; a
+sequence's closed blocks are rows of it, listed in its row of ``table``, as the KV pool's slots are listed in a
+slot table), and, a row per sequence, the attention received by the tokens not yet in a closed block (``mass``,
+a ring indexed by token index). The blocks that leave the window are given their representatives on the host
+before a graph step is launched (``graph_row``): one block every ``block_size`` decode steps, a chunk's worth
+before a chunk. A decode step counts its own query's attention inside the graph. A prefill chunk leaves its
+queries and each layer's list in ``saved_q`` and ``saved_list``, and its attention is counted from them on the
+host, at the sequence's next step, as the eager path counts a chunk's.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class SequenceMemory:
 class InfLLM(SelectivePolicy):
     name = "infllm"
     POSITIONS = ("fixed", "reindex", "original")
-    graph_prefill = False  # decode steps only: a chunk closes several blocks and counts c queries' attention
 
     def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, k: int = 4096,
                  n_init: int = 128, n_local: int = 4096, block_size: int = 128, repr_keys: int = 4,
@@ -97,6 +98,10 @@ class InfLLM(SelectivePolicy):
         self.free: list[int] = []  # pool blocks no sequence holds
         self.table: torch.Tensor | None = None  # [rows, blocks] int64: each sequence's pool blocks, in order
         self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32: the local scores
+        # a graph prefill chunk's queries [layers, w, H, d] and each layer's list [layers, n], until counted
+        self.saved_q: torch.Tensor | None = None
+        self.saved_list: torch.Tensor | None = None
+        self._saved_for: int | None = None  # the sequence whose pending counts read them
         self._memory: dict[int, SequenceMemory] = {}  # sequence id -> its memory
 
     # ---- device state ---------------------------------------------------------------------------
@@ -272,85 +277,135 @@ class InfLLM(SelectivePolicy):
         if memory is not None:
             self.free.extend(reversed(memory.blocks))
 
-    # ---- decode steps as one graph ----------------------------------------------------------------
+    # ---- steps as one graph -----------------------------------------------------------------------
 
     def graph_ready(self, t: int) -> bool:
         """Past the selection threshold, where every step selects blocks (any position scheme)."""
         return t > self.n_init + self.budget + self.n_local
 
-    def graph_row(self, seq: SeqView, capacity: int, query_size: int) -> int:
-        """Bring the sequence's memory up to the decode step about to run, on the host: count the last eager
-        chunk's attention, give the blocks that have left the window their representatives, and make room for
-        the blocks of ``capacity`` tokens. The step starts its own token's ring entry itself."""
+    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        """Bring the sequence's memory up to the step about to run, on the host: count its last step's attention
+        (an eager chunk's, or a prefill graph's from ``saved_q``), give the blocks that have left the window their
+        representatives, and give the sequence pool blocks for ``capacity`` tokens (the pool then does not grow
+        under a recorded graph). A decode step starts its own token's ring entry itself; a prefill chunk's
+        attention is left pending, to be counted from what the graph saves."""
         t, dev = seq.past.numel(), seq.past.device
-        n_heads = query_size // self.cache.k.shape[-1]
+        w, n_heads, d = q_shape
+        self._keep_saved(seq.id)
         for layer in range(self.n_layers):
             mem = self.catch_up(layer, seq, n_heads, dev)
-            self.close_blocks(layer, seq, mem, (t - self.n_init - self.n_local) // self.block_size)
-            mem.tracked = t + 1
-        self._reserve_table(capacity // self.block_size)
-        return self._memory[seq.id].row
+            self.close_blocks(layer, seq, mem, self.closed_before(t))
+            if seq.decode:
+                mem.tracked = t + 1
+        memory = self._memory[seq.id]
+        self._reserve_blocks(memory, capacity // self.block_size)
+        if not seq.decode:
+            if self.saved_q is None or self.saved_q.shape[1:] != q_shape or self.saved_q.dtype != q_dtype:
+                self.saved_q = torch.zeros(self.n_layers, *q_shape, dtype=q_dtype, device=dev)
+                self.saved_list = torch.zeros(self.n_layers, self.list_length(w), dtype=torch.int64, device=dev)
+            # the list's live part before the chunk's own tokens: sinks, blocks, remainder, window
+            context = self.n_blocks * self.block_size + t - self.closed_before(t) * self.block_size
+            for layer, mem in enumerate(memory.layers):
+                mem.pending = (self.saved_q[layer], self.saved_list[layer, :context], t)
+            self._saved_for = seq.id
+        return memory.row
+
+    def _keep_saved(self, seq_id: int) -> None:
+        """Before a graph step of ``seq_id``: if another sequence's graph prefill chunk is still to be counted,
+        that sequence takes copies of its queries and lists (this step may be a chunk that overwrites them)."""
+        owner = self._memory.get(self._saved_for) if self._saved_for != seq_id else None
+        for mem in owner.layers if owner is not None else ():
+            if mem.pending is not None and mem.pending[0]._base is self.saved_q:  # not counted, nor replaced
+                q, context, t0 = mem.pending
+                mem.pending = (q.clone(), context.clone(), t0)
+        self._saved_for = None
+
+    def closed_before(self, t: int) -> int:
+        """The blocks a step after ``t`` cached tokens finds closed (the middle's full blocks)."""
+        return (t - self.n_init - self.n_local) // self.block_size
+
+    def list_length(self, w: int) -> int:
+        """A graph step's list for w queries: [own (decode) | sinks | chosen blocks | tail], the tail the remainder,
+        the window (and a chunk's own tokens) at their longest."""
+        return self.n_init + self.n_blocks * self.block_size + self.n_local + self.block_size - 1 + w
 
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
         return () if self.reprs is None else (self.reprs, self.table)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
-        return () if self.mass is None else (self.mass,)
+        return tuple(t for t in (self.mass, self.saved_q, self.saved_list) if t is not None)
 
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
-        """A decode step's list on the device: [own | sinks | the chosen blocks | the tail], n_valid of it live.
-        The tail is the remainder and the window, the table from the first token after the closed blocks to the
-        step's, read at its longest (n_local + block_size - 1 entries; those past the length are not live). The
-        own token comes first, where the list's length does not move it (one query sees every live entry).
-        Every layer writes its choice of blocks into one list, and counts its query's attention on the window
-        into its ring (the own token's entry written, the others' added to)."""
+        """A step's list on the device, n_valid of it live: [own | sinks | the chosen blocks | the tail] for a
+        decode step (the own token first, where the list's length does not move it: one query sees every live
+        entry), [sinks | the chosen blocks | the tail] for a prefill chunk, whose own tokens end the tail's live
+        part. The tail is the table from the first token after the closed blocks on: the remainder, the window
+        (and a chunk's own tokens), read at its longest. Every layer writes its choice of blocks into one list.
+        A decode step counts its query's attention on the window into its ring (the own token's entry written,
+        the others' added to); a prefill chunk leaves its queries and the layer's list for ``graph_row``."""
         n_init, n_local, bs, nb, ring = self.n_init, self.n_local, self.block_size, self.n_blocks, self.ring
-        dev, n_heads = q.device, q.shape[1]
-        chosen = slice(1 + n_init, 1 + n_init + nb * bs)
-        tail = arange(n_local + bs - 1, dev)
+        dev, (w, n_heads, _) = q.device, q.shape
+        first = 1 if seq.decode else 0  # the own token's entry
+        chosen = slice(first + n_init, first + n_init + nb * bs)
+        tail = arange(self.list_length(w) - first - n_init - nb * bs, dev)
         # what the layers share: the list and its positions, the tail's tokens and which of them are in the window
         n_full = seq.once("infllm closed blocks", lambda: (seq.length - (n_init + n_local)) // bs)
         tail_tokens = seq.once("infllm tail tokens", lambda: n_init + n_full * bs + tail)
         slots = seq.once("infllm list", lambda: torch.cat([
-            own, seq.table[:n_init], own.new_zeros(nb * bs),
+            own[:first], seq.table[:n_init], own.new_zeros(nb * bs),
             seq.table[tail_tokens.clamp(max=seq.table.numel() - 1)]]))
-        n_valid = seq.once("infllm live", lambda: seq.length - n_full * bs + 1 + nb * bs)
-        dead = seq.once("infllm dead", lambda: arange(slots.numel(), dev) >= n_valid)
+        n_valid = seq.once("infllm live", lambda: seq.length + w - n_full * bs + nb * bs)
         key_pos = seq.once("infllm positions", lambda: self.graph_positions(seq, n_full, tail))
-        windowed = seq.once("infllm windowed", lambda: (
-            (seq.length - tail_tokens >= 1) & (seq.length - tail_tokens < n_local)).float()[:, None])
-        tail_ring = seq.once("infllm tail ring", lambda: tail_tokens % ring)
-        own_ring = seq.once("infllm own ring", lambda: (seq.length % ring).view(1))
+        q_pos = key_pos[:1] if seq.decode else seq.once("infllm query positions", lambda: key_pos.index_select(
+            0, n_valid - w + arange(w, dev)))
         # the sequence's row of the block table (index_select: indexing by a device scalar would read it on the host)
         pool_blocks = seq.once("infllm pool blocks", lambda: self.table[:, :seq.table.numel() // bs].index_select(
             0, seq.row.view(1))[0])
 
         # the blocks: scored against this sequence's representatives, read where the pool holds them
-        scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, q[0].float().flatten(), n_full)
+        query = q[0].float() if seq.decode else selection_query(q)
+        scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, query.flatten(), n_full)
         blocks = self.kernels.topk(scores, nb, n_full)
         tokens = (blocks[:, None] * bs + arange(bs, dev)[None, :]).flatten() + n_init
         torch.index_select(seq.table, 0, tokens, out=slots[chosen])
         if self.positions == "original":
             key_pos[chosen].copy_(tokens)
+        if seq.decode:
+            self.count_own_query(layer, seq, q, slots, n_valid, tail_tokens)
+        else:
+            self.saved_q[layer].copy_(q)
+            self.saved_list[layer].copy_(slots)
+        return GraphList(slots, key_pos, q_pos, n_valid)
 
-        # the attention each window token receives from this query (what count_attention adds on the host)
+    def count_own_query(self, layer: int, seq: GraphSeq, q: torch.Tensor, slots: torch.Tensor, n_valid: torch.Tensor,
+                        tail_tokens: torch.Tensor) -> None:
+        """A decode step's attention on its window, counted into the ring: what ``count_attention`` adds on the
+        host for an eager step (q: [1, H, d]; slots: the step's list, own token first, n_valid live)."""
+        n_local, ring, dev = self.n_local, self.ring, q.device
+        dead = seq.once("infllm dead", lambda: arange(slots.numel(), dev) >= n_valid)
+        windowed = seq.once("infllm windowed", lambda: (
+            (seq.length - tail_tokens >= 1) & (seq.length - tail_tokens < n_local)).float()[:, None])
+        tail_ring = seq.once("infllm tail ring", lambda: tail_tokens % ring)
+        own_ring = seq.once("infllm own ring", lambda: (seq.length % ring).view(1))
         logits = self.kernels.paged_dot(q[0], self.cache.k[layer], slots).mul_(1.0 / math.sqrt(q.shape[-1]))
         p = torch.softmax(logits.masked_fill_(dead, float("-inf")), dim=1)  # [H, n]
         base = (seq.row * self.n_layers + layer) * ring
-        mass = self.mass.view(-1, n_heads)
+        mass = self.mass.view(-1, q.shape[1])
         mass.index_copy_(0, base + own_ring, p[:, :1].T)
-        mass.index_add_(0, base + tail_ring, p[:, chosen.stop:].T * windowed)
-        return GraphList(slots, key_pos, key_pos[:1], n_valid)
+        mass.index_add_(0, base + tail_ring, p[:, 1 + self.n_init + self.n_blocks * self.block_size:].T * windowed)
 
     def graph_positions(self, seq: GraphSeq, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        """The positions of [own | sinks | chosen | tail] (the chosen blocks' are written by each layer with
-        "original"), as ``place`` gives them to the eager plan's [sinks | chosen | remainder | window]."""
+        """The positions of the graph list (the chosen blocks' are written by each layer with "original"), as
+        ``place`` gives them to the eager plan's [sinks | chosen | remainder | window] and its queries: a decode
+        step's own token first, a chunk's own tokens the tail's last live entries (positions after the window's)."""
         n_init, n_local, bs, dev = self.n_init, self.n_local, self.block_size, tail.device
         memory = n_init + self.n_blocks * bs
         tail_len = seq.length - n_init - n_full * bs  # the remainder and the window
         if self.positions == "fixed":  # the memory (the remainder too) at 0, the window at 0..n_local-1
-            return torch.cat([arange(n_local + 1, dev)[n_local:], torch.zeros(memory, dtype=torch.int64, device=dev),
-                              (tail - (tail_len - n_local)).clamp(min=0)])
-        if self.positions == "reindex":
-            return torch.cat([(memory + tail_len).view(1), arange(memory, dev), memory + tail])
-        return torch.cat([seq.length.view(1), arange(memory, dev), n_init + n_full * bs + tail])
+            own, rest = arange(n_local + 1, dev)[n_local:], [torch.zeros(memory, dtype=torch.int64, device=dev),
+                                                               (tail - (tail_len - n_local)).clamp(min=0)]
+        elif self.positions == "reindex":
+            own, rest = (memory + tail_len).view(1), [arange(memory, dev), memory + tail]
+        else:
+            own, rest = seq.length.view(1), [arange(memory, dev), n_init + n_full * bs + tail]
+        return torch.cat([own, *rest] if seq.decode else rest)

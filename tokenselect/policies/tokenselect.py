@@ -95,8 +95,8 @@ class TokenSelect(SelectivePolicy):
         else:
             sc.update(seq.row, layer, query, self.choose(query, keys, middle, live * miss, middle), miss, out)
 
-    def graph_row(self, seq: SeqView, capacity: int, query_size: int) -> int:
-        return self.selection_cache.row(seq.id, query_size, seq.past.device)
+    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        return self.selection_cache.row(seq.id, q_shape[1] * q_shape[2], seq.past.device)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         sc = self.selection_cache
