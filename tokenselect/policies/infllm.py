@@ -286,20 +286,23 @@ class InfLLM(SelectivePolicy):
     def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
         """Bring the sequence's memory up to the step about to run, on the host: count its last step's attention
         (an eager chunk's, or a prefill graph's from ``saved_q``), give the blocks that have left the window their
-        representatives, and give the sequence pool blocks for ``capacity`` tokens (the pool then does not grow
-        under a recorded graph). A decode step starts its own token's ring entry itself; a prefill chunk's
-        attention is left pending, to be counted from what the graph saves."""
+        representatives, and make room in the block table for ``capacity`` tokens. A decode step starts its own
+        token's ring entry itself. Before a prefill chunk the sequence gets pool blocks for every block its prompt
+        (the graph's capacity) will close, so that the pool does not grow under the prompt's graph; its attention
+        is left pending, to be counted from what the graph saves."""
         t, dev = seq.past.numel(), seq.past.device
         w, n_heads, d = q_shape
-        self._keep_saved(seq.id)
+        if not seq.decode:
+            self._keep_saved(seq.id)
         for layer in range(self.n_layers):
             mem = self.catch_up(layer, seq, n_heads, dev)
             self.close_blocks(layer, seq, mem, self.closed_before(t))
             if seq.decode:
                 mem.tracked = t + 1
         memory = self._memory[seq.id]
-        self._reserve_blocks(memory, capacity // self.block_size)
+        self._reserve_table(capacity // self.block_size)
         if not seq.decode:
+            self._reserve_blocks(memory, self.closed_before(capacity))
             if self.saved_q is None or self.saved_q.shape[1:] != q_shape or self.saved_q.dtype != q_dtype:
                 self.saved_q = torch.zeros(self.n_layers, *q_shape, dtype=q_dtype, device=dev)
                 self.saved_list = torch.zeros(self.n_layers, self.list_length(w), dtype=torch.int64, device=dev)
@@ -311,8 +314,8 @@ class InfLLM(SelectivePolicy):
         return memory.row
 
     def _keep_saved(self, seq_id: int) -> None:
-        """Before a graph step of ``seq_id``: if another sequence's graph prefill chunk is still to be counted,
-        that sequence takes copies of its queries and lists (this step may be a chunk that overwrites them)."""
+        """Before a graph prefill chunk of ``seq_id``: if another sequence's graph chunk is still to be counted,
+        that sequence takes copies of its queries and lists, which this chunk overwrites."""
         owner = self._memory.get(self._saved_for) if self._saved_for != seq_id else None
         for mem in owner.layers if owner is not None else ():
             if mem.pending is not None and mem.pending[0]._base is self.saved_q:  # not counted, nor replaced
