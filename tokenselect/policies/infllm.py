@@ -291,7 +291,7 @@ class InfLLM(SelectivePolicy):
         (the graph's capacity) will close, so that the pool does not grow under the prompt's graph; its attention
         is left pending, to be counted from what the graph saves."""
         t, dev = seq.past.numel(), seq.past.device
-        w, n_heads, d = q_shape
+        w, n_heads, _ = q_shape
         if not seq.decode:
             self._keep_saved(seq.id)
         for layer in range(self.n_layers):
@@ -346,8 +346,8 @@ class InfLLM(SelectivePolicy):
         (and a chunk's own tokens), read at its longest. Every layer writes its choice of blocks into one list.
         A decode step counts its query's attention on the window into its ring (the own token's entry written,
         the others' added to); a prefill chunk leaves its queries and the layer's list for ``graph_row``."""
-        n_init, n_local, bs, nb, ring = self.n_init, self.n_local, self.block_size, self.n_blocks, self.ring
-        dev, (w, n_heads, _) = q.device, q.shape
+        n_init, n_local, bs, nb = self.n_init, self.n_local, self.block_size, self.n_blocks
+        dev, w = q.device, q.shape[0]
         first = 1 if seq.decode else 0  # the own token's entry
         chosen = slice(first + n_init, first + n_init + nb * bs)
         tail = arange(self.list_length(w) - first - n_init - nb * bs, dev)
