@@ -4,8 +4,8 @@
 # benchmarks/results, add the notes, then run benchmarks/update_readme.py.
 # Usage: benchmarks/gpu_e2e.sh OUTDIR PART [FLAG ...]   (FLAGs go to every `bench e2e` of the part, e.g.
 #   `profile --select-dtype fp8 --tag 128k_fp8_select_profile_h100`: a later --tag replaces the part's)
-#   tests    the GPU tests of whole-step graphs (really captured and checked), offload, the Selection Cache, InfLLM
-#            and the models, and the kernel tests of the row copies (the KV write), the top-k, the live-prefix attention,
+#   tests    the GPU tests of whole-step graphs (really captured and checked), offload, the Selection Cache, InfLLM,
+#            the models and the dense baseline (its decode graph), and the kernel tests of the row copies (the KV write), the top-k, the live-prefix attention,
 #            the Selection Cache's update, silu_mul and InfLLM's block scores (about 6 minutes on a fresh machine), then the
 #            top-k timed against torch.topk + sort (benchmarks/topk_gpu.py); OUTDIR/tests.log as it goes
 #   kernels-a, kernels-b  test_kernels.py in two halves (b: sparse attention and window mass), each about 8 minutes
@@ -35,7 +35,8 @@ extra=("$@")
 offload=(--kv-dtype fp8 --kv-offload values --decode-steps 16)
 case "$part" in
   tests) python3 -m pytest -q -rs tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_offload.py \
-           tests/test_selection_cache.py tests/test_baselines.py tests/test_models.py tests/test_kernels.py -k "row_copy or \
+           tests/test_selection_cache.py tests/test_baselines.py tests/test_models.py tests/test_bench_dense.py \
+           tests/test_kernels.py -k "row_copy or \
            scatter_rows or gather_and_scatter or topk or sparse_attention_over_a_live_prefix or selection_update or \
            silu_mul or block_scores or not test_kernels" 2>&1 | tee "$out/tests.log" | tail -15
          python3 benchmarks/topk_gpu.py "$out" ;;

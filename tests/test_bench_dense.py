@@ -29,6 +29,27 @@ def test_dense_runner_greedy_equals_engine_full_attention(tiny_llama):
     assert DenseRunner(llm, 120).generate(prompt, 32, 10) == want
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's decode graph runs on CUDA")
+def test_dense_decode_graph_gives_the_sdpa_steps_logits(tiny_llama):
+    """On CUDA in bf16 a decode step runs as one recorded graph, flash attention reading the key length on the
+    device: every step replays the same graph and gives the logits SDPA gives for that step."""
+    llm = LLM(tiny_llama, "full", chunk_size=32, dtype="bfloat16")
+    graphed, plain = DenseRunner(llm, 200), DenseRunner(llm, 200)
+    assert graphed.flash_decode
+    plain.flash_decode = False
+    prompt = ids(150, 3)
+    token = plain.prefill(prompt, 32).argmax()
+    graphed.prefill(prompt, 32)
+    graphs = set()
+    for _ in range(6):
+        want, got = plain.forward(token.reshape(1)), graphed.forward(token.reshape(1))
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)
+        assert got.argmax() == want.argmax()
+        graphs.add(id(graphed.decode_graph))
+        token = want.argmax()
+    assert len(graphs) == 1 and graphed.decode_graph is not None and graphed.length == plain.length == 156
+
+
 def test_dense_runner_refuses_length_dependent_rope(tiny_llama):
     """Keys rotated once when cached cannot follow dynamic NTK's changing frequencies."""
     with pytest.raises(ValueError, match="dynamic NTK"):

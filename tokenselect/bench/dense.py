@@ -3,9 +3,15 @@
 Keys are rotated once, when they are cached; each layer's cache is one contiguous tensor
 ``[n_kv_heads, max_tokens, head_dim]``; attention is PyTorch SDPA (the flash backend on CUDA) with a
 bottom-right causal mask for a prefill chunk. The same model object and weights as the engine run
-underneath, through the same CUDA graphs (``step_graphs.py``): only the
-attention context differs, so the benchmark's dense-vs-policy ratios measure attention and
-selection, nothing else. One sequence at a time.
+underneath, prefill chunks through the same CUDA graphs (``step_graphs.py``): only the attention context
+differs, so the benchmark's dense-vs-policy ratios measure attention and selection, nothing else. One
+sequence at a time.
+
+On CUDA in bf16 or fp16 a decode step runs as one CUDA graph, as a serving engine runs it and as the
+policies' steps run (``whole_graphs.py``): the token's position is a device tensor, the cache is written at it,
+and flash attention (``aten::_flash_attention_forward``, variable-length form) reads how many keys are live
+from ``seqused_k`` on the device, so one graph serves every step. SDPA itself takes the key length from the
+tensors' shapes, which a graph would fix.
 """
 
 from __future__ import annotations
@@ -37,9 +43,22 @@ class DenseRunner:
                          if llm.device.type == "cuda" else [SDPBackend.MATH])
         self.length = 0  # tokens cached
         self._positions = None
+        # decode steps as one graph: flash attention with the key length on the device
+        self.flash_decode = (self.device.type == "cuda" and self.graphs is not None
+                             and llm.dtype in (torch.bfloat16, torch.float16))
+        self.decode_graph: torch.cuda.CUDAGraph | None = None
+        if self.flash_decode:
+            self._token = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._position = torch.zeros(1, dtype=torch.int64, device=self.device)
+            # one query, one sequence of max_tokens slots, of which position + 1 are live (seqused_k)
+            self._cu_q = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+            self._cu_k = torch.tensor([0, max_tokens], dtype=torch.int32, device=self.device)
+            self._logits: torch.Tensor | None = None
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's attention context. q: [c, n_heads, d], k, v: [c, n_kv_heads, d] -> [c, n_heads, d]."""
+        if self.flash_decode and q.shape[0] == 1:
+            return self.decode_attention(layer, q, k, v)
         t, c = self.length, q.shape[0]
         inv_freq, scale = self.rope(self._positions)
         q = rotate(q, self._positions, inv_freq, scale)
@@ -51,10 +70,42 @@ class DenseRunner:
                                                  self.v[layer, :, :t + c][None], attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)
 
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One token at the device position ``self._position`` (nothing read on the host: a graph's step).
+        q: [1, n_heads, d], k, v: [1, n_kv_heads, d] -> [1, n_heads, d]."""
+        pos = self._position
+        inv_freq, scale = self.rope(pos)
+        self.k[layer].index_copy_(1, pos, rotate(k, pos, inv_freq, scale).transpose(0, 1))
+        self.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+        slots = self.k.shape[2]  # [slots, n_kv_heads, d] views of the head-major cache
+        return torch.ops.aten._flash_attention_forward(
+            rotate(q, pos, inv_freq, scale), self.k[layer].transpose(0, 1), self.v[layer].transpose(0, 1),
+            self._cu_q, self._cu_k, 1, slots, 0.0, False, False, seqused_k=(pos + 1).to(torch.int32))[0]
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        """One decode step as a CUDA graph (recorded on the first: a run on a side stream, then the capture,
+        whose cache writes repeat the run's) -> logits [vocab]."""
+        self._token.copy_(token)
+        self._position.fill_(self.length)
+        if self.decode_graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model(self._token, self)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.decode_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.decode_graph):
+                self._logits = self.model(self._token, self)
+        self.decode_graph.replay()
+        self.length += 1
+        return self._logits[0]
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the next tokens ``ids: [c]`` -> logits of the last one, ``[vocab]`` (fp32)."""
         c = ids.numel()
+        if self.flash_decode and c == 1:
+            return self.decode(ids)
         self._positions = torch.arange(self.length, self.length + c, device=self.device)
         if self.graphs is not None and self.graphs.bucket(c) is not None:
             logits = self.model.logits(self.graphs.run(ids, self)[c - 1:])[0]
