@@ -14,7 +14,8 @@ reports its hit rate ("real text"): the decode rows with every layer selecting a
 reusing (theta=-1) bracket a real model's step, which lies between them according to that rate.
 
 ``dense`` is attention as a conventional engine runs it (``bench/dense.py``: keys rotated once when
-cached, a contiguous cache, flash SDPA) on the same weights; ``full`` is the engine's own full-attention
+cached, a contiguous cache, flash SDPA; on CUDA each decode step one CUDA graph, flash attention reading the
+key length on the device) on the same weights; ``full`` is the engine's own full-attention
 policy (paged cache, RoPE applied on the fly), which is what long-context extrapolation runs on.
 
 ``--kv-offload values`` keeps the V pool in pinned host memory (K stays on the GPU), which is what
@@ -447,7 +448,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
     p.add_argument("--policies", default="dense,full,streaming,infllm,tokenselect",
-                   help="dense (flash SDPA over a contiguous rotated cache: the baseline of the ratios) "
+                   help="dense (flash attention over a contiguous rotated cache, decode steps as CUDA graphs: the "
+                        "baseline of the ratios) "
                         "and engine policies, each optionally NAME:KEY=VALUE;... with its own settings, e.g. "
                         "tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's speed) "
                         "(default: dense,full,streaming,infllm,tokenselect)")
