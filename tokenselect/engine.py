@@ -49,9 +49,9 @@ class LLM:
         V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
         that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
         cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
-        steps (TokenSelect, StreamingLLM, full attention, InfLLM) and a long prompt's full prefill chunks (the
-        first three) as one graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same
-        code runs eagerly)
+        steps and a long prompt's full prefill chunks of TokenSelect, StreamingLLM, full attention and InfLLM as
+        one graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs
+        eagerly)
         (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path

@@ -374,16 +374,17 @@ class InfLLM(SelectivePolicy):
         if self.positions == "original":
             key_pos[chosen].copy_(tokens)
         if seq.decode:
-            self.count_own_query(layer, seq, q, slots, n_valid, tail_tokens)
+            self.count_own_query(layer, seq, q, slots, n_valid, chosen.stop, tail_tokens)
         else:
             self.saved_q[layer].copy_(q)
             self.saved_list[layer].copy_(slots)
         return GraphList(slots, key_pos, q_pos, n_valid)
 
     def count_own_query(self, layer: int, seq: GraphSeq, q: torch.Tensor, slots: torch.Tensor, n_valid: torch.Tensor,
-                        tail_tokens: torch.Tensor) -> None:
+                        tail_from: int, tail_tokens: torch.Tensor) -> None:
         """A decode step's attention on its window, counted into the ring: what ``count_attention`` adds on the
-        host for an eager step (q: [1, H, d]; slots: the step's list, own token first, n_valid live)."""
+        host for an eager step (q: [1, H, d]; slots: the step's list, own token first, n_valid live, the tail's
+        tokens ``tail_tokens`` from entry ``tail_from`` on)."""
         n_local, ring, dev = self.n_local, self.ring, q.device
         dead = seq.once("infllm dead", lambda: arange(slots.numel(), dev) >= n_valid)
         windowed = seq.once("infllm windowed", lambda: (
@@ -395,7 +396,7 @@ class InfLLM(SelectivePolicy):
         base = (seq.row * self.n_layers + layer) * ring
         mass = self.mass.view(-1, q.shape[1])
         mass.index_copy_(0, base + own_ring, p[:, :1].T)
-        mass.index_add_(0, base + tail_ring, p[:, 1 + self.n_init + self.n_blocks * self.block_size:].T * windowed)
+        mass.index_add_(0, base + tail_ring, p[:, tail_from:].T * windowed)
 
     def graph_positions(self, seq: GraphSeq, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """The positions of the graph list (the chosen blocks' are written by each layer with "original"), as
