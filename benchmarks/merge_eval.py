@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tokenselect.eval.plots import plot_all
-from tokenselect.eval.runner import markdown_table, selection_cache_lines, summarize, write_outputs
+from tokenselect.eval.runner import intervals, markdown_table, selection_cache_lines, summarize, write_outputs
 
 
 def main(out: str, *runs: str) -> None:
@@ -42,7 +42,7 @@ def main(out: str, *runs: str) -> None:
     target = Path(out)
     write_outputs(records, scores, {"merged": [str(r) for r in runs], "configs": configs}, target, selection_cache)
     plot_all(records, target)
-    table = markdown_table(scores)
+    table = markdown_table(scores, intervals(records))
     policies = ", ".join(dict.fromkeys(r["policy"] for r in records))
     (target / "table.md").write_text(f"{title}\n\n{table}\n\nPolicies {policies}: one `tokenselect eval` "
                                      f"process each, merged by `benchmarks/merge_eval.py`.\n"

@@ -17,6 +17,15 @@ if not torch.cuda.is_available():
 from checkpoints import make_checkpoint  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def empty_tokenselect_home(request, tmp_path, monkeypatch):
+    """Every test sees an empty cache folder ($TOKENSELECT_HOME): no model fetched earlier changes what the demo
+    picks, and no test writes into the user's cache. Tests marked ``model_cache`` use the real one, so that the
+    registry models are downloaded once and reused by later runs."""
+    if request.node.get_closest_marker("model_cache") is None:
+        monkeypatch.setenv("TOKENSELECT_HOME", str(tmp_path / "tokenselect-home"))
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     """make(family="llama", **config_overrides) -> path of a saved tiny checkpoint (cached per config)."""

@@ -138,7 +138,7 @@ def test_bench_e2e_merges_runs_into_one_table(tmp_path):
 
 
 def test_policy_specs_carry_their_own_settings():
-    from tokenselect.bench.e2e import policy_spec
+    from tokenselect.policies import policy_spec
 
     assert policy_spec("tokenselect") == ("tokenselect", {})
     assert policy_spec("tokenselect:theta=-1;k=4096;selector=topk") == (

@@ -36,7 +36,7 @@ def test_generate_reads_settings_from_a_config_file(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "/nonexistent/model"], "error: model folder not found: /nonexistent/model"),
+    (["--model", "/nonexistent/model"], "error: model not found: /nonexistent/model"),
     (["--k", "0", "--attention", "full"], "error: attention 'full' takes no setting k"),
     (["--kv-cache-tokens", "8"], "exceeds the context limit of 8 tokens"),
 ])

@@ -117,7 +117,7 @@ def test_text_prompts_are_tokenized_with_bos(tiny_llama):
 
 
 @pytest.mark.parametrize("bad,message", [
-    ("no_folder", "model folder not found"),
+    ("no_folder", "model not found"),
     ("no_config", "no config.json"),
     ("bad_arch", "unsupported architecture"),
     ("no_tokenizer", "no tokenizer files"),
@@ -250,12 +250,13 @@ def test_a_request_with_its_own_policy_settings_runs_as_an_engine_started_with_t
                                                                                     batch_invariant_matmuls):
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32)
     long = prompt(200, 7)
-    own = llm.add_request(long, GREEDY, {"k": 8, "n_local": 4, "theta": 0.5})
+    own = llm.add_request(long, GREEDY, {"k": 8, "n_local": 4, "theta": 0.5, "dense_until": 0})
     shared = llm.add_request(long, GREEDY)
     while llm.scheduler.has_work():
         llm.step()
     assert own.policy is not shared.policy is llm.policy
-    assert own.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32, k=8, n_local=4, theta=0.5).generate(
+    assert own.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32, k=8, n_local=4, theta=0.5,
+                                 dense_until=0).generate(
         [long], GREEDY)[0].token_ids
     assert shared.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32).generate([long], GREEDY)[0].token_ids
     assert own.output_ids != shared.output_ids

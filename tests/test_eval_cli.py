@@ -22,7 +22,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
     out = tmp_path / "run"
     argv = ["--model", str(tiny_llama), "--task", "passkey", "--lengths", "1x,512", "--samples", "2",
-            "--k", "64", "--n-local", "64", "--n-init", "8", "--kernels", "torch", "--device", "cpu", "--seed", "3"]
+            "--k", "64", "--n-local", "64", "--n-init", "8", "--kernels", "torch", "--device", "cpu", "--seed", "3",
+            "--prompt-cache", str(tmp_path / "prompts")]
     args = parse([*argv, "--attention", "full,full@dynamic:2,tokenselect", "--output", str(out)])
     assert args.func(args) == 0
 
@@ -64,11 +65,17 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
     assert f"Selection Cache of tokenselect: {hits / (hits + misses):.1%} hits ({hits} of {hits + misses} " in table
     assert all(p.stat().st_size > 1000 for p in out.rglob("*.png"))
 
-    # the same command line gives the same predictions
+    # every sample was timed: its prefill to the first token, its decode to the last
+    assert all(r["prefill_s"] > 0 and r["decode_s"] > 0 for r in records)
+    # the same command line gives the same predictions (timings aside), from the prompts cached by the first run
+    cached = sorted((tmp_path / "prompts").rglob("*.json"))
+    assert len(cached) == 2 * 2  # one file per (length, sample); the three policies shared them
     again = parse([*argv, "--attention", "tokenselect", "--output", str(tmp_path / "again")])
     again.func(again)
+    assert sorted((tmp_path / "prompts").rglob("*.json")) == cached
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # noqa: E731
     rerun = [json.loads(line) for line in (tmp_path / "again" / "predictions.jsonl").read_text().splitlines()]
-    assert rerun == [r for r in records if r["policy"] == "tokenselect"]
+    assert untimed(rerun) == untimed([r for r in records if r["policy"] == "tokenselect"])
 
 
 def test_eval_help_and_bad_names(capsys):

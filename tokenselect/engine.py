@@ -8,6 +8,7 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -15,11 +16,11 @@ from tqdm.auto import tqdm
 
 from .attention import BatchAttention, Chunk, RopeFrequencies
 from .config import ModelConfig
-from .errors import ContextTooLong
+from .errors import ContextTooLong, TokenSelectError
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
-from .models import load_model, load_tokenizer
-from .models.loader import random_model, resolve_dtype
+from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
+from .models.registry import resolve_model
 from .policies import AttentionPolicy, default_chunk, make_policy
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -36,7 +37,8 @@ SELECT_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: selection re
 
 
 class LLM:
-    """A model from a local Hugging Face checkpoint folder, served with an attention policy.
+    """A model from a local Hugging Face checkpoint folder, a GGUF file, or a model name that
+    ``tokenselect fetch`` has cached (``models/registry.py``), served with an attention policy.
 
     attention: full | tokenselect | reattention (and the baselines). Policy settings
     (k, n_init, n_local, theta, selector, ...) go as keyword arguments; unset ones take the paper's
@@ -57,14 +59,15 @@ class LLM:
             from .data import default_model_path
 
             model = default_model_path()
-        self.path = Path(model)
+        self.path = resolve_model(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # the device its tensors report: cuda:0, not cuda
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.config = ModelConfig.from_folder(self.path)
-        self.tokenizer = load_tokenizer(self.path)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_model(self.path, self.dtype, self.device)
+        checkpoint = Checkpoint(self.path)
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer()
+        self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
+        self.model = checkpoint.load(self.dtype, self.device)
         self._start(attention, **settings)
 
     @classmethod
@@ -159,6 +162,13 @@ class LLM:
 
     # ---- requests -----------------------------------------------------------------------------
 
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """``messages`` (``[{"role", "content"}, ...]``) in the checkpoint's chat template -> token ids
+        (``chat_token_ids``)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise TokenSelectError(f"{self.path} has no chat template")
+        return chat_token_ids(self.tokenizer, messages)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -201,8 +211,11 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        now = time.perf_counter()
         chunks, ids, new_slots, row = [], [], [], 0
         for seq, n in batch:
+            if seq.started_at is None:
+                seq.started_at = now
             slots = self.cache.allocate(n)
             seq.slots[seq.n_cached:seq.n_cached + n] = slots
             new_slots.append(slots)
@@ -239,6 +252,9 @@ class LLM:
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
+        seq.last_token_at = time.perf_counter()  # after sampling, which waited for the step's logits
+        if seq.first_token_at is None:
+            seq.first_token_at = seq.last_token_at
         p = seq.params
         detok = seq.detokenizer
         hits = []

@@ -34,6 +34,7 @@ class RopeSpec:
     mscale_all_dim: float | None = None  # yarn
     attention_factor: float | None = None  # yarn
     truncate: bool = True  # yarn
+    freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (a GGUF's rope_freqs, Llama 3.1)
 
     KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -67,6 +68,7 @@ class RopeSpec:
             mscale_all_dim=params.get("mscale_all_dim"),
             attention_factor=params.get("attention_factor"),
             truncate=bool(params.get("truncate", True)),
+            freq_factors=tuple(params["freq_factors"]) if params.get("freq_factors") else None,
         )
 
     def with_scaling(self, kind: str, factor: float) -> "RopeSpec":
@@ -85,6 +87,10 @@ class RopeSpec:
         d = self.head_dim
         exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
         base_freq = 1.0 / (self.theta ** exponents)
+        if self.freq_factors is not None:  # llama.cpp divides each frequency by its factor
+            if len(self.freq_factors) != d // 2:
+                raise ValueError(f"{len(self.freq_factors)} rope frequency factors for head_dim {d}")
+            base_freq = base_freq / torch.tensor(self.freq_factors, dtype=torch.float32)
         if self.kind == "default":
             return base_freq, 1.0
         if self.kind == "linear":

@@ -15,13 +15,18 @@ _ids = itertools.count()
 
 @dataclass
 class RequestOutput:
-    """text: the generated text; token_ids: the new tokens; finish_reason: 'stop' or 'length'."""
+    """text: the generated text; token_ids: the new tokens; finish_reason: 'stop' or 'length'.
+    prefill_s: seconds from the step that ran the prompt's first chunk to the first new token; decode_s: from
+    there to the last new token. Wall-clock at step boundaries, so with other sequences in the same steps
+    each includes their share."""
 
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class Sequence:
@@ -40,6 +45,8 @@ class Sequence:
         self.detokenizer = IncrementalText(tokenizer) if tokenizer is not None else None  # None: no text
         self.finish_reason: str | None = None
         self.logits: list[torch.Tensor] | None = None  # a list to record every row's logits
+        # perf_counter() at the start of the step that ran its first chunk, at its first and last new token
+        self.started_at = self.first_token_at = self.last_token_at = None
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -72,4 +79,7 @@ class Sequence:
         return self.finish_reason is not None
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason)
+        first, start = self.first_token_at, self.started_at
+        return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
+                             first - start if first is not None else 0.0,
+                             self.last_token_at - first if first is not None else 0.0)

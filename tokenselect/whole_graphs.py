@@ -80,7 +80,7 @@ class WholeGraphs:
         if self.rope.spec.kind == "dynamic":
             return False
         policy = chunks[0].seq.policy
-        if not all(ch.seq.policy is policy and policy.graph_ready(ch.past) for ch in chunks):
+        if not all(ch.seq.policy is policy and policy.graph_ready(ch.past, ch.length) for ch in chunks):
             return False
         if len(chunks) == 1 and not chunks[0].decode:
             ch = chunks[0]

@@ -37,6 +37,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..policies import policy_spec
+
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -305,22 +307,6 @@ def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None 
     names = {kv_dtype: name for name, kv_dtype in KV_DTYPES.items()}
     copy = f", {names[select_dtype]} selection keys" if select_dtype not in (None, dtype) else ""
     return names[dtype] + (", V on host" if offload == "values" else "") + copy
-
-
-def policy_spec(text: str) -> tuple[str, dict]:
-    """``tokenselect:theta=-1;k=4096`` -> ("tokenselect", {"theta": -1, "k": 4096}): a policy with its own
-    settings, so that one run can put several settings of a policy side by side."""
-    name, _, rest = text.partition(":")
-    settings = {}
-    for item in filter(None, rest.split(";")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"policy setting {item!r} in {text!r} is not KEY=VALUE")
-        try:
-            settings[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key.strip()] = value.strip()
-    return name, settings
 
 
 def table(rows: list[dict]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..models.registry import MODEL_HELP
 from ..policies import POLICIES, add_policy_args
 from .runner import run
 from .tasks import TASKS
@@ -19,8 +20,9 @@ tasks, score vs length per task); prints the table in markdown.
 
 Lengths are in the model's tokens: 4k (4096), 1m, a plain number, or multiples of the model's
 trained window: 1x, 4x, 16x. Needle depths are spread evenly over the --samples of each cell.
-Chat models (tokenizer with a chat template) get it, with the answer prefix opening their turn;
-base models get the plain template. A policy written NAME@SCALING runs on its own engine with that
+--chat on wraps each prompt in the model's chat template (the context and question as the user's
+turn, the task's answer prefix opening the assistant's); --chat off gives the plain prompt; auto
+(the default) is on for a model whose tokenizer has a chat template. The results record which ran. A policy written NAME@SCALING runs on its own engine with that
 RoPE scaling, e.g. full@dynamic:4 for full attention with dynamic NTK. Policy flags apply to every
 policy that takes them.
 
@@ -34,8 +36,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``eval`` command to the ``tokenselect`` subparsers."""
     p = subparsers.add_parser("eval", help="score attention policies on long-context tasks (InfiniteBench, RULER)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face checkpoint folder (default: the model that ships with tokenselect)")
+    p.add_argument("--model", default=None,
+                   help=f"{MODEL_HELP}; default: the model that ships with tokenselect")
+    p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                   help="wrap prompts in the model's chat template (default auto: on where it has one)")
     p.add_argument("--task", default="passkey", help=f"comma list of tasks (default passkey): {', '.join(TASKS)}")
     p.add_argument("--lengths", default="1x,4x", help="comma list of context lengths: 4k, 16k, 5000, 1x, 4x (default 1x,4x)")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length, depths spread evenly (default 5)")
@@ -44,6 +48,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(default full,streaming,tokenselect)")
     p.add_argument("--output", type=Path, default=Path("eval_results"), help="output folder (default eval_results)")
     p.add_argument("--seed", type=int, default=0, help="seed of every sample (default 0)")
+    p.add_argument("--prompt-cache", default=None,
+                   help="folder where built prompts are kept and reused by later runs and other processes "
+                        "(default $TOKENSELECT_HOME/eval-prompts; 'none' to build them afresh)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that build the prompts (default: the CPU count, at most 16)")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="build the prompts into the prompt cache and stop (for several eval processes to share)")
     add_policy_args(p)
     p.set_defaults(func=run)
     return p

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import hashlib
 import json
+import math
+import multiprocessing
+import os
 import random
 import re
 import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+
+from ..models.loader import Checkpoint, chat_token_ids
+from ..models.registry import home, resolve_model
+from ..policies import policy_spec
 
 from .metrics import score
 from .tasks import TASKS, Sample, make_sample
@@ -24,6 +34,7 @@ from .tasks import TASKS, Sample, make_sample
 # new tokens per task, as the benchmarks set them (InfiniteBench ``src/eval_utils.py``, RULER ``synthetic.yaml``)
 MAX_TOKENS = {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "vt": 30, "cwe": 120, "fwe": 50}
 NIAH_MAX_TOKENS = 128
+PROMPT_FORMAT = 2  # bump when a generator or the prompt format changes: cached prompts then go stale
 
 
 def parse_length(text: str, window: int) -> int:
@@ -40,48 +51,99 @@ def depths(n: int) -> list[float]:
     return [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
 
 
-def split_policy(spec: str) -> tuple[str, str | None]:
-    """``full@dynamic:4`` -> ("full", "dynamic:4"); ``tokenselect`` -> ("tokenselect", None)."""
-    name, _, rope = spec.partition("@")
-    return name, rope or None
+def split_policy(spec: str) -> tuple[str, dict, str | None]:
+    """``full@dynamic:4`` -> ("full", {}, "dynamic:4"); ``tokenselect:theta=0.8`` -> ("tokenselect",
+    {"theta": 0.8}, None): a policy, its own settings (over the flags') and its RoPE scaling."""
+    head, _, rope = spec.partition("@")
+    name, settings = policy_spec(head)
+    return name, settings, rope or None
 
 
-def format_prompt(tokenizer, sample) -> str:
-    """The plain prompt for a base model; with a chat template, the prompt without its answer prefix
-    as the user turn, and the answer prefix opening the assistant turn (as RULER does)."""
-    if tokenizer.chat_template is None:
-        return sample.input
+def use_chat(tokenizer, chat: str, where) -> bool:
+    """``--chat`` auto | on | off -> whether prompts go through the chat template (on without one: an error)."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat == "on" and not has_template:
+        raise ValueError(f"--chat on: {where} has no chat template")
+    return has_template if chat == "auto" else chat == "on"
+
+
+def format_prompt(tokenizer, sample, chat: bool) -> list[int]:
+    """The prompt's token ids: plain, or with ``chat`` the prompt without its answer prefix as the user's
+    turn and the answer prefix opening the assistant's (as RULER does)."""
+    if not chat:
+        return tokenizer(sample.input)["input_ids"]
     question = sample.input[: len(sample.input) - len(sample.answer_prefix)]
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
-    return chat + sample.answer_prefix.lstrip()
+    prefix = tokenizer(sample.answer_prefix.lstrip(), add_special_tokens=False)["input_ids"]
+    return chat_token_ids(tokenizer, [{"role": "user", "content": question}]) + prefix
 
 
 def max_tokens(task: str) -> int:
     return MAX_TOKENS.get(task, NIAH_MAX_TOKENS)
 
 
-def make_samples(tasks: list[str], lengths: list[str], n_samples: int, llm, seed: int) -> list[dict]:
-    """Every (task, length, sample) cell: its sample drawn from a seed of its own, so adding a task or
-    a length leaves the others' samples unchanged. A length is the whole context, as in RULER: the
-    prompt (special tokens and the chat template's own tokens included) plus the task's answer budget."""
-    tokenizer = llm.tokenizer
-    overhead = len(llm.encode(format_prompt(tokenizer, Sample("", [])))) - len(llm.encode(""))
-    count = lambda text: len(llm.encode(text)) + overhead  # noqa: E731
+def build_cell(tokenizer, chat: bool, seed: int, cell: dict) -> dict:
+    """``cell`` (task, length, target_tokens, sample, depth) with its prompt's token ids and answers. A length
+    is the whole context, as in RULER: the prompt (special tokens and the chat template's own tokens
+    included) plus the task's answer budget. The sample is drawn from a seed of its own, so adding a task or
+    a length leaves the others' samples unchanged."""
+    overhead = len(format_prompt(tokenizer, Sample("", []), chat)) - len(tokenizer("")["input_ids"])
+    count = lambda text: len(tokenizer(text)["input_ids"]) + overhead  # noqa: E731
+    task, tokens, i = cell["task"], cell["target_tokens"], cell["sample"]
+    sample = make_sample(task, tokens - max_tokens(task), cell["depth"], random.Random(f"{seed}/{task}/{tokens}/{i}"),
+                         count)
+    return {**cell, "prompt": format_prompt(tokenizer, sample, chat), "answers": sample.answers}
+
+
+def prompt_cache_key(tokenizer, chat: bool, seed: int) -> str:
+    """What a cached prompt depends on besides its cell: the tokenizer (vocabulary, merges, template), the
+    chat switch, the seed and the generators' version."""
+    digest = hashlib.sha256(f"{PROMPT_FORMAT}|{seed}|{chat}|{tokenizer.chat_template}|".encode())
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    return digest.hexdigest()[:16]
+
+
+def make_samples(tokenizer, window: int, tasks: list[str], lengths: list[str], n_samples: int, seed: int,
+                 chat: bool, cache: Path | None = None, workers: int = 1) -> list[dict]:
+    """Every (task, length, sample) cell with its prompt, built by ``workers`` processes, each prompt read from
+    (and written to) ``cache`` when given, so that other policies, runs and processes reuse it."""
     cells = []
     for task in tasks:
         for length in lengths:
-            tokens = parse_length(length, llm.window)
-            budget = tokens - max_tokens(task)
-            if budget < 64:
+            tokens = parse_length(length, window)
+            if tokens - max_tokens(task) < 64:
                 raise ValueError(f"length {length} ({tokens} tokens) leaves no room for a {task} prompt "
                                  f"next to its {max_tokens(task)}-token answer budget")
-            for i, depth in enumerate(depths(n_samples)):
-                sample = make_sample(task, budget, depth, random.Random(f"{seed}/{task}/{tokens}/{i}"), count)
-                cells.append({"task": task, "length": length, "target_tokens": tokens, "sample": i,
-                              "depth": depth, "prompt": format_prompt(tokenizer, sample),
-                              "answers": sample.answers})
-    return cells
+            cells += [{"task": task, "length": length, "target_tokens": tokens, "sample": i, "depth": depth}
+                      for i, depth in enumerate(depths(n_samples))]
+    folder = None if cache is None else Path(cache) / prompt_cache_key(tokenizer, chat, seed)
+    files = [None if folder is None else folder / f"{c['task']}-{c['target_tokens']}-{c['sample']}-of-{n_samples}.json"
+             for c in cells]
+    built = [json.loads(f.read_text()) if f is not None and f.is_file() else None for f in files]
+    todo = [i for i, b in enumerate(built) if b is None]
+    if todo:
+        from tqdm import tqdm
+
+        build = functools.partial(build_cell, tokenizer, chat, seed)
+        with tqdm(total=len(todo), desc="building prompts", unit="prompt", file=sys.stderr) as bar:
+            if workers > 1 and len(todo) > 1:
+                # fork: the children need no CUDA (prompts are built before any model is loaded)
+                context = multiprocessing.get_context("fork")
+                with ProcessPoolExecutor(workers, mp_context=context) as pool:
+                    futures = {pool.submit(build, cells[i]): i for i in todo}
+                    for future in as_completed(futures):
+                        built[futures[future]] = future.result()
+                        bar.update()
+            else:
+                for i in todo:
+                    built[i] = build(cells[i])
+                    bar.update()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in todo:
+                tmp = files[i].with_suffix(".tmp")
+                tmp.write_text(json.dumps(built[i]))
+                tmp.replace(files[i])  # whole files only, for the processes reading beside this one
+    return built
 
 
 def generate_all(llm, cells: list[dict], progress) -> list:
@@ -111,35 +173,48 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
     hit rate of its decode steps on the eval's real text)."""
     from tqdm import tqdm
 
+    from ..data import default_model_path
     from ..engine import LLM
-    from ..policies import policy_kwargs
+    from ..policies import policy_kwargs, policy_settings
 
     specs = [s.strip() for s in args.attention.split(",") if s.strip()]
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
     by_rope: dict[str | None, list[str]] = {}
     for spec in specs:
-        by_rope.setdefault(split_policy(spec)[1], []).append(spec)
-    records, cells, selection_cache = [], None, {}
+        by_rope.setdefault(split_policy(spec)[2], []).append(spec)
+    # the prompts first, from the tokenizer alone: their worker processes fork before any model is on a GPU
+    path = resolve_model(args.model) if args.model is not None else default_model_path()
+    checkpoint = Checkpoint(path)
+    tokenizer = checkpoint.tokenizer()
+    args.chat = "on" if use_chat(tokenizer, args.chat, path) else "off"  # recorded in the results as it ran
+    cache = None if args.prompt_cache == "none" else Path(args.prompt_cache or home() / "eval-prompts")
+    cells = make_samples(tokenizer, checkpoint.config.window, tasks, lengths, args.samples, args.seed,
+                         args.chat == "on", cache, args.workers or min(16, os.cpu_count() or 1))
+    records, selection_cache = [], {}
+    if args.prompts_only:
+        return records, selection_cache
+    args.policy_settings = {}  # each policy's settings as it ran, defaults filled in (recorded in the results)
     progress = tqdm(total=len(specs) * len(tasks) * len(lengths) * args.samples, desc="eval", unit="sample",
                     file=sys.stderr)
     for rope, group in by_rope.items():
-        first = split_policy(group[0])[0]
-        settings = policy_kwargs(args, first)
+        first, own, _ = split_policy(group[0])
+        settings = {**policy_kwargs(args, first), **own}
         if rope:
             settings["rope_scaling"] = rope
-        llm = LLM(args.model, first, **settings)
-        if cells is None:
-            cells = make_samples(tasks, lengths, args.samples, llm, args.seed)
+        llm = LLM(path, first, **settings)
         for spec in group:
-            name = split_policy(spec)[0]
-            llm.set_attention(name, **policy_kwargs(args, name, engine=False))
+            name, own, _ = split_policy(spec)
+            llm.set_attention(name, **{**policy_kwargs(args, name, engine=False), **own})
+            args.policy_settings[spec] = {key: getattr(llm.policy, key) for key in policy_settings(name)
+                                          if isinstance(getattr(llm.policy, key, None), (int, float, str))}
             progress.set_postfix_str(spec)
             for cell, out in zip(cells, generate_all(llm, cells, progress)):
                 records.append({"policy": spec, "task": cell["task"], "length": cell["length"],
                                 "target_tokens": cell["target_tokens"], "prompt_tokens": len(out.prompt_token_ids),
                                 "sample": cell["sample"], "depth": cell["depth"], "answers": cell["answers"],
-                                "prediction": out.text, "score": score(cell["task"], out.text, cell["answers"])})
+                                "prediction": out.text, "score": score(cell["task"], out.text, cell["answers"]),
+                                "prefill_s": round(out.prefill_s, 4), "decode_s": round(out.decode_s, 4)})
             stats = llm.stats()  # the policy's own counters: set_attention started them afresh
             if "selection_cache_hits" in stats:
                 selection_cache[spec] = {"hits": stats["selection_cache_hits"],
@@ -167,14 +242,46 @@ def summarize(records: list[dict]) -> dict:
             for p, by_task in sums.items()}
 
 
-def markdown_table(scores: dict) -> str:
-    """Rows task x length, one column per policy."""
+def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``mean`` (0..1) seen in ``n`` samples -> (low, high)
+    in 0..1. Scores between 0 and 1 (a partial niah answer) are treated as the proportion they average to."""
+    centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def intervals(records: list[dict]) -> dict:
+    """The 95% interval (x 100) of each cell's mean score, ``{policy: {task: {length: [low, high]}}}``."""
+    cells: dict = {}
+    for r in records:
+        cells.setdefault(r["policy"], {}).setdefault(r["task"], {}).setdefault(r["length"], []).append(r["score"])
+    return {p: {t: {n: [round(100 * x, 1) for x in wilson(sum(v) / len(v), len(v))] for n, v in by_len.items()}
+                for t, by_len in by_task.items()} for p, by_task in cells.items()}
+
+
+def timings(records: list[dict]) -> dict:
+    """Mean prefill seconds and decode seconds per sample, ``{policy: {length: {"prefill_s", "decode_s"}}}``."""
+    cells: dict = {}
+    for r in records:
+        cells.setdefault(r["policy"], {}).setdefault(r["length"], []).append((r["prefill_s"], r["decode_s"]))
+    return {p: {n: {"prefill_s": round(sum(a for a, _ in v) / len(v), 3), "decode_s": round(sum(b for _, b in v) / len(v), 3)}
+                for n, v in by_len.items()} for p, by_len in cells.items()}
+
+
+def markdown_table(scores: dict, bounds: dict | None = None) -> str:
+    """Rows task x length, one column per policy; with ``bounds`` (``intervals``) each score carries its 95%
+    interval."""
     policies = list(scores)
     rows = dict.fromkeys((t, n) for by_task in scores.values() for t, by_len in by_task.items() for n in by_len)
     lines = ["| task | length | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]
     for task, length in rows:
-        cells = [scores[p].get(task, {}).get(length) for p in policies]
-        lines.append(f"| {task} | {length} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+        cells = []
+        for p in policies:
+            value = scores[p].get(task, {}).get(length)
+            span = (bounds or {}).get(p, {}).get(task, {}).get(length)
+            cells.append("" if value is None else f"{value:.1f}" if span is None
+                         else f"{value:.1f} ({span[0]:.0f}-{span[1]:.0f})")
+        lines.append(f"| {task} | {length} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -184,8 +291,9 @@ def title(args: argparse.Namespace, records: list[dict]) -> str:
 
     model = Path(args.model).name if args.model else "default model"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
-    return (f"Eval: {model}, {args.samples} samples per cell (score x 100, greedy), seed {args.seed}, "
-            f"on {device}")
+    interval = ", 95% interval in brackets" if args.samples > 1 else ""
+    return (f"Eval: {model}, chat template {args.chat}, {args.samples} samples per cell (score x 100, greedy"
+            f"{interval}), seed {args.seed}, on {device}")
 
 
 def write_outputs(records: list[dict], scores: dict, config: dict, out: Path,
@@ -200,16 +308,22 @@ def write_outputs(records: list[dict], scores: dict, config: dict, out: Path,
         writer.writeheader()
         for r in records:
             writer.writerow({**r, "answers": json.dumps(r["answers"])})
-    summary = {"config": config, "scores": scores, "selection_cache": selection_cache or {}}
+    summary = {"config": config, "scores": scores, "intervals": intervals(records), "timings": timings(records),
+               "selection_cache": selection_cache or {}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def check_names(args: argparse.Namespace) -> None:
     """ValueError for an unknown task or policy, or fewer than one sample."""
-    from ..policies import POLICIES
+    from ..policies import POLICIES, policy_settings
 
     unknown = [t for t in args.task.split(",") if t.strip() not in TASKS]
     unknown += [a for a in args.attention.split(",") if split_policy(a.strip())[0] not in POLICIES]
+    for spec in args.attention.split(","):
+        name, own, _ = split_policy(spec.strip())
+        bad = sorted(set(own) - set(policy_settings(name))) if name in POLICIES else []
+        if bad:
+            raise ValueError(f"{spec.strip()}: {name} takes no setting {', '.join(bad)}")
     if unknown:
         raise ValueError(f"unknown task or policy: {', '.join(unknown)}")
     if args.samples < 1:
@@ -222,14 +336,19 @@ def run(args: argparse.Namespace) -> int:
 
     check_names(args)
     records, selection_cache = evaluate(args)
+    if args.prompts_only:
+        print(f"built the prompts ({args.samples} per task and length, chat template {args.chat})", file=sys.stderr)
+        return 0
     scores = summarize(records)
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "func"}
     out = Path(args.output)
     write_outputs(records, scores, config, out, selection_cache)
     plot_all(records, out)
-    table = markdown_table(scores)
-    notes = selection_cache_lines(selection_cache)
+    table = markdown_table(scores, intervals(records) if args.samples > 1 else None)
+    notes = selection_cache_lines(selection_cache) + "".join(
+        f"\nSettings of {spec}: " + ", ".join(f"{k}={v}" for k, v in s.items()) + "\n"
+        for spec, s in args.policy_settings.items() if s)
     (out / "table.md").write_text(f"# {title(args, records)}\n\n{table}\n\nCommand: `tokenselect eval "
                                   f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n{notes}")
     print(table + ("\n" + notes if notes else ""))

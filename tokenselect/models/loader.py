@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint folder: safetensors weights (single file or sharded) and tokenizer."""
+"""Load a model from disk: a Hugging Face checkpoint folder (safetensors, single or sharded) or a GGUF file
+(``gguf.py``), its weights and its tokenizer."""
 
 from __future__ import annotations
 
@@ -11,18 +12,25 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from .gguf import GGUFCheckpoint, is_gguf
 from .llama import FUSED, CausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``auto``/None: fp32 on CPU (bf16 matmuls are slow there), bf16 elsewhere."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str | None = None) -> torch.dtype:
+    """``auto``/None: fp32 on CPU (bf16 matmuls are slow there); elsewhere bf16, or fp16 where the checkpoint's
+    own dtype (``stored``) is fp16. A GGUF file says fp16 (``gguf.py``): bf16 rounding of its dequantized
+    weights and activations changes a small model's answers (SmolLM2-135M's logits move by up to 1.2 against
+    fp32, 0.14 in fp16, and on the H100 it answers the capital of France with "L'Etoile, la Marseillaise").
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if stored in ("float16", "fp16") else torch.bfloat16
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -56,44 +64,73 @@ def checkpoint_parts(model: CausalLM, param: str) -> list[tuple[str, slice]]:
             for part, start, size in zip(FUSED[proj], starts, sizes)]
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model from config.json and fill it from the safetensors files by tensor name. A stacked
-    projection is allocated once on the device and each of its parts copied into its rows as it is read
-    (``checkpoint_parts``), so loading holds no second copy."""
-    path = Path(path)
-    cfg = ModelConfig.from_folder(path)
-    files = _weight_files(path)
+def _safetensors(path: Path):
+    """(name, tensor) for every tensor of a checkpoint folder's safetensors files."""
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(cfg: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, where: str) -> CausalLM:
+    """Build the model for ``cfg`` and fill it from ``tensors``, (Hugging Face name, tensor) pairs read one
+    at a time. A stacked projection is allocated once on the device and each of its parts copied into its
+    rows as it arrives (``checkpoint_parts``), so loading holds no second copy of the weights.
+    ``where`` names the checkpoint in errors."""
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = dict(model.named_parameters())
-    where = {name: (param, rows) for param in expected for name, rows in checkpoint_parts(model, param)}
+    parts = {name: (param, rows) for param in expected for name, rows in checkpoint_parts(model, param)}
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in where:
-                    continue
-                param, rows = where[name]
-                tensor, shape = f.get_tensor(name), expected[param][rows].shape
-                if tensor.shape != shape:
-                    raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, config says {tuple(shape)}")
-                if rows == slice(None):
-                    state[param] = tensor.to(device=device, dtype=dtype)
-                else:
-                    if param not in state:
-                        state[param] = torch.empty(expected[param].shape, dtype=dtype, device=device)
-                    state[param][rows].copy_(tensor)
-                seen.add(name)
+    for name, tensor in tensors:
+        if name not in parts:
+            continue
+        param, rows = parts[name]
+        shape = expected[param][rows].shape
+        if tensor.shape != shape:
+            raise CheckpointError(f"{where}: {name} has shape {tuple(tensor.shape)}, config says {tuple(shape)}")
+        if rows == slice(None):
+            state[param] = tensor.to(device=device, dtype=dtype)
+        else:
+            if param not in state:
+                state[param] = torch.empty(expected[param].shape, dtype=dtype, device=device)
+            state[param][rows].copy_(tensor)
+        seen.add(name)
     if cfg.tie_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
         seen.add("lm_head.weight")
-    missing = sorted(set(where) - seen)
+    missing = sorted(set(parts) - seen)
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        raise CheckpointError(f"{path}: weights missing from the checkpoint: {shown}")
+        raise CheckpointError(f"{where}: weights missing from the checkpoint: {shown}")
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
+
+
+class Checkpoint:
+    """A model on disk, a Hugging Face folder or a GGUF file: its ``config``, ``load(dtype, device)`` and
+    ``tokenizer()``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.gguf = GGUFCheckpoint(self.path) if is_gguf(self.path) else None
+        if self.gguf is None and self.path.is_file():
+            raise CheckpointError(f"{self.path} is neither a Hugging Face checkpoint folder nor a GGUF file")
+        self.config = (ModelConfig.from_dict(self.gguf.config) if self.gguf is not None
+                       else ModelConfig.from_folder(self.path))
+
+    def load(self, dtype: torch.dtype, device: torch.device) -> CausalLM:
+        tensors = self.gguf.tensors() if self.gguf is not None else _safetensors(self.path)
+        return build_model(self.config, tensors, dtype, device, str(self.path))
+
+    def tokenizer(self):
+        return self.gguf.tokenizer() if self.gguf is not None else load_tokenizer(self.path)
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model of a checkpoint folder or GGUF file, its weights in ``dtype`` on ``device``."""
+    return Checkpoint(path).load(dtype, device)
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
@@ -108,6 +145,14 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     return model.eval().requires_grad_(False)
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of ``messages`` (``[{"role", "content"}, ...]``) in the tokenizer's chat template, ending
+    with the opening of the assistant's turn. The template writes its own special tokens (a BOS among them,
+    where it has one), so the tokenizer adds none."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def load_tokenizer(path: str | Path):

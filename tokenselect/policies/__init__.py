@@ -47,6 +47,8 @@ def make_policy(name: str, cache: KVCache, kernels: Kernels, window: int, chunk:
     if unknown:
         raise ValueError(f"attention {name!r} takes no setting {', '.join(unknown)} "
                          f"(it takes: {', '.join(accepted) or 'none'})")
+    if "dense_until" in accepted and settings.get("dense_until") is None:
+        settings["dense_until"] = window  # full attention while the context fits the model's window
     shrink = min(1.0, window / PAPER_WINDOW)
     for key in SIZE_SETTINGS:
         if key in accepted and key not in settings:
@@ -54,6 +56,22 @@ def make_policy(name: str, cache: KVCache, kernels: Kernels, window: int, chunk:
     params = inspect.signature(POLICIES[name].__init__).parameters
     extra = {key: value for key, value in (("window", window), ("chunk", chunk)) if key in params}
     return POLICIES[name](cache, kernels, **extra, **settings)
+
+
+def policy_spec(text: str) -> tuple[str, dict]:
+    """``tokenselect:theta=-1;k=4096`` -> ("tokenselect", {"theta": -1, "k": 4096}): a policy with its own
+    settings, so that one run can put several settings of a policy side by side."""
+    name, _, rest = text.partition(":")
+    settings = {}
+    for item in filter(None, rest.split(";")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"policy setting {item!r} in {text!r} is not KEY=VALUE")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key.strip()] = value.strip()
+    return name, settings
 
 
 def default_chunk(window: int) -> int:
@@ -68,6 +86,10 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, help="tokens (tokenselect, infllm, quest) selected from the middle of the cache")
     g.add_argument("--n-init", type=int, help="sink tokens kept at the start (reattention: global tokens)")
     g.add_argument("--n-local", type=int, help="most recent tokens always attended")
+    g.add_argument("--dense-until", type=int,
+                   help="tokenselect: attend every token (as full attention) while the context is at most this "
+                        "many tokens; default: the model's trained window, so the model is unchanged at lengths it "
+                        "handles; 0: select as soon as the context exceeds n_init + k + n_local (the paper)")
     g.add_argument("--theta", type=float, help="Selection Cache threshold on cos(q, q_cached); 1.0 never reuses")
     g.add_argument("--selector", choices=["soft_vote", "hard_vote", "topk"], help="tokenselect head vote (default soft_vote)")
     g.add_argument("--score-scale", help="per-head softmax scale for the vote: raw (default), sqrt_d or a number")
@@ -101,12 +123,15 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                    help="run each step's layers as CUDA graphs captured around attention, and decode steps "
                         "and long prompts' prefill chunks (tokenselect, streaming, full, infllm) as one graph "
                         "each, attention included (default: on with CUDA)")
+    e.add_argument("--max-num-seqs", type=int,
+                   help="sequences running at once (default 64); 1 gives every prefill chunk a step of its own, "
+                        "which runs as one CUDA graph")
 
 
-POLICY_FLAGS = ("k", "n_init", "n_local", "theta", "selector", "score_scale", "span", "n_spans", "positions",
+POLICY_FLAGS = ("k", "n_init", "n_local", "dense_until", "theta", "selector", "score_scale", "span", "n_spans", "positions",
                 "block_size", "repr_keys", "page_size")
 ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype",
-                "kv_offload", "select_dtype", "cuda_graphs")
+                "kv_offload", "select_dtype", "cuda_graphs", "max_num_seqs")
 
 
 def load_config_file(path: Path) -> dict:

@@ -116,9 +116,9 @@ class AttentionPolicy:
 
     # ---- steps captured whole as CUDA graphs --------------------------------------------------
 
-    def graph_ready(self, t: int) -> bool:
-        """Whether a step (a decode token or a prefill chunk) after ``t`` cached tokens can be planned by
-        ``graph_list``."""
+    def graph_ready(self, t: int, c: int = 1) -> bool:
+        """Whether a step of ``c`` tokens (a decode token or a prefill chunk) after ``t`` cached tokens can be
+        planned by ``graph_list``."""
         return False
 
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
@@ -161,6 +161,8 @@ class SelectivePolicy(AttentionPolicy):
 
     POSITIONS = ("reindex", "original")  # the schemes ``place`` knows; subclasses may add their own
 
+    dense_until = 0  # see ``attends_all``; TokenSelect sets it
+
     def __init__(self, cache: KVCache, kernels: Kernels, n_init: int, n_local: int, budget: int,
                  positions: str = "reindex"):
         super().__init__(cache, kernels)
@@ -175,9 +177,15 @@ class SelectivePolicy(AttentionPolicy):
         Returns indices into ``middle`` (sorted, unique, at most ``budget``)."""
         raise NotImplementedError
 
+    def attends_all(self, t: int, c: int) -> bool:
+        """Whether a step of ``c`` tokens after ``t`` cached ones attends every token at its own position, as
+        full attention does: while the list would hold them all anyway, and while the step's last position
+        stays below ``dense_until`` (a model is not made worse at lengths its window already handles)."""
+        return t <= self.n_init + self.budget + self.n_local or t + c <= self.dense_until
+
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
         t, c = seq.past.numel(), q.shape[0]
-        if t <= self.n_init + self.budget + self.n_local:
+        if self.attends_all(t, c):
             return contiguous_plan(seq, c)
         chosen = self.select(layer, seq, q, seq.past[self.n_init:t - self.n_local])
         return self.assemble(seq, chosen, c)
@@ -199,11 +207,11 @@ class SelectivePolicy(AttentionPolicy):
         index = arange(n + c, order.device)
         return index[:n], index[n:]
 
-    def graph_ready(self, t: int) -> bool:
-        """Subclasses that implement ``graph_choose`` can plan a step on the device once the cache is past the
-        selection threshold, with positions by index in the list (which then never move)."""
+    def graph_ready(self, t: int, c: int = 1) -> bool:
+        """Subclasses that implement ``graph_choose`` can plan a step on the device once it selects
+        (``attends_all`` is false), with positions by index in the list (which then never move)."""
         return (type(self).graph_choose is not SelectivePolicy.graph_choose and self.positions == "reindex"
-                and t > self.n_init + self.budget + self.n_local)
+                and not self.attends_all(t, c))
 
     def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
         """[sinks | chosen | local window | own] at positions 0, 1, ...: one list a step, assembled by the first

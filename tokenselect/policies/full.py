@@ -14,7 +14,7 @@ class FullAttention(AttentionPolicy):
     def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
         return contiguous_plan(seq, q.shape[0])
 
-    def graph_ready(self, t: int) -> bool:
+    def graph_ready(self, t: int, c: int = 1) -> bool:
         """From the first token on; not with the values on the host, where a graph would stage the table's
         whole capacity (up to GRAIN - 1 rows more than the context, the whole prompt for every prefill chunk)."""
         return self.cache.offload != "values"

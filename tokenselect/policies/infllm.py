@@ -279,7 +279,7 @@ class InfLLM(SelectivePolicy):
 
     # ---- steps as one graph -----------------------------------------------------------------------
 
-    def graph_ready(self, t: int) -> bool:
+    def graph_ready(self, t: int, c: int = 1) -> bool:
         """Past the selection threshold, where every step selects blocks (any position scheme)."""
         return t > self.n_init + self.budget + self.n_local
 

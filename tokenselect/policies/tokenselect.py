@@ -32,8 +32,11 @@ class TokenSelect(SelectivePolicy):
 
     def __init__(self, cache: KVCache, kernels: Kernels, k: int = 2048, n_init: int = 128, n_local: int = 512,
                  theta: float | None = 0.9, selector: str = "soft_vote", score_scale: str | float = "raw",
-                 positions: str = "reindex"):
+                 positions: str = "reindex", dense_until: int = 0):
         super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k, positions=positions)
+        if dense_until < 0:
+            raise ValueError("dense_until must be >= 0")
+        self.dense_until = dense_until
         if selector not in SELECTORS:
             raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
         self.k, self.selector = k, selector
@@ -47,7 +50,7 @@ class TokenSelect(SelectivePolicy):
         """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the chosen
         middle of the last miss's plan: a hit puts it between the sinks and the current local window."""
         t, c = seq.past.numel(), q.shape[0]
-        if not seq.decode or t <= self.n_init + self.budget + self.n_local:
+        if not seq.decode or self.attends_all(t, c):
             return super().plan(layer, seq, q)
         sc = self.selection_cache
         query = selection_query(q)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Real-model accuracy tables on one GPU: every policy on the same prompts, one process per policy side by side,
+# merged into one table with 95% intervals; then the within-window agreement and the Selection Cache's hit rates
+# on prose (benchmarks/real_model_checks.py).
+#
+#   benchmarks/gpu_real_eval.sh OUTDIR [eval] [checks]
+#
+# Settings (environment): MODEL (default smollm2-135m-instruct; the model must be in $TOKENSELECT_HOME, see
+# benchmarks/model_parts.sh for the GPU machine), TASKS, LENGTHS, SAMPLES (default 20), CHAT (on|off|auto),
+# POLICIES (space separated; NAME[:key=value;...][@SCALING]), KV (pool tokens per process), SEQS (sequences
+# at once per process, default 1: each prefill chunk then runs as one CUDA graph), LIMIT (seconds each policy's
+# process may take; one past it is left out of the table, the others are kept). Everything lands in
+# OUTDIR/eval.tgz (the merged table, plots, and every run's predictions and log).
+set -euo pipefail
+dest=${1:?usage: benchmarks/gpu_real_eval.sh OUTDIR [eval] [checks]}
+shift
+out=$(mktemp -d)  # work here; what is kept goes to OUTDIR as one tarball a part (a device call returns few files)
+parts=${*:-eval checks}
+export OMP_NUM_THREADS=2 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+model=${MODEL:-smollm2-135m-instruct}
+tasks=${TASKS:-passkey,number_string,kv_retrieval,niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt}
+read -r -a policies <<< "${POLICIES:-full full@dynamic:4 full@yarn:4 streaming infllm quest tokenselect reattention}"
+common=(--model "$model" --task "$tasks" --lengths "${LENGTHS:-1x,2x,4x,8x}" --samples "${SAMPLES:-20}"
+        --chat "${CHAT:-off}" --kv-cache-tokens "${KV:-300000}" --max-num-seqs "${SEQS:-1}")
+mkdir -p "$out/runs"
+for part in $parts; do
+  case "$part" in
+    eval)
+      start=$SECONDS
+      python3 -m tokenselect.cli eval "${common[@]}" --prompts-only 2>&1 | tail -2
+      echo "prompts: $((SECONDS - start)) s"
+      for p in "${policies[@]}"; do
+        name=${p//[:;=@]/_}
+        timeout "${LIMIT:-0}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
+          --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
+      done
+      wait
+      echo "eval: $((SECONDS - start)) s"
+      runs=()  # the runs that finished (within LIMIT seconds, where set)
+      for p in "${policies[@]}"; do
+        name=${p//[:;=@]/_}
+        if [ -f "$out/runs/$name/predictions.jsonl" ]; then runs+=("$out/runs/$name"); else echo "unfinished: $p"; fi
+      done
+      python3 benchmarks/merge_eval.py "$out/eval" "${runs[@]}" || true  # a failed run: the others still kept
+      mkdir -p "$dest" && tar czf "$dest/eval.tgz" -C "$out" eval runs ;;
+    checks)
+      start=$SECONDS
+      python3 benchmarks/real_model_checks.py --model "$model" --out "$dest/checks"
+      echo "checks: $((SECONDS - start)) s" ;;
+    *) echo "unknown part $part: eval or checks" >&2; exit 2 ;;
+  esac
+done
