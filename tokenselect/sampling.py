@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this a temperature divides logits into infinities (NaN probabilities): it samples as greedy, which
+# is what such a temperature means anyway.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -30,8 +35,8 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, not {self.stop!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k < 0:
@@ -40,7 +45,7 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [vocab] fp32 -> the next token id."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     if params.top_k > 0:

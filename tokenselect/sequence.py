@@ -31,6 +31,7 @@ class Sequence:
                  tokenizer=None):
         self.id = next(_ids)
         self.policy = policy  # the AttentionPolicy that plans this sequence's attention
+        self.policy_key: tuple = ()  # the per-request settings that chose it (the engine's bookkeeping)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
@@ -38,7 +39,8 @@ class Sequence:
         self.slots = torch.empty(len(prompt_ids) + params.max_tokens, dtype=torch.int64, device=device)
         self.n_cached = 0  # tokens whose K/V are in the cache
         self.detokenizer = IncrementalText(tokenizer) if tokenizer is not None else None  # None: no text
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then ``error`` says why)
+        self.error: BaseException | None = None
         self.logits: list[torch.Tensor] | None = None  # a list to record every row's logits
         self.generator = None
         if params.seed is not None:
