@@ -123,9 +123,8 @@ class _Request(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling(self) -> SamplingParams:
-        stop = self.stops
         return SamplingParams(max_tokens=self.max_tokens or DEFAULT_MAX_TOKENS, temperature=float(self.temperature),
-                              top_p=float(self.top_p), top_k=self.top_k, stop=stop, seed=self.seed,
+                              top_p=float(self.top_p), top_k=self.top_k, stop=self.stops, seed=self.seed,
                               ignore_eos=self.ignore_eos)
 
 
@@ -478,9 +477,8 @@ def check_fields(body: _Request, options: ServerOptions) -> None:
     """APIError 400 for an OpenAI field the server does not implement with a value that would change the
     output, and for stop strings over the limits."""
     for key, value in (body.model_extra or {}).items():
-        neutral = UNSUPPORTED_FIELDS.get(key)
-        if neutral is not None and not any(type(value) is type(n) and value == n for n in neutral if n is not None) \
-                and value is not None:
+        # the type too: logprobs 0 asks for the chosen tokens' logprobs, where False asks for none
+        if key in UNSUPPORTED_FIELDS and not any(type(value) is type(n) and value == n for n in UNSUPPORTED_FIELDS[key]):
             raise APIError(400, f"{key} is not supported by this server", param=key, code="unsupported_parameter")
     stops = body.stops
     if len(stops) > options.max_stop_strings:
