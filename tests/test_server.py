@@ -282,3 +282,10 @@ def test_serve_command_line(checkpoint):
                               "--k", "64", "--kv-cache-tokens", "2048"])
     assert args.func is cmd_serve and args.attention == "tokenselect" and args.host == "127.0.0.1"
     assert (args.port, args.served_model_name, args.k, args.kv_cache_tokens) == (8123, "x", 64, 2048)
+    assert ServerOptions.from_args(args) == ServerOptions()  # loopback: the loopback names only
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k", "--enable-docs",
+                                      "--max-model-len", "512", "--max-queued-requests", "5", "--shutdown-timeout", "2.5"])
+    assert ServerOptions.from_args(args) == ServerOptions(api_key="k", allowed_hosts=("*",), enable_docs=True,
+                                                          max_model_len=512, max_queued_requests=5, shutdown_timeout=2.5)
+    args = build_parser().parse_args(["serve", "--allowed-hosts", "a.example", "*.b.example"])
+    assert ServerOptions.from_args(args).allowed_hosts == ("a.example", "*.b.example")

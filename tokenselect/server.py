@@ -501,6 +501,19 @@ def resolve_options(options: ServerOptions, llm) -> ServerOptions:
 # ---- the app ------------------------------------------------------------------------------------
 
 
+@dataclass
+class Waiting:
+    """Requests that have not yet got their first token (being tokenized, queued, or prefilling);
+    counted on the event loop only. At ``limit`` newcomers are turned away."""
+
+    limit: int
+    count: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.limit
+
+
 def create_app(llm, served_model_name: str | None = None, options: ServerOptions | None = None):
     """The FastAPI app serving ``llm``. The engine thread, and the tokenizer's, run while the app is
     up (lifespan)."""
@@ -510,7 +523,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     worker = EngineWorker(llm)
     tokenizer = copy.deepcopy(llm.tokenizer)  # the tokenizer thread's own
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenselect-tokenizer")
-    waiting = [0]  # requests that have not yet got their first token (event loop only)
+    waiting = Waiting(options.max_queued_requests)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -557,13 +570,10 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
         check_fields(body, options)
         check_policy_settings(llm.attention, body.policy or {}, options.max_model_len)
 
-    def queue_full() -> bool:
-        return waiting[0] >= options.max_queued_requests
-
     async def run(request: Request, body: _Request, prompt, kind: str):
         check(body)
-        if queue_full():
-            raise APIError(429, f"{waiting[0]} requests are waiting already (--max-queued-requests); retry later",
+        if waiting.full:
+            raise APIError(429, f"{waiting.count} requests are waiting already (--max-queued-requests); retry later",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(options.retry_after)})
         job = Job(body.sampling(), asyncio.get_running_loop(), policy=body.policy,
@@ -577,7 +587,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
             job.gone = None
 
     async def answer(job: Job, body: _Request, prompt, kind: str):
-        waiting[0] += 1
+        waiting.count += 1
         try:
             job.ids = await job.loop.run_in_executor(tokenizing, prompt_ids, llm, tokenizer, prompt,
                                                      job.params.max_tokens, options)
@@ -591,7 +601,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                 await events.aclose()
                 raise
         finally:
-            waiting[0] -= 1
+            waiting.count -= 1
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(sse(rid, kind, first, events, job.params.stop), media_type="text/event-stream")
@@ -667,9 +677,9 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     @app.get("/health")
     async def health():
         """200 while the server can take requests; 503, with the reason, while it cannot."""
-        reason = worker.unavailable() or (queue_full() and f"{waiting[0]} requests are waiting: the queue is full")
+        reason = worker.unavailable() or (waiting.full and f"{waiting.count} requests are waiting: the queue is full")
         body = {"status": "unavailable" if reason else "ok", "model": name, "running": len(worker.jobs),
-                "waiting": waiting[0], **llm.stats()}
+                "waiting": waiting.count, **llm.stats()}
         if reason:
             body["reason"] = reason
         return JSONResponse(body, status_code=503 if reason else 200)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 PROMPT_CHARS_PER_TOKEN = 16  # the default character limit of a prompt: this many per token of the cap
+API_KEY_VARIABLE = "TOKENSELECT_API_KEY"
 
 
 def _option(default, help: str, **flag):
@@ -23,7 +25,8 @@ class ServerOptions:
     ``tokenselect serve`` (``add_server_args``); None means the default the help text names."""
 
     api_key: str | None = _option(None, "clients must send 'Authorization: Bearer KEY' (every path but /health); "
-                                        "default: no key", type=str)
+                                        f"default: ${API_KEY_VARIABLE} if set (kept out of the process list), "
+                                        "else no key", type=str)
     allowed_hosts: tuple[str, ...] | None = _option(
         None, "Host header values served (names or addresses; '*' any, '*.example.com' its subdomains), against "
               "DNS rebinding; default: the loopback names when listening on a loopback address, else any",
@@ -49,6 +52,8 @@ class ServerOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOptions":
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
+        if "api_key" not in given and os.environ.get(API_KEY_VARIABLE):
+            given["api_key"] = os.environ[API_KEY_VARIABLE]
         if "allowed_hosts" in given:
             given["allowed_hosts"] = tuple(given["allowed_hosts"])
         elif getattr(args, "host", "127.0.0.1") not in LOOPBACK_HOSTS:
