@@ -26,28 +26,28 @@ class ServerOptions:
 
     api_key: str | None = _option(None, "clients must send 'Authorization: Bearer KEY' (every path but /health); "
                                         f"default: ${API_KEY_VARIABLE} if set (kept out of the process list), "
-                                        "else no key", type=str)
+                                        "else no key", type=str, metavar="KEY")
     allowed_hosts: tuple[str, ...] | None = _option(
         None, "Host header values served (names or addresses; '*' any, '*.example.com' its subdomains), against "
               "DNS rebinding; default: the loopback names when listening on a loopback address, else any",
-        nargs="+", type=str)
+        nargs="+", type=str, metavar="HOST")
     enable_docs: bool = _option(False, "serve the interactive API docs (/docs, /redoc, /openapi.json)",
                                 action="store_true")
     max_model_len: int | None = _option(
         None, "most KV slots one request may reserve (prompt + max_tokens), so that one request cannot hold the "
-              "whole pool; default: half the KV pool", type=int)
-    max_body_bytes: int = _option(16 << 20, "largest request body in bytes (default 16 MiB); larger ones get 413", type=int)
+              "whole pool; default: half the KV pool", type=int, metavar="N")
+    max_body_bytes: int = _option(16 << 20, "largest request body in bytes; larger ones get 413", type=int, metavar="N")
     max_prompt_chars: int | None = _option(
         None, f"longest prompt in characters (chat: all messages), checked before tokenizing; default: "
-              f"{PROMPT_CHARS_PER_TOKEN} per token of --max-model-len", type=int)
-    max_stop_strings: int = _option(16, "most stop strings per request (default 16)", type=int)
-    max_stop_chars: int = _option(256, "longest stop string in characters (default 256)", type=int)
+              f"{PROMPT_CHARS_PER_TOKEN} per token of --max-model-len", type=int, metavar="N")
+    max_stop_strings: int = _option(16, "most stop strings per request", type=int, metavar="N")
+    max_stop_chars: int = _option(256, "longest stop string in characters", type=int, metavar="N")
     max_queued_requests: int = _option(
         256, "requests waiting for their first token at most (being tokenized, queued or prefilling); more get "
-             "429 with Retry-After (default 256)", type=int)
-    retry_after: int = _option(1, "seconds a 429 tells the client to wait (Retry-After; default 1)", type=int)
+             "429 with Retry-After", type=int, metavar="N")
+    retry_after: int = _option(1, "seconds a 429 tells the client to wait (Retry-After)", type=int, metavar="SECONDS")
     shutdown_timeout: float = _option(30.0, "seconds running requests get to finish on shutdown (SIGTERM, "
-                                            "Ctrl-C); then they are aborted (default 30)", type=float)
+                                            "Ctrl-C); then they are aborted", type=float, metavar="SECONDS")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOptions":
@@ -66,4 +66,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("limits and access")
     for f in dataclasses.fields(ServerOptions):
         flag = {key: value for key, value in f.metadata.items() if key != "help"}
-        g.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"], **flag)
+        shown = f" (default {f.default})" if f.default not in (None, False) else ""  # else the help names it
+        g.add_argument("--" + f.name.replace("_", "-"), default=None, help=f.metadata["help"] + shown, **flag)
