@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from checkpoints import VOCAB
@@ -392,9 +393,9 @@ PARAMS = [
     ('{"prompt": "hi", "temperature": NaN}', "temperature"),
     ('{"prompt": "hi", "temperature": 2.5}', "temperature"),
     ('{"prompt": "hi", "top_p": NaN}', "top_p"),
-    ('{"prompt": "hi", "logprobs": 2}', "logprobs"),  # silently ignored before
-    ('{"prompt": "hi", "logprobs": 0}', "logprobs"),
-    ('{"prompt": "hi", "echo": true}', "echo"),
+    ('{"prompt": "hi", "logprobs": 6}', "logprobs"),  # OpenAI's limit is 5
+    ('{"prompt": "hi", "logprobs": true}', "logprobs"),
+    ('{"prompt": "hi", "echo": true}', "echo"),  # these were silently ignored
     ('{"prompt": "hi", "best_of": 3}', "best_of"),
     ('{"prompt": "hi", "logit_bias": {"5": 100}}', "logit_bias"),
     ('{"prompt": "hi", "presence_penalty": 1.5}', "presence_penalty"),
@@ -407,13 +408,44 @@ def test_out_of_range_and_unsupported_parameters_get_400(client, body, param):
     assert_error(post_raw(client, "/v1/completions", body), 400, param)
 
 
-def test_chat_logprobs_get_400_and_neutral_values_are_accepted(client):
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
     messages = [{"role": "user", "content": "hi"}]
-    assert_error(client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True}), 400, "logprobs")
     assert_error(client.post("/v1/chat/completions", json={"messages": messages, "top_logprobs": 3}), 400,
-                 "top_logprobs")
+                 "top_logprobs")  # without logprobs: true
+    assert_error(client.post("/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 21}),
+                 400, "top_logprobs")
     neutral = {"logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
                "logit_bias": {}, "user": "me", "seed": 2**64 - 1, "temperature": 1e-300}
     assert client.post("/v1/completions", json={**OK, **neutral}).status_code == 200
     assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "logprobs": False,
                                                       "seed": -(2**63)}).status_code == 200
+
+
+def test_logprobs_are_the_models_and_stream_as_they_come(client, reference):
+    """``logprobs`` was silently ignored: now each generated token's log-probability and its likeliest
+    alternatives', from the model's distribution (the first token's equals the prompt's last logits')."""
+    prompt = PROMPTS[2]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    out = client.post("/v1/completions", json=body).json()
+    lp, n = out["choices"][0]["logprobs"], out["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        # greedy: the likeliest (a dict: alternatives that decode alike, such as partial characters, merge)
+        assert chosen <= 0 and 1 <= len(top) <= 3 and chosen >= max(top.values()) - 1e-5
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    first = torch.log_softmax(reference.prompt_logits(prompt)[-1], dim=-1)
+    assert lp["token_logprobs"][0] == pytest.approx(float(first.max()), abs=1e-4)
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert sum((s["tokens"] for s in streamed), []) == lp["tokens"]
+    assert sum((s["token_logprobs"] for s in streamed), []) == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                      "ignore_eos": True, "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] == 4
+    assert all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"])
+               and t["bytes"] == list(t["token"].encode()) for t in content)
+    plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["text"] == out["choices"][0]["text"]

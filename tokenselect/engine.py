@@ -23,7 +23,7 @@ from .kv_cache import KVCache, host_memory_available
 from .models import load_model, load_tokenizer
 from .models.loader import random_model, resolve_dtype
 from .policies import AttentionPolicy, default_chunk, make_policy
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .step_graphs import StepGraphs
@@ -302,7 +302,10 @@ class LLM:
                 seq.logits.append(row_logits)
             if seq.n_cached == seq.n_tokens:
                 try:  # e.g. NaN logits make the sampler raise: that ends this sequence only
-                    self._append(seq, sample(row_logits[-1], seq.params, seq.generator))
+                    token = sample(row_logits[-1], seq.params, seq.generator)
+                    if seq.logprobs is not None:
+                        seq.logprobs.append(token_logprobs(row_logits[-1], token, seq.params.logprobs))
+                    self._append(seq, token)
                 except Exception as error:
                     self._fail(seq, error)
                 stepped.append(seq)

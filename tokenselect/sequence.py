@@ -42,6 +42,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then ``error`` says why)
         self.error: BaseException | None = None
         self.logits: list[torch.Tensor] | None = None  # a list to record every row's logits
+        # per generated token, with params.logprobs set: (its log-probability, [(id, log-probability)] of the
+        # params.logprobs likeliest tokens), see ``sampling.token_logprobs``
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = [] if params.logprobs is not None else None
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

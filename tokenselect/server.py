@@ -29,6 +29,7 @@ import asyncio
 import copy
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import queue
@@ -49,7 +50,7 @@ from starlette.exceptions import HTTPException
 
 from .errors import TokenSelectError
 from .policies import policy_settings
-from .sampling import SamplingParams
+from .sampling import MAX_LOGPROBS, SamplingParams
 from .server_options import LOOPBACK_HOSTS, PROMPT_CHARS_PER_TOKEN, ServerOptions
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; used for chat too
@@ -57,11 +58,11 @@ POLICY_OVERRIDES = ("k", "n_local", "theta")  # per-request settings the ``polic
 POLICY_SIZES = ("k", "n_local")  # of those, the ones counted in tokens: at most the reservation cap
 # OpenAI fields that would change the output, which the server does not implement, with the values that
 # change nothing (a client may send those); any other value is a 400 rather than a silently different answer
-UNSUPPORTED_FIELDS = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-                      "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+UNSUPPORTED_FIELDS = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
                       "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                       "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"})}
 INTERNAL_ERROR = "internal server error; the server log has the details"
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs (chat's top_logprobs: MAX_LOGPROBS)
 log = logging.getLogger("tokenselect.server")
 # how pydantic names a union member in an error
 UNION_TAG = re.compile(r"(constrained-)?(str|int|float|bool)|\w+\[.*\]")
@@ -122,14 +123,22 @@ class _Request(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def logprob_alternatives(self) -> int | None:
+        """None: no logprobs; n: each token's logprob and the n likeliest alternatives'."""
+        return None
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or DEFAULT_MAX_TOKENS, temperature=float(self.temperature),
                               top_p=float(self.top_p), top_k=self.top_k, stop=self.stops, seed=self.seed,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprob_alternatives())
 
 
 class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictInt]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class Message(BaseModel):
@@ -139,6 +148,13 @@ class Message(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message]
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- the engine thread --------------------------------------------------------------------------
@@ -146,12 +162,15 @@ class ChatRequest(_Request):
 
 @dataclass
 class Snapshot:
-    """A sequence's state after a step: the text so far, its token counts, why it ended (or None)."""
+    """A sequence's state after a step: the text so far, its token counts, why it ended (or None), and
+    with logprobs asked for, the tokens generated since the previous snapshot as
+    ``(text, logprob, [(text, logprob)] of the likeliest)``."""
 
     text: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str | None
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -169,6 +188,7 @@ class Job:
     gone: asyncio.Future | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: object = None
+    logprobs_sent: int = 0  # entries of seq.logprobs already sent (engine thread only)
 
     def send(self, item) -> None:
         try:
@@ -278,7 +298,18 @@ class EngineWorker:
         if seq.finish_reason == "error":  # the engine logged its exception
             job.send(internal_error())
         else:
-            job.send(Snapshot(seq.text, len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason))
+            job.send(Snapshot(seq.text, len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason,
+                              self._new_logprobs(job)))
+
+    def _new_logprobs(self, job: Job) -> list:
+        """The job's logprob entries since its last snapshot, the token ids decoded (by this thread's tokenizer)."""
+        seq = job.seq
+        if seq.logprobs is None:
+            return []
+        start, job.logprobs_sent = job.logprobs_sent, len(seq.logprobs)
+        decode = self.llm.tokenizer.decode
+        return [(decode([token]), logprob, [(decode([i]), lp) for i, lp in top])
+                for token, (logprob, top) in zip(seq.output_ids[start:], seq.logprobs[start:])]
 
     def _fail_all(self, error: APIError) -> None:
         """End every live request and every one still in the inbox with ``error``."""
@@ -477,7 +508,7 @@ def check_fields(body: _Request, options: ServerOptions) -> None:
     """APIError 400 for an OpenAI field the server does not implement with a value that would change the
     output, and for stop strings over the limits."""
     for key, value in (body.model_extra or {}).items():
-        # the type too: logprobs 0 asks for the chosen tokens' logprobs, where False asks for none
+        # the type too: 0 is not False
         if key in UNSUPPORTED_FIELDS and not any(type(value) is type(n) and value == n for n in UNSUPPORTED_FIELDS[key]):
             raise APIError(400, f"{key} is not supported by this server", param=key, code="unsupported_parameter")
     stops = body.stops
@@ -604,14 +635,14 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
             waiting.count -= 1
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(sse(rid, kind, first, events, job.params.stop), media_type="text/event-stream")
-        last = first
+            return StreamingResponse(sse(rid, kind, first, events, job.params), media_type="text/event-stream")
+        last, logprobs = first, list(first.logprobs)
         try:
             async for last in events:
-                pass
+                logprobs += last.logprobs
         finally:
             await events.aclose()
-        return response(rid, kind, last)
+        return response(rid, kind, last, logprobs if job.params.logprobs is not None else None)
 
     def envelope(rid: str, kind: str, choice: dict, usage: Snapshot | None = None) -> dict:
         obj = {"id": rid, "object": ("chat.completion" if kind == "chat" else "text_completion"),
@@ -621,17 +652,38 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
         return obj
 
-    def response(rid: str, kind: str, snap: Snapshot) -> dict:
-        body = ({"message": {"role": "assistant", "content": snap.text}} if kind == "chat"
-                else {"text": snap.text, "logprobs": None})
-        return envelope(rid, kind, {**body, "finish_reason": snap.finish_reason}, snap)
+    def logprobs_object(kind: str, entries: list | None, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs of ``entries`` (``Snapshot.logprobs``): chat's ``content`` list, or the
+        completions' parallel lists with each token's character offset from ``offset``."""
+        if entries is None:
+            return None
+        if kind == "chat":
+            def item(text: str, logprob: float) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+            return {"content": [{**item(text, logprob), "top_logprobs": [item(*alt) for alt in top]}
+                                for text, logprob, top in entries]}
+        offsets = list(itertools.accumulate((len(text) for text, _, _ in entries), initial=offset))[:-1]
+        return {"tokens": [text for text, _, _ in entries], "token_logprobs": [logprob for _, logprob, _ in entries],
+                "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
-    async def sse(rid: str, kind: str, first: Snapshot, events, stops: list[str]):
-        """Text deltas as ``data: {chunk}`` events; the last chunk carries finish_reason and usage."""
+    def response(rid: str, kind: str, snap: Snapshot, logprobs: list | None) -> dict:
+        body = {"message": {"role": "assistant", "content": snap.text}} if kind == "chat" else {"text": snap.text}
+        return envelope(rid, kind, {**body, "logprobs": logprobs_object(kind, logprobs),
+                                    "finish_reason": snap.finish_reason}, snap)
+
+    async def sse(rid: str, kind: str, first: Snapshot, events, params: SamplingParams):
+        """Text deltas as ``data: {chunk}`` events; the last chunk carries finish_reason and usage. With
+        logprobs, a chunk carries those of the tokens generated since the previous chunk (a chunk's text
+        and its tokens may differ by a held-back tail)."""
+        stops, pending = params.stop, []  # pending: logprob entries not sent yet
+
         def chunk(text: str, finish: str | None, usage: Snapshot | None = None, role: bool = False) -> str:
+            logprobs = logprobs_object(kind, list(pending) if params.logprobs is not None and not role else None,
+                                       len(sent))
+            pending.clear()
             body = ({"delta": {"role": "assistant", "content": text} if role else {"content": text}}
-                    if kind == "chat" else {"text": text, "logprobs": None})
-            obj = envelope(rid, kind, {**body, "finish_reason": finish}, usage)
+                    if kind == "chat" else {"text": text})
+            obj = envelope(rid, kind, {**body, "logprobs": logprobs, "finish_reason": finish}, usage)
             if kind == "chat":
                 obj["object"] = "chat.completion.chunk"
             return f"data: {json.dumps(obj)}\n\n"
@@ -642,6 +694,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                 yield chunk("", None, role=True)
             snap = first
             while True:
+                pending += snap.logprobs
                 final = snap.finish_reason is not None
                 text = snap.text if final else stable_prefix(snap.text, stops)
                 if text.startswith(sent) and (len(text) > len(sent) or final):
