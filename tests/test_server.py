@@ -201,7 +201,8 @@ LONG_RUN = {"prompt": PROMPTS[3], "max_tokens": 2000, "temperature": 0, "ignore_
 def test_disconnecting_stream_frees_its_slots(served, client):
     llm, worker = served[1], served[2].state.worker
     with client.stream("POST", "/v1/completions", json={**LONG_RUN, "stream": True}) as r:
-        assert next(r.iter_lines()).startswith("data: ")
+        lines = r.iter_lines()  # kept: a dropped line iterator closes the stream there and then
+        assert next(lines).startswith("data: ")
         assert llm.cache.num_free < llm.cache.n_slots
         (job,) = worker.jobs.values()  # read-only peek at the engine thread's live table
     wait_for_free_pool(llm)
