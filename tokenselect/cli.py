@@ -14,6 +14,7 @@ from pathlib import Path
 from .errors import TokenSelectError
 from .models.registry import MODEL_HELP, MODELS
 from .policies import POLICIES, add_policy_args, policy_kwargs
+from .server_options import add_server_args
 
 
 def add_model_args(parser: argparse.ArgumentParser, attention_default: str = "full",
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model folder's name)")
     add_model_args(serve, attention_default="tokenselect")
+    add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     from . import bench

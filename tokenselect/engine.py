@@ -7,8 +7,10 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -22,7 +24,7 @@ from .kv_cache import KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
 from .models.registry import resolve_model
 from .policies import AttentionPolicy, default_chunk, make_policy
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .step_graphs import StepGraphs
@@ -34,6 +36,10 @@ GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
 HOST_MEMORY_FRACTION = 0.8  # of the available host memory, for an offloaded V pool
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SELECT_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: selection reads the K pool itself
+# Policy instances of per-request settings that no live request uses, kept for the next request that asks for
+# the same settings; older idle ones are dropped, so a stream of distinct settings cannot grow memory for good.
+MAX_IDLE_POLICIES = 4
+log = logging.getLogger("tokenselect.engine")
 
 
 class LLM:
@@ -131,18 +137,30 @@ class LLM:
         if getattr(self, "whole_graphs", None) is not None:
             self.whole_graphs.clear()
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
-        self._policies = {(): self.policy}  # one instance per distinct per-request settings
+        # one instance per distinct per-request settings, least recently used first; () is the engine's own
+        self._policies: OrderedDict[tuple, AttentionPolicy] = OrderedDict({(): self.policy})
+        self._policy_users: dict[tuple, set[int]] = {}  # settings -> ids of the live sequences using them
 
-    def policy_for(self, overrides: dict | None) -> AttentionPolicy:
-        """The policy instance for a request's own settings (e.g. ``{"k": 1024}``) on top of the
-        engine's; built on first use, shared by the requests that ask for the same. ValueError for a
-        setting the policy does not take."""
+    def policy_for(self, overrides: dict | None) -> tuple[tuple, AttentionPolicy]:
+        """(key, policy instance) for a request's own settings (e.g. ``{"k": 1024}``) on top of the
+        engine's; built on first use, shared by the requests that ask for the same, dropped some time
+        after no live request uses it (``MAX_IDLE_POLICIES``). ValueError for a setting the policy does
+        not take."""
         key = tuple(sorted((overrides or {}).items()))
         if key not in self._policies:
             settings = {**self.policy_settings, **dict(key)}
             self._policies[key] = make_policy(self.attention, self.cache, self.kernels, self.window,
                                               self.chunk_size, settings)
-        return self._policies[key]
+        self._policies.move_to_end(key)
+        return key, self._policies[key]
+
+    def _drop_idle_policies(self) -> None:
+        """Forget the least recently used per-request policy instances that no live sequence uses, beyond
+        ``MAX_IDLE_POLICIES`` (their counters leave ``stats`` with them)."""
+        idle = [key for key in self._policies if key and not self._policy_users.get(key)]
+        for key in idle[:max(0, len(idle) - MAX_IDLE_POLICIES)]:
+            del self._policies[key]
+            self._policy_users.pop(key, None)
 
     def _default_pool_tokens(self, kv_offload: str) -> int:
         """Pool slots that fit: on a GPU, K and V (and the selection keys' copy) in its free memory, or with
@@ -176,20 +194,34 @@ class LLM:
             return self.tokenizer(prompt)["input_ids"]
         return list(prompt)
 
+    def check_request(self, ids: list[int], max_tokens: int, max_model_len: int | None = None) -> None:
+        """Raise ValueError for an empty prompt or a token id outside the vocabulary, ContextTooLong if
+        prompt + max_tokens exceeds ``max_model_len`` (default: the engine's). Reads only settings fixed
+        at start, so any thread may call it (the server does, before a request reaches the engine)."""
+        limit = min(max_model_len or self.max_model_len, self.max_model_len)
+        if not ids:
+            raise ValueError("empty prompt")
+        need = len(ids) + max_tokens
+        if need > limit:
+            raise ContextTooLong(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {need} exceeds the context "
+                f"limit of {limit} tokens (raise kv_cache_tokens / --kv-cache-tokens)")
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     policy_settings: dict | None = None) -> Sequence:
         """Queue a request (text or token ids), optionally with its own policy settings (k, n_local,
-        theta, ...: see ``policy_for``). Raises ContextTooLong if it can never fit."""
-        policy = self.policy_for(policy_settings)
+        theta, ...: see ``policy_for``). Raises ContextTooLong if it can never fit, ValueError for an
+        empty prompt or a token id outside the vocabulary."""
         ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("empty prompt")
-        need = len(ids) + params.max_tokens
-        if need > self.max_model_len:
-            raise ContextTooLong(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {need} exceeds the context "
-                f"limit of {self.max_model_len} tokens (raise kv_cache_tokens / --kv-cache-tokens)")
+        self.check_request(ids, params.max_tokens)
+        key, policy = self.policy_for(policy_settings)
         seq = Sequence(ids, params, self.device, policy, self.tokenizer)
+        seq.policy_key = key
+        self._policy_users.setdefault(key, set()).add(seq.id)
         self.scheduler.add(seq)
         return seq
 
@@ -202,43 +234,79 @@ class LLM:
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         seq.policy.release(seq.id)
+        self._policy_users.get(seq.policy_key, set()).discard(seq.id)
+        self._drop_idle_policies()
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        """End a sequence whose step raised: finish_reason "error", ``seq.error`` the exception."""
+        log.error("sequence %d failed its step; ending it alone", seq.id, exc_info=error)
+        seq.error, seq.finish_reason = error, "error"
+        self._release(seq)
 
     # ---- one engine step ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one forward pass. Returns the sequences that got a new token (finished ones included)."""
+        """Run one forward pass. Returns the sequences that got a new token (finished ones included).
+
+        If the batch's pass raises, its sequences run again one at a time, so that only a sequence whose
+        own pass raises ends (finish_reason "error", ``seq.error`` the exception; returned too) and the
+        others advance as usual. A failed pass returns every KV slot it took."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        now = time.perf_counter()
-        chunks, ids, new_slots, row = [], [], [], 0
+        try:
+            return self._forward(batch)
+        except Exception as error:
+            if len(batch) == 1:
+                self._fail(batch[0][0], error)
+                return [batch[0][0]]
+            log.warning("a step of %d sequences failed (%s); running them one at a time", len(batch), error)
+        stepped = []
         for seq, n in batch:
-            if seq.started_at is None:
-                seq.started_at = now
-            slots = self.cache.allocate(n)
-            seq.slots[seq.n_cached:seq.n_cached + n] = slots
-            new_slots.append(slots)
-            ids.extend(seq.token_slice(seq.n_cached, n))
-            chunks.append(Chunk(seq, row, n, seq.n_cached))
-            row += n
-        new_slots = torch.cat(new_slots)
-        # Rows that need logits: every row of a sequence recording them, else the last row of a
-        # sequence that reached the end of its known tokens (it samples next).
-        wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
-                  else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
-                  for ch in chunks]
-        logit_rows = to_device(sum(wanted, []), self.device)
-        if self.whole_graphs is not None and self.whole_graphs.usable(chunks):
-            logits = self.model.logits(self.whole_graphs.run(chunks, ids, new_slots)[logit_rows])
-        else:
-            ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, new_slots)
-            input_ids = to_device(ids, self.device)
-            if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
-                logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
+            try:
+                stepped += self._forward([(seq, n)])
+            except Exception as error:
+                self._fail(seq, error)
+                stepped.append(seq)
+        return stepped
+
+    def _forward(self, batch: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """One forward pass over ``batch`` [(sequence, tokens to run)], then sampling. If the pass
+        raises, the slots it took go back to the pool and no sequence has changed."""
+        chunks, ids, new_slots, row = [], [], [], 0
+        now = time.perf_counter()
+        try:
+            for seq, n in batch:
+                if seq.started_at is None:
+                    seq.started_at = now
+                slots = self.cache.allocate(n)
+                new_slots.append(slots)
+                seq.slots[seq.n_cached:seq.n_cached + n] = slots
+                ids.extend(seq.token_slice(seq.n_cached, n))
+                chunks.append(Chunk(seq, row, n, seq.n_cached))
+                row += n
+            step_slots = torch.cat(new_slots)
+            # Rows that need logits: every row of a sequence recording them, else the last row of a
+            # sequence that reached the end of its known tokens (it samples next).
+            wanted = [list(range(ch.start, ch.start + ch.length)) if ch.seq.logits is not None
+                      else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
+                      for ch in chunks]
+            logit_rows = to_device(sum(wanted, []), self.device)
+            if self.whole_graphs is not None and self.whole_graphs.usable(chunks):
+                logits = self.model.logits(self.whole_graphs.run(chunks, ids, step_slots)[logit_rows])
             else:
-                logits = self.model(input_ids, ctx, logit_rows)
-        logits = logits.split([len(w) for w in wanted])
+                ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, step_slots)
+                input_ids = to_device(ids, self.device)
+                if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
+                    logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
+                else:
+                    logits = self.model(input_ids, ctx, logit_rows)
+            logits = logits.split([len(w) for w in wanted])
+        except BaseException:
+            for slots in new_slots:  # the sequences' n_cached did not move: these slots are nobody's
+                self.cache.free(slots)
+            raise
         stepped = []
         for ch, row_logits in zip(chunks, logits):
             seq = ch.seq
@@ -246,7 +314,13 @@ class LLM:
             if seq.logits is not None:
                 seq.logits.append(row_logits)
             if seq.n_cached == seq.n_tokens:
-                self._append(seq, sample(row_logits[-1], seq.params, seq.generator))
+                try:  # e.g. NaN logits make the sampler raise: that ends this sequence only
+                    token = sample(row_logits[-1], seq.params, seq.generator)
+                    if seq.logprobs is not None:
+                        seq.logprobs.append(token_logprobs(row_logits[-1], token, seq.params.logprobs))
+                    self._append(seq, token)
+                except Exception as error:
+                    self._fail(seq, error)
                 stepped.append(seq)
         return stepped
 
@@ -295,6 +369,9 @@ class LLM:
             raise
         finally:
             bar.close()
+        for s in seqs:
+            if s.error is not None:
+                raise RuntimeError(f"request {s.id} failed") from s.error
         return [s.output() for s in seqs]
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
@@ -304,13 +381,15 @@ class LLM:
         seq.logits = []
         while not seq.finished:
             self.step()
+        if seq.error is not None:
+            raise RuntimeError("the prompt's pass failed") from seq.error
         return torch.cat(seq.logits)
 
     def stats(self) -> dict:
         """Policy counters (e.g. the Selection Cache's hits and misses, summed over the per-request
-        settings' instances) and pool occupancy."""
+        settings' instances still kept) and pool occupancy."""
         counters: dict = {}
-        for policy in self._policies.values():
+        for policy in list(self._policies.values()):  # a copy: the server reads stats beside the engine thread
             for key, value in policy.stats().items():
                 if isinstance(value, int):
                     counters[key] = counters.get(key, 0) + value

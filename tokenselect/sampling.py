@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this a temperature divides logits into infinities (NaN probabilities): it samples as greedy, which
+# is what such a temperature means anyway.
+GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's top_logprobs limit)
 
 
 @dataclass
 class SamplingParams:
     """max_tokens: new tokens at most. temperature 0 is greedy (deterministic). top_k 0 and top_p 1
     disable those filters. stop: strings that end generation (not included in the text).
-    seed: makes a sampled request reproducible. ignore_eos: keep going past end-of-sequence."""
+    seed: makes a sampled request reproducible. ignore_eos: keep going past end-of-sequence.
+    logprobs: None, or n: record each new token's log-probability and those of the n likeliest tokens at
+    its position (``Sequence.logprobs``), from the model's distribution before temperature, top-k and top-p."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -20,6 +28,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -30,17 +39,19 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, not {self.stop!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, not {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {self.logprobs}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [vocab] fp32 -> the next token id."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     if params.top_k > 0:
@@ -54,3 +65,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits: [vocab] -> (log-probability of ``token``, [(token id, log-probability)] of the n likeliest,
+    likeliest first)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, n) if n else None
+    return float(logprobs[token]), (list(zip(top.indices.tolist(), top.values.tolist())) if n else [])

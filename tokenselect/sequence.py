@@ -36,6 +36,7 @@ class Sequence:
                  tokenizer=None):
         self.id = next(_ids)
         self.policy = policy  # the AttentionPolicy that plans this sequence's attention
+        self.policy_key: tuple = ()  # the per-request settings that chose it (the engine's bookkeeping)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
@@ -43,10 +44,14 @@ class Sequence:
         self.slots = torch.empty(len(prompt_ids) + params.max_tokens, dtype=torch.int64, device=device)
         self.n_cached = 0  # tokens whose K/V are in the cache
         self.detokenizer = IncrementalText(tokenizer) if tokenizer is not None else None  # None: no text
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then ``error`` says why)
+        self.error: BaseException | None = None
         self.logits: list[torch.Tensor] | None = None  # a list to record every row's logits
         # perf_counter() at the start of the step that ran its first chunk, at its first and last new token
         self.started_at = self.first_token_at = self.last_token_at = None
+        # per generated token, with params.logprobs set: (its log-probability, [(id, log-probability)] of the
+        # params.logprobs likeliest tokens), see ``sampling.token_logprobs``
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = [] if params.logprobs is not None else None
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
