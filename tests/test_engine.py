@@ -248,9 +248,9 @@ def test_random_engine_runs_on_token_ids():
 
 def test_a_request_with_its_own_policy_settings_runs_as_an_engine_started_with_them(tiny_llama,
                                                                                     batch_invariant_matmuls):
-    llm = LLM(tiny_llama, "tokenselect", chunk_size=32)
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, dense_until=0)  # select inside the tiny model's window
     long = prompt(200, 7)
-    own = llm.add_request(long, GREEDY, {"k": 8, "n_local": 4, "theta": 0.5, "dense_until": 0})
+    own = llm.add_request(long, GREEDY, {"k": 8, "n_local": 4, "theta": 0.5})
     shared = llm.add_request(long, GREEDY)
     while llm.scheduler.has_work():
         llm.step()
@@ -258,7 +258,8 @@ def test_a_request_with_its_own_policy_settings_runs_as_an_engine_started_with_t
     assert own.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32, k=8, n_local=4, theta=0.5,
                                  dense_until=0).generate(
         [long], GREEDY)[0].token_ids
-    assert shared.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32).generate([long], GREEDY)[0].token_ids
+    assert shared.output_ids == LLM(tiny_llama, "tokenselect", chunk_size=32, dense_until=0).generate(
+        [long], GREEDY)[0].token_ids
     assert own.output_ids != shared.output_ids
     stats = llm.stats()  # counters of both instances
     assert stats["selection_cache_hits"] + stats["selection_cache_misses"] == 2 * 2 * (GREEDY.max_tokens - 1)

@@ -254,3 +254,28 @@ def test_defaults_fit_small_windows(tiny_llama):
     assert p.n_init + p.k + p.n_local + llm.chunk_size <= llm.window
     with pytest.raises(ValueError, match="takes no setting"):
         make_policy("full", llm.cache, TORCH, 256, 64, {"k": 3})
+
+
+def test_tokenselect_attends_densely_up_to_its_window_and_selects_past_it(tiny_llama):
+    """``dense_until`` defaults to the model's window (256 here): a step whose last position is inside it attends
+    every token as full attention does (equality included), one past it selects."""
+    from tokenselect.policies.tokenselect import TokenSelect
+
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16)
+    policy = llm.policy
+    assert isinstance(policy, TokenSelect) and policy.dense_until == llm.window == 256
+    assert policy.attends_all(255, 1) and policy.attends_all(224, 32)  # last position 255: inside
+    assert not policy.attends_all(256, 1) and not policy.attends_all(225, 32)  # one past the window
+    assert policy.attends_all(36, 1)  # below n_init + k + n_local the list holds everything anyway
+    ids = list(range(2, 200))
+    dense = llm.prompt_logits(ids)
+    assert llm.stats()["selection_cache_hits"] + llm.stats()["selection_cache_misses"] == 0
+    llm.set_attention("full")
+    torch.testing.assert_close(dense, llm.prompt_logits(ids), atol=1e-5, rtol=0)
+    llm.set_attention("tokenselect", k=16, n_init=4, n_local=16, dense_until=0)  # the paper: selects from 37 on
+    assert (llm.prompt_logits(ids) - dense).abs().max() > 1e-3
+    llm.set_attention("tokenselect", k=16, n_init=4, n_local=16)
+    out = llm.generate([list(range(2, 300))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and llm.stats()["selection_cache_misses"] > 0  # past the window: selects
+    with pytest.raises(ValueError, match="dense_until must be >= 0"):
+        llm.set_attention("tokenselect", dense_until=-1)

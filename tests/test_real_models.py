@@ -132,3 +132,13 @@ def test_a_failed_download_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="could not download tokenselect-no-such-package==0.0.1"):
         registry.fetch("bad", progress=False)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_the_demo_runs_a_cached_real_model_and_else_the_embedded_one(smollm2, tmp_path, monkeypatch):
+    from tokenselect.cli import demo_model
+
+    assert demo_model(None) == "smollm2-135m-instruct"  # fetched into this cache by the fixture
+    assert demo_model("smollm2-135m-instruct") == "smollm2-135m-instruct"  # cached: nothing fetched
+    monkeypatch.setenv("TOKENSELECT_HOME", str(tmp_path))
+    assert demo_model(None) is None  # an empty cache: the embedded model, no download
+    assert list(tmp_path.iterdir()) == []
