@@ -1,0 +1,210 @@
+"""Equality at every threshold: a cosine exactly theta, the top-k's live prefix ending exactly at a large score,
+ties at the k-th score, k = 0 and k >= n, a context exactly the selection budget (and one token past it).
+
+Each case is built so that its inputs are exact in binary floating point, so "equal" means equal and not
+"within rounding": a ``>=`` turned ``>`` (or ``<`` turned ``<=``) changes the outcome.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenselect.kernels import get_kernels
+from tokenselect.kernels.selection_check import selection_check, selection_check_ref
+from tokenselect.kernels.selection_update import selection_update, selection_update_ref
+from tokenselect.kv_cache import KVCache
+from tokenselect.policies import SeqView
+from tokenselect.policies.infllm import InfLLM
+from tokenselect.policies.quest import Quest
+from tokenselect.policies.reattention import ReAttention
+from tokenselect.policies.selection_cache import SelectionCache
+from tokenselect.policies.streaming import StreamingLLM
+from tokenselect.policies.tokenselect import TokenSelect
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
+CHECKS = {"torch": selection_check_ref, "triton": selection_check}
+
+
+def exact_cosine_pairs():
+    """(cached, q, cos) with |q|, <q, cached / |cached|> and so cos(q, cached) exact in fp32."""
+    e1 = torch.zeros(16)
+    e1[0] = 1.0
+    ones4 = torch.zeros(16)
+    ones4[:4] = 1.0  # |ones4| = 2
+    flip = ones4.clone()
+    flip[0] = -1.0
+    return [
+        (e1, ones4, 0.5),  # <e1, ones4> = 1, |ones4| = 2
+        (e1, flip, -0.5),
+        (ones4, 3 * ones4, 1.0),  # the same direction: cos 1
+        (e1, ones4 - e1, 0.0),  # orthogonal
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("case", range(4))
+def test_a_cosine_equal_to_theta_is_a_hit(kernel, case):
+    """hit = cos >= theta (TokenSelect, Algorithm 1): at cos == theta the cache reuses; a hair above it it does not."""
+    cached, q, cos = exact_cosine_pairs()[case]
+    for theta, hit in ((cos, True), (cos + 2 ** -20, False), (cos - 2 ** -20, True)):
+        cache = SelectionCache(theta, n_layers=2, width=1, check=CHECKS[kernel])
+        row = cache.row(0, 16, torch.device(DEVICE))
+        cache.store(row, 1, cached.to(DEVICE), torch.tensor([5], device=DEVICE))
+        miss = cache.miss(torch.tensor(row, device=DEVICE), 1, q.to(DEVICE))
+        assert bool(miss) is not hit, (theta, cos)
+        assert cache.counts() == ((1, 0) if hit else (0, 1))
+        looked = cache.lookup(0, 1, q.to(DEVICE))
+        assert (looked is not None and looked.tolist() == [5]) is hit
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_selection_update_keeps_the_cached_choice_on_a_hit_at_theta(kernel):
+    """The graph path's store-or-reuse with the decision taken at cos == theta: the entry is reused, not stored."""
+    update = {"torch": selection_update_ref, "triton": selection_update}[kernel]
+    cached, q, cos = exact_cosine_pairs()[0]
+    cache = SelectionCache(cos, n_layers=1, width=3, check=CHECKS[kernel], update=update)
+    row = cache.row(0, 16, torch.device(DEVICE))
+    cache.store(row, 0, cached.to(DEVICE), torch.tensor([1, 2, 3], device=DEVICE))
+    row_t = torch.tensor(row, device=DEVICE)
+    miss = cache.miss(row_t, 0, q.to(DEVICE))
+    out = torch.empty(3, dtype=torch.int64, device=DEVICE)
+    cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE), miss, out)
+    assert out.tolist() == [1, 2, 3] and cache.selection[row, 0].tolist() == [1, 2, 3]
+    cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE), torch.tensor(True, device=DEVICE),
+                 out)  # a miss stores the new choice and the new query
+    assert out.tolist() == [7, 8, 9] and cache.selection[row, 0].tolist() == [7, 8, 9]
+    assert bool(cache.miss(row_t, 0, q.to(DEVICE))) is False  # now cos(q, q) = 1 >= theta
+
+
+def test_tokenselect_reuses_its_selection_at_cos_equal_theta():
+    """Through the policy: a decode query whose cosine with the cached one is exactly theta takes the hit path."""
+    torch.manual_seed(0)
+    t, n_init, n_local, k = 60, 2, 4, 8
+    cache = KVCache(1, 64, 1, 4, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(t)
+    cache.write(0, slots, torch.randn(t, 1, 4), torch.randn(t, 1, 4))
+    policy = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=0.5)
+    first = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
+    second = torch.tensor([[[1.0, 1.0, 1.0, 1.0]]])  # cos(first, second) = 1 / 2 exactly
+    policy.plan(0, SeqView(3, slots, decode=True), first)
+    policy.plan(0, SeqView(3, slots, decode=True), second)
+    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 1)
+    policy.plan(0, SeqView(3, slots, decode=True), torch.tensor([[[1.0, 1.0, 1.0, 1.5]]]))  # cos(first, .) < 0.5
+    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 2)
+
+
+# ---- top-k ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+@pytest.mark.parametrize("n, live, k", [(50, 20, 5), (50, 20, 20), (3000, 2048, 100), (7, 0, 3)])
+def test_topk_live_prefix_ends_exactly_at_n_valid(kern, n, live, k):
+    """scores[n_valid] is the largest score of all, and scores[n_valid - 1] the smallest live one: the first must
+    never be picked (it is past the live prefix), the second must be when k covers the whole prefix."""
+    gen = torch.Generator().manual_seed(n + live)
+    scores = torch.randperm(n, generator=gen).float()
+    scores[live:] = 1e6 + torch.arange(n - live).float()  # past the prefix: larger than anything live
+    if live:
+        scores[live - 1] = -1.0  # the smallest live score sits on the prefix's last position
+    want = scores[:live].topk(min(k, live)).indices.sort().values
+    if live < k:  # fewer live than k: the first positions past the prefix fill the rest, in order
+        want = torch.cat([want, torch.arange(live, k)])
+    got = kern.topk(scores.to(DEVICE), k, torch.tensor(live, device=DEVICE)).cpu()
+    if kern is TORCH and live < k:  # the reference takes any of the tied -inf positions past the prefix
+        assert torch.equal(got[:live], want[:live]) and torch.equal(got, got.unique()) and (got[live:] >= live).all()
+    else:
+        assert torch.equal(got, want)
+    assert (live - 1 in got.tolist()) is (0 < live <= k)
+
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+def test_topk_k_zero_and_k_at_or_past_n(kern):
+    scores = torch.tensor([3.0, -1.0, 7.0, 0.5, 2.0]).to(DEVICE)
+    assert kern.topk(scores, 0).numel() == 0
+    for k in (5, 6, 100):  # k >= n: every position, in order
+        assert kern.topk(scores, k).cpu().tolist() == [0, 1, 2, 3, 4]
+    assert kern.topk(scores, 4).cpu().tolist() == [0, 2, 3, 4]  # k = n - 1 drops the smallest
+    assert kern.topk(scores, 1).cpu().tolist() == [2]
+
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+def test_topk_ties_at_the_kth_score(kern):
+    """Every score above the k-th is taken; of the scores equal to it, exactly as many as are needed."""
+    scores = torch.tensor([1.0, 5.0, 3.0, 3.0, 0.0, 3.0, 5.0, 3.0]).to(DEVICE)
+    for k, above in ((2, [1, 6]), (3, [1, 6]), (5, [1, 6]), (6, [1, 6])):
+        got = kern.topk(scores, k).cpu()
+        assert got.numel() == k and torch.equal(got, got.unique())  # k distinct positions, ascending
+        assert set(above) <= set(got.tolist())
+        assert sorted(scores.cpu()[got].tolist()) == sorted(scores.cpu().tolist())[-k:]
+    if kern is TRITON:  # the Triton kernel takes the first of the tied ones
+        assert kern.topk(scores, 3).cpu().tolist() == [1, 2, 6]
+
+
+# ---- the selection budget against the context ------------------------------------------------------------------
+
+def _pool(t: int) -> tuple[KVCache, torch.Tensor]:
+    torch.manual_seed(t)
+    cache = KVCache(1, t + 40, 2, 8, torch.float32, torch.device("cpu"))
+    cache.allocate(7)  # slots != token indices
+    slots = cache.allocate(t)[torch.randperm(t)]
+    cache.write(0, slots, torch.randn(t, 2, 8), torch.randn(t, 2, 8))
+    return cache, slots
+
+
+POLICIES = {
+    "tokenselect": lambda cache: TokenSelect(cache, TORCH, k=8, n_init=2, n_local=4, theta=None),
+    "reattention": lambda cache: ReAttention(cache, TORCH, window=64, n_init=2, n_local=4, span=1, n_spans=4,
+                                                chunk=8),
+    "quest": lambda cache: Quest(cache, TORCH, k=8, n_init=2, n_local=4, page_size=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_context_equal_to_the_budget_is_attended_whole(name, decode):
+    """n_init + budget + n_local == t: everything, in order, at its own position; one token more: a selection of
+    exactly n_init + budget + n_local tokens."""
+    probe = POLICIES[name](_pool(1)[0])
+    budget = probe.n_init + probe.budget + probe.n_local
+    cache, slots = _pool(budget + 1)
+    policy = POLICIES[name](cache)
+    q = torch.randn(1 if decode else 3, 4, 8)
+    whole = policy.plan(0, SeqView(1, slots[:budget], decode=decode), q)
+    assert torch.equal(whole.slots, slots[:budget])
+    assert whole.positions.tolist() == list(range(budget)) and whole.q_positions.tolist() == list(
+        range(budget, budget + q.shape[0]))
+    assert not policy.graph_ready(budget) or name == "quest"
+    picked = policy.plan(0, SeqView(1, slots, decode=decode), q)
+    if name == "quest":  # whole pages: at most the budget
+        assert policy.budget - policy.page_size < picked.slots.numel() - policy.n_init - policy.n_local <= policy.budget
+    else:
+        assert picked.slots.numel() == budget
+    assert torch.equal(picked.slots[:policy.n_init], slots[:policy.n_init])
+    assert torch.equal(picked.slots[-policy.n_local:], slots[budget + 1 - policy.n_local:])
+    if name == "tokenselect":
+        assert policy.graph_ready(budget + 1)
+
+
+def test_streaming_attends_everything_up_to_its_window_and_then_drops_the_middle():
+    cache, slots = _pool(13)
+    policy = StreamingLLM(cache, TORCH, n_init=3, n_local=9)
+    q = torch.randn(1, 4, 8)
+    assert torch.equal(policy.plan(0, SeqView(1, slots[:12], decode=True), q).slots, slots[:12])
+    cut = policy.plan(0, SeqView(1, slots, decode=True), q).slots
+    assert cut.tolist() == slots[:3].tolist() + slots[4:].tolist()
+
+
+def test_tokenselect_with_k_zero_attends_the_sinks_and_the_window_only():
+    cache, slots = _pool(30)
+    policy = TokenSelect(cache, TORCH, k=0, n_init=2, n_local=4, theta=None)
+    plan = policy.plan(0, SeqView(1, slots, decode=True), torch.randn(1, 4, 8))
+    assert plan.slots.tolist() == slots[:2].tolist() + slots[-4:].tolist()
+    assert plan.positions.tolist() == list(range(6)) and plan.q_positions.tolist() == [6]
+
+
+def test_infllm_attends_everything_within_its_budget():
+    cache, slots = _pool(40)
+    policy = InfLLM(cache, TORCH, window=256, chunk=8, k=16, n_init=4, n_local=16, block_size=4, repr_keys=1)
+    plan = policy.plan(0, SeqView(1, slots[:36], decode=True), torch.randn(1, 4, 8))
+    assert torch.equal(plan.slots, slots[:36]) and plan.positions.tolist() == list(range(36))

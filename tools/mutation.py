@@ -1,0 +1,171 @@
+"""Mutation testing of the modules the selection path rests on, with mutmut (3.x), one module set at a time.
+
+Each set mutates a few files and runs only the test files that exercise them, so that a set finishes on a
+2-core machine in minutes (mutmut runs, for each mutant, only the tests that called the mutated function).
+A set runs in a scratch copy of the repository (``--work``, default /tmp/tokenselect-mutation/SET): mutmut
+writes its ``mutants/`` tree there, never into the checkout.
+
+    python tools/mutation.py                       # every set
+    python tools/mutation.py selection_cache rope  # some of them
+    python tools/mutation.py --list                # the sets, their files and tests
+
+It prints and writes (``--out``, default benchmarks/results/mutation.md) a table: per set the mutants, killed,
+survived, timed out, with no test, and the score killed / (all but those with no test), with the names of the
+survivors (``mutmut show NAME`` in the set's scratch copy prints a survivor's diff). Run it under
+``nice -n 10`` on a shared machine. Needs ``pip install mutmut==3.8.1``.
+
+Kernel files: only the plain-PyTorch references (``*_ref``) and their helpers are mutated; the Triton
+kernels (``@triton.jit``: mutmut skips decorated functions) and the launchers are checked against the references
+by tests/test_kernels.py and on a GPU by benchmarks/gpu_tests.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the kernel files' launchers and other top-level functions that are not references: not mutated
+KERNEL_SKIP = [r"^def (?!\w*_ref\(|_checked_out\()"]
+
+SETS: dict[str, dict] = {
+    "selection_cache": dict(
+        mutate=["tokenselect/policies/selection_cache.py", "tokenselect/kernels/selection_check.py",
+                "tokenselect/kernels/selection_update.py"],
+        tests=["tests/test_selection_cache.py", "tests/test_boundaries.py",
+               "tests/test_kernels.py::test_selection_check_matches_reference",
+               "tests/test_kernels.py::test_selection_update_matches_reference"],
+        skip=KERNEL_SKIP),
+    "rope": dict(
+        mutate=["tokenselect/rope.py"],
+        tests=["tests/test_rope.py", "tests/test_baselines.py", "tests/test_models.py"]),
+    "kv_cache": dict(
+        mutate=["tokenselect/kv_cache.py"],
+        tests=["tests/test_offload.py", "tests/test_engine.py", "tests/test_boundaries.py"]),
+    "kernel_refs": dict(
+        mutate=["tokenselect/kernels/topk.py", "tokenselect/kernels/sparse_attention.py",
+                "tokenselect/kernels/paged_dot.py", "tokenselect/kernels/head_vote.py",
+                "tokenselect/kernels/block_scores.py", "tokenselect/kernels/window_mass.py",
+                "tokenselect/kernels/rms_norm.py", "tokenselect/kernels/silu_mul.py",
+                "tokenselect/kernels/row_copy.py"],
+        tests=["tests/test_kernels.py", "tests/test_boundaries.py"],
+        skip=KERNEL_SKIP),
+    "policies": dict(
+        mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
+                "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py",
+                "tokenselect/policies/reattention.py", "tokenselect/policies/quest.py",
+                "tokenselect/policies/infllm.py"],
+        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
+               "tests/test_boundaries.py", "tests/test_cli_settings.py"]),
+    # issue #31 rewrites the server's request validation: its score is taken once that lands
+    "server_validation": dict(
+        mutate=["tokenselect/server.py"],
+        tests=["tests/test_server.py"]),
+}
+
+COPY = ["tokenselect", "tests", "pytest.ini", "pyproject.toml"]
+
+
+def mutmut_config(spec: dict) -> str:
+    """The [tool.mutmut] section of one set."""
+    lines = ["", "[tool.mutmut]", 'source_paths = ["tokenselect/"]',
+             f"only_mutate = {json.dumps(spec['mutate'])}",
+             f"pytest_add_cli_args_test_selection = {json.dumps([t for t in spec['tests'] if Path(ROOT, t.split('::')[0]).exists()])}",
+             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"]',
+             'also_copy = ["pytest.ini"]',
+             f"do_not_mutate_patterns = {json.dumps(spec.get('skip', []))}",
+             "timeout_multiplier = 5.0",
+             'process_isolation = "forkserver"']
+    return "\n".join(lines) + "\n"
+
+
+def prepare(name: str, work: Path) -> Path:
+    scratch = work / name
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    for item in COPY:
+        src = ROOT / item
+        if src.is_dir():
+            shutil.copytree(src, scratch / item, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, scratch / item)
+    with open(scratch / "pyproject.toml", "a") as f:
+        f.write(mutmut_config(SETS[name]))
+    return scratch
+
+
+def run_set(name: str, work: Path, children: int) -> dict:
+    scratch = prepare(name, work)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH="")
+    start = time.time()
+    log = open(scratch / "mutmut.log", "w")
+    proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=scratch,
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.time() - start
+    subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch, env=env,
+                   capture_output=True)
+    stats_file = scratch / "mutants" / "mutmut-cicd-stats.json"
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    res = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=scratch, env=env, capture_output=True,
+                         text=True)
+    survivors = sorted(line.strip().rsplit(":", 1)[0] for line in res.stdout.splitlines()
+                       if re.search(r": (survived|suspicious|timeout|segfault)$", line.strip()))
+    killed = stats.get("killed", 0)
+    tested = killed + stats.get("survived", 0) + stats.get("timeout", 0) + stats.get("suspicious", 0) + \
+        stats.get("segfault", 0)
+    return dict(set=name, rc=proc.returncode, seconds=round(seconds), score=(killed / tested if tested else None),
+                survivors=survivors, scratch=str(scratch), **stats)
+
+
+def report(rows: list[dict]) -> str:
+    out = ["| set | mutants | killed | survived | timeout | no tests | score | minutes |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        score = "-" if r["score"] is None else f"{r['score']:.1%}"
+        out.append(f"| {r['set']} | {r.get('total', '-')} | {r.get('killed', '-')} | {r.get('survived', '-')} | "
+                   f"{r.get('timeout', '-')} | {r.get('no_tests', '-')} | {score} | {r['seconds'] / 60:.1f} |")
+    for r in rows:
+        if r["survivors"]:
+            out += ["", f"Survivors in {r['set']}:", ""] + [f"- `{s}`" for s in r["survivors"]]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sets", nargs="*", help=f"module sets (default: all): {', '.join(SETS)}")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tokenselect-mutation"))
+    parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown) and beside it .json")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    names = args.sets or list(SETS)
+    unknown = [n for n in names if n not in SETS]
+    if unknown:
+        parser.error(f"unknown set(s) {', '.join(unknown)}; choose from {', '.join(SETS)}")
+    if args.list:
+        for n in names:
+            print(f"{n}:\n  mutate {' '.join(SETS[n]['mutate'])}\n  tests  {' '.join(SETS[n]['tests'])}")
+        return 0
+    rows = []
+    for n in names:
+        rows.append(run_set(n, args.work, args.children))
+        print(report(rows[-1:]), flush=True)
+    table = report(rows)
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
