@@ -1,0 +1,70 @@
+"""The settings a user gives the ``tokenselect`` command reach the engine and its policy: a flag, a ``--config``
+file, a flag over the file, fp8 selection keys. The command runs in this process (``cli.main``) with the engine
+recorded as it is built, so the test reads the very policy that generated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenselect import cli, engine
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The engines the command builds, in order."""
+    made = []
+
+    class Recorded(engine.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine, "LLM", Recorded)
+    return made
+
+
+def generate(tiny_llama, *args):
+    return cli.main(["generate", "--model", str(tiny_llama), "--prompt", "The quick brown fox", "--max-tokens", "2",
+                     *args])
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_config_file_sets_the_policy(tiny_llama, tmp_path, built, suffix):
+    settings = {"k": 16, "n_init": 2, "n_local": 8, "selector": "hard_vote", "theta": 0.25}
+    cfg = tmp_path / f"ts{suffix}"
+    cfg.write_text(json.dumps(settings) if suffix == ".json" else "".join(f"{k}: {v}\n" for k, v in settings.items()))
+    assert generate(tiny_llama, "--attention", "tokenselect", "--config", str(cfg)) == 0
+    (llm,) = built
+    policy = llm.policy
+    assert policy.name == "tokenselect" and llm.policy_settings == settings
+    assert (policy.k, policy.n_init, policy.n_local, policy.selector, policy.selection_cache.theta) == (
+        16, 2, 8, "hard_vote", 0.25)
+
+
+def test_flags_override_the_config_file_and_engine_settings_come_from_it(tiny_llama, tmp_path, built):
+    cfg = tmp_path / "ts.yaml"
+    cfg.write_text("k: 16\nn_init: 2\nn_local: 8\nkv_cache_tokens: 640\nchunk_size: 48\n")
+    assert generate(tiny_llama, "--attention", "tokenselect", "--config", str(cfg), "--k", "24", "--n-local", "4") == 0
+    (llm,) = built
+    assert (llm.policy.k, llm.policy.n_init, llm.policy.n_local) == (24, 2, 4)
+    assert llm.cache.n_slots == 640 and llm.chunk_size == 48
+
+
+@pytest.mark.parametrize("select_dtype, want", [("auto", torch.float32), ("fp8", torch.float8_e4m3fn)])
+def test_select_dtype_reaches_the_cache_the_policy_scores(tiny_llama, built, select_dtype, want):
+    assert generate(tiny_llama, "--attention", "tokenselect", "--k", "8", "--n-init", "2", "--n-local", "4",
+                    "--select-dtype", select_dtype) == 0
+    (llm,) = built
+    assert llm.select_dtype == want and llm.cache.k_select.dtype == want
+    assert llm.policy.cache is llm.cache
+    assert (llm.cache.k_select is llm.cache.k) is (select_dtype == "auto")
+
+
+def test_defaults_fit_the_window_when_nothing_is_set(tiny_llama, built):
+    """No flags and no file: the paper's defaults scaled to the 256-token window (k 2048 -> 64, ...)."""
+    assert generate(tiny_llama, "--attention", "tokenselect") == 0
+    (llm,) = built
+    assert llm.policy_settings == {} and (llm.policy.k, llm.policy.n_init, llm.policy.n_local) == (64, 4, 16)
