@@ -235,6 +235,10 @@ def test_set_attention_switches_policy_on_a_loaded_model(tiny_llama):
     llm.set_attention("full")
     assert llm.generate([ids], GREEDY)[0].token_ids == full
     assert len(sparse) == len(full)
+    # the tokens, against an engine started with those settings (ignore_eos makes the lengths equal anyway)
+    assert sparse == LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=2, n_local=8).generate(
+        [ids], GREEDY)[0].token_ids
+    assert sparse != full  # 26 attended of 400: the selection shows in the tokens
 
 
 def test_random_engine_runs_on_token_ids():
