@@ -208,3 +208,30 @@ def test_infllm_attends_everything_within_its_budget():
     policy = InfLLM(cache, TORCH, window=256, chunk=8, k=16, n_init=4, n_local=16, block_size=4, repr_keys=1)
     plan = policy.plan(0, SeqView(1, slots[:36], decode=True), torch.randn(1, 4, 8))
     assert torch.equal(plan.slots, slots[:36]) and plan.positions.tolist() == list(range(36))
+
+
+# ---- the Selection Cache's bookkeeping at its edges ---------------------------------------------------------------
+
+def test_a_fresh_cache_counts_nothing_and_forgets_unknown_sequences():
+    cache = SelectionCache(0.5, n_layers=1, width=2)
+    assert cache.counts() == (0, 0) and (cache.hits, cache.misses) == (0, 0)  # no row yet: no counters either
+    cache.release(12345)  # never seen: nothing to do
+    assert cache.row(12345, 8, torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_a_graph_store_into_an_empty_entry_makes_it_valid(kernel):
+    """The first decode step of a sequence in a graph: no entry (a miss), the update stores one, and the next
+    step with the same query hits it."""
+    update = {"torch": selection_update_ref, "triton": selection_update}[kernel]
+    cache = SelectionCache(0.9, n_layers=2, width=2, check=CHECKS[kernel], update=update)
+    row = cache.row(0, 8, torch.device(DEVICE))
+    row_t = torch.tensor(row, device=DEVICE)
+    q = torch.arange(1.0, 9.0).view(2, 4).to(DEVICE)
+    miss = cache.miss(row_t, 1, q)
+    assert bool(miss) and not bool(cache.valid[row, 1])
+    out = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
+    cache.update(row_t, 1, q, torch.tensor([4, 6], device=DEVICE), miss, out)
+    assert out.tolist() == [4, 6] and bool(cache.valid[row, 1]) and not bool(cache.valid[row, 0])
+    torch.testing.assert_close(cache.unit[row, 1], (q.flatten() / q.norm()).float(), atol=1e-7, rtol=0)
+    assert not bool(cache.miss(row_t, 1, 2 * q)) and cache.counts() == (1, 1)

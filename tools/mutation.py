@@ -33,8 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the kernel files' launchers and other top-level functions that are not references: not mutated
-KERNEL_SKIP = [r"^def (?!\w*_ref\(|_checked_out\()"]
+# in the kernel files, top-level functions that are neither a reference nor a helper of one (the launchers of the
+# Triton kernels) are fenced off with "# pragma: no mutate start/end" in the scratch copy
+KERNEL_KEEP = ("_checked_out",)
 
 SETS: dict[str, dict] = {
     "selection_cache": dict(
@@ -43,7 +44,7 @@ SETS: dict[str, dict] = {
         tests=["tests/test_selection_cache.py", "tests/test_boundaries.py",
                "tests/test_kernels.py::test_selection_check_matches_reference",
                "tests/test_kernels.py::test_selection_update_matches_reference"],
-        skip=KERNEL_SKIP),
+        launchers=True),
     "rope": dict(
         mutate=["tokenselect/rope.py"],
         tests=["tests/test_rope.py", "tests/test_baselines.py", "tests/test_models.py"]),
@@ -57,7 +58,7 @@ SETS: dict[str, dict] = {
                 "tokenselect/kernels/rms_norm.py", "tokenselect/kernels/silu_mul.py",
                 "tokenselect/kernels/row_copy.py"],
         tests=["tests/test_kernels.py", "tests/test_boundaries.py"],
-        skip=KERNEL_SKIP),
+        launchers=True),
     "policies": dict(
         mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
                 "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py",
@@ -81,7 +82,6 @@ def mutmut_config(spec: dict) -> str:
              f"pytest_add_cli_args_test_selection = {json.dumps([t for t in spec['tests'] if Path(ROOT, t.split('::')[0]).exists()])}",
              'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"]',
              'also_copy = ["pytest.ini"]',
-             f"do_not_mutate_patterns = {json.dumps(spec.get('skip', []))}",
              "timeout_multiplier = 5.0",
              'process_isolation = "forkserver"']
     return "\n".join(lines) + "\n"
@@ -100,7 +100,25 @@ def prepare(name: str, work: Path) -> Path:
             shutil.copy2(src, scratch / item)
     with open(scratch / "pyproject.toml", "a") as f:
         f.write(mutmut_config(SETS[name]))
+    if SETS[name].get("launchers"):
+        for path in SETS[name]["mutate"]:
+            fence_launchers(scratch / path)
     return scratch
+
+
+def fence_launchers(path: Path) -> None:
+    """Put the top-level functions of a kernel file that mutmut would mutate (undecorated: mutmut skips the
+    @triton.jit ones) and that are not references (``*_ref``) nor in KERNEL_KEEP inside no-mutate pragmas."""
+    import ast
+
+    lines = path.read_text().splitlines(keepends=True)
+    fences = [(node.lineno, node.end_lineno) for node in ast.parse("".join(lines)).body
+              if isinstance(node, ast.FunctionDef) and not node.decorator_list
+              and not node.name.endswith("_ref") and node.name not in KERNEL_KEEP]
+    for start, end in sorted(fences, reverse=True):
+        lines[end:end] = ["# pragma: no mutate end\n"]
+        lines[start - 1:start - 1] = ["# pragma: no mutate start\n"]
+    path.write_text("".join(lines))
 
 
 def run_set(name: str, work: Path, children: int) -> dict:
