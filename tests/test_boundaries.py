@@ -235,3 +235,22 @@ def test_a_graph_store_into_an_empty_entry_makes_it_valid(kernel):
     assert out.tolist() == [4, 6] and bool(cache.valid[row, 1]) and not bool(cache.valid[row, 0])
     torch.testing.assert_close(cache.unit[row, 1], (q.flatten() / q.norm()).float(), atol=1e-7, rtol=0)
     assert not bool(cache.miss(row_t, 1, 2 * q)) and cache.counts() == (1, 1)
+
+
+def test_the_entries_live_on_the_given_device_in_their_dtypes_and_survive_growth():
+    meta = SelectionCache(0.5, n_layers=2, width=3)
+    meta.row(0, 8, torch.device("meta"))  # no data: only where and what the arrays are
+    arrays = (meta.unit, meta.selection, meta.valid, meta.device_counts)
+    assert [t.device.type for t in arrays] == ["meta"] * 4
+    assert [t.dtype for t in arrays] == [torch.float32, torch.int64, torch.bool, torch.int64]
+    cache = SelectionCache(0.5, n_layers=2, width=3)
+    q = torch.arange(1.0, 9.0).view(2, 4)
+    cache.store(cache.row(0, 8, torch.device("cpu")), 1, q, torch.tensor([3, 1, 2]))
+    for seq in range(1, 9):  # past FIRST_ROWS and then past its double: the arrays grow twice
+        cache.row(seq, 8, torch.device("cpu"))
+    assert cache.unit.shape[0] >= 9
+    got = cache.lookup(0, 1, q)
+    assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2]
+    assert cache.lookup(0, 0, q) is None and cache.lookup(8, 1, q) is None
+    hits, misses = cache.counts()
+    assert (hits, misses) == (1, 2) and type(hits) is int and type(misses) is int
