@@ -10,7 +10,8 @@ writes its ``mutants/`` tree there, never into the checkout.
     python tools/mutation.py --list                # the sets, their files and tests
 
 It prints and writes (``--out``, default benchmarks/results/mutation.md) a table: per set the mutants, killed,
-survived, timed out, with no test, and the score killed / (all but those with no test), with the names of the
+survived, timed out (counted as detected), with no test, the score detected / (those some test ran) and mutmut's own
+score (the mutants no test reaches counted as surviving), with the names of the
 survivors (``mutmut show NAME`` in the set's scratch copy prints a survivor's diff). Run it under
 ``nice -n 10`` on a shared machine. Needs ``pip install mutmut==3.8.1``.
 
@@ -161,17 +162,22 @@ def summarize(name: str, work: Path) -> dict:
     # own score
     detected = stats.get("killed", 0) + stats.get("timeout", 0)
     tested = detected + sum(stats.get(key, 0) for key in ("survived", "suspicious", "segfault"))
-    return dict(set=name, score=(detected / tested if tested else None), survivors=survivors, scratch=str(scratch),
-                mutate=SETS[name]["mutate"], tests=SETS[name]["tests"], **run, **stats)
+    checked = tested + sum(stats.get(key, 0) for key in ("no_tests", "skipped"))
+    strict = checked - stats.get("skipped", 0)  # mutmut's own score counts a mutant no test reaches as surviving
+    return dict(set=name, score=(detected / tested if tested else None),
+                strict_score=(detected / strict if strict else None), survivors=survivors, scratch=str(scratch),
+                mutate=SETS[name]["mutate"], tests=SETS[name]["tests"], not_checked=stats.get("total", 0) - checked,
+                **run, **stats)
 
 
 def report(rows: list[dict]) -> str:
-    out = ["| set | mutants | killed | survived | timeout | no tests | score | minutes |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| set | mutants | killed | survived | timeout | no tests | not run yet | score | with no-test ones | minutes |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         score = "-" if r["score"] is None else f"{r['score']:.1%}"
+        strict = "-" if r.get("strict_score") is None else f"{r['strict_score']:.1%}"
         out.append(f"| {r['set']} | {r.get('total', '-')} | {r.get('killed', '-')} | {r.get('survived', '-')} | "
-                   f"{r.get('timeout', '-')} | {r.get('no_tests', '-')} | {score} | "
+                   f"{r.get('timeout', '-')} | {r.get('no_tests', '-')} | {r.get('not_checked', '-')} | {score} | {strict} | "
                    f"{'-' if 'seconds' not in r else round(r['seconds'] / 60, 1)} |")
     for r in rows:
         if r["survivors"]:
