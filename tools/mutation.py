@@ -74,13 +74,15 @@ SETS: dict[str, dict] = {
             "test_scatter_rows_writes_kv_pools_in_one_launch", "test_row_copy_of_a_layer_of_a_pool_and_bad_input",
             "test_row_copy_reference_is_the_definition")],
         launchers=True),
+    # the policies in two sets: the selection path the next issues rewrite, then the baselines
     "policies": dict(
         mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
-                "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py",
-                "tokenselect/policies/reattention.py", "tokenselect/policies/quest.py",
-                "tokenselect/policies/infllm.py"],
+                "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py"],
         tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
                "tests/test_boundaries.py"]),
+    "policies_baselines": dict(
+        mutate=["tokenselect/policies/reattention.py", "tokenselect/policies/quest.py", "tokenselect/policies/infllm.py"],
+        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py"]),
     # issue #31 rewrites the server's request validation: its score is taken once that lands
     "server_validation": dict(
         mutate=["tokenselect/server.py"],
