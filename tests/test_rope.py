@@ -86,10 +86,11 @@ def test_the_v4_layout_reads_as_the_v5_one():
 
 @pytest.mark.parametrize("kind", ["ntk", "linear", "dynamic", "yarn"])
 def test_user_overrides(kind):
-    spec = RopeSpec(HEAD_DIM, theta=10000.0, max_position=1000).with_scaling(kind, 4)
+    spec = RopeSpec(HEAD_DIM, theta=500_000.0, max_position=1000).with_scaling(kind, 4)
     assert (spec.kind, spec.factor, spec.original_max_position, spec.max_position) == (kind, 4.0, 1000, 1000)
+    assert (spec.theta, spec.head_dim) == (500_000.0, HEAD_DIM)  # kept from the model's own
     if kind == "ntk":  # static NTK-aware: the base stretched once by factor^(d / (d - 2))
-        base = 10000.0 * 4 ** (HEAD_DIM / (HEAD_DIM - 2))
+        base = 500_000.0 * 4 ** (HEAD_DIM / (HEAD_DIM - 2))
         want = [base ** (-i / HEAD_DIM) for i in range(0, HEAD_DIM, 2)]
         assert spec.inv_freq()[0].tolist() == pytest.approx(want, rel=1e-6) and spec.inv_freq()[1] == 1.0
     with pytest.raises(ValueError, match="unknown rope scaling 'llama3'"):
