@@ -254,3 +254,34 @@ def test_the_entries_live_on_the_given_device_in_their_dtypes_and_survive_growth
     assert cache.lookup(0, 0, q) is None and cache.lookup(8, 1, q) is None
     hits, misses = cache.counts()
     assert (hits, misses) == (1, 2) and type(hits) is int and type(misses) is int
+
+
+# ---- live prefixes of the vote and of InfLLM's block scores ---------------------------------------------------------
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+@pytest.mark.parametrize("live", [0, 1, 37, 59, 60])
+def test_the_vote_over_a_live_prefix_is_the_vote_over_that_prefix(kern, live):
+    """Entries from n_valid on vote -inf; the ones before it get exactly the vote of the prefix alone (live == n:
+    the whole list; live == 0: nothing is a candidate)."""
+    gen = torch.Generator().manual_seed(live)
+    q = torch.randn(4, 16, generator=gen).to(DEVICE)
+    k_pool = torch.randn(90, 2, 16, generator=gen).to(DEVICE)
+    slots = torch.randperm(90, generator=gen)[:60].to(DEVICE)
+    got = kern.head_soft_vote(q, k_pool, slots, 0.5, torch.tensor(live, device=DEVICE)).cpu()
+    assert torch.isneginf(got[live:]).all()
+    if live:
+        torch.testing.assert_close(got[:live], kern.head_soft_vote(q, k_pool, slots[:live], 0.5).cpu(), atol=1e-6,
+                                   rtol=1e-5)  # measured: equal to 1e-7
+        assert got[:live].sum().item() == pytest.approx(4.0, rel=1e-5)  # one vote per head, shared by the live ones
+
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+@pytest.mark.parametrize("live", [0, 1, 12, 13])
+def test_block_scores_over_a_live_prefix(kern, live):
+    gen = torch.Generator().manual_seed(live)
+    rows = torch.randn(20, 8, generator=gen).to(DEVICE)
+    index = torch.randperm(20, generator=gen)[:13].to(DEVICE)
+    query = torch.randn(8, generator=gen).to(DEVICE)
+    got = kern.block_scores(rows, index, query, torch.tensor(live, device=DEVICE)).cpu()
+    assert torch.isneginf(got[live:]).all()
+    torch.testing.assert_close(got[:live], (rows[index[:live]] @ query).cpu(), atol=1e-5, rtol=1e-5)
