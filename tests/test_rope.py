@@ -33,6 +33,10 @@ SCALINGS = {
                "original_max_position_embeddings": 512},
     "llama3-factors": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                        "original_max_position_embeddings": 1024},
+    # the first frequency's wavelength 2 pi is exactly the low-frequency edge 512 / low_freq_factor (in fp32): there
+    # the frequency is divided by the factor once (wavelen > edge is false, the smooth ramp is 0), not twice
+    "llama3-at-the-edge": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 512 / (2 * math.pi),
+                           "high_freq_factor": 100.0, "original_max_position_embeddings": 512},
 }
 
 
