@@ -150,6 +150,19 @@ def run_set(name: str, work: Path, children: int) -> dict:
     return summarize(name, work)
 
 
+def recheck(name: str, work: Path, children: int) -> dict:
+    """Run the set's survivors again against the checkout's current tests (after tests were added for them)."""
+    scratch = work / name
+    survivors = summarize(name, work)["survivors"]
+    shutil.copytree(ROOT / "tests", scratch / "tests", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if survivors:
+        with open(scratch / "mutmut.log", "a") as log:
+            subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *survivors],
+                           cwd=scratch, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    return summarize(name, work)
+
+
 def summarize(name: str, work: Path) -> dict:
     """The counts and survivors of the set's last run in its scratch copy (mutmut keeps them in mutants/)."""
     scratch = work / name
@@ -197,6 +210,8 @@ def main() -> int:
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--collect", action="store_true",
                         help="do not run: report the sets' last runs from their scratch copies")
+    parser.add_argument("--recheck", action="store_true",
+                        help="run only the survivors of the sets' last runs again, against the current tests")
     args = parser.parse_args()
     names = args.sets or list(SETS)
     unknown = [n for n in names if n not in SETS]
@@ -208,7 +223,12 @@ def main() -> int:
         return 0
     rows = []
     for n in names:
-        rows.append(summarize(n, args.work) if args.collect else run_set(n, args.work, args.children))
+        if args.collect:
+            rows.append(summarize(n, args.work))
+        elif args.recheck:
+            rows.append(recheck(n, args.work, args.children))
+        else:
+            rows.append(run_set(n, args.work, args.children))
         print(report(rows[-1:]), flush=True)
     table = report(rows)
     print(table)
