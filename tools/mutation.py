@@ -79,7 +79,7 @@ SETS: dict[str, dict] = {
         mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
                 "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py"],
         tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
-               "tests/test_boundaries.py"]),
+               "tests/test_boundaries.py", "tests/test_cli_settings.py"]),
     "policies_baselines": dict(
         mutate=["tokenselect/policies/reattention.py", "tokenselect/policies/quest.py", "tokenselect/policies/infllm.py"],
         tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py"]),
@@ -156,6 +156,7 @@ def recheck(name: str, work: Path, children: int) -> dict:
     survivors = summarize(name, work)["survivors"]
     shutil.copytree(ROOT / "tests", scratch / "tests", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (scratch / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_config(SETS[name]))
     if survivors:
         with open(scratch / "mutmut.log", "a") as log:
             subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *survivors],
