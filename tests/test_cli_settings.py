@@ -68,3 +68,45 @@ def test_defaults_fit_the_window_when_nothing_is_set(tiny_llama, built):
     assert generate(tiny_llama, "--attention", "tokenselect") == 0
     (llm,) = built
     assert llm.policy_settings == {} and (llm.policy.k, llm.policy.n_init, llm.policy.n_local) == (64, 4, 16)
+
+
+def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
+    """Each flag's name, type and choices, as policy_kwargs hands them to the engine (no model needed)."""
+    import argparse
+
+    from tokenselect.policies import add_policy_args, policy_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_policy_args(parser)
+    args = parser.parse_args(
+        "--k 5 --n-init 1 --n-local 2 --theta 0.5 --selector topk --score-scale sqrt_d --span 3 --n-spans 4 "
+        "--block-size 8 --repr-keys 2 --page-size 4 --positions original --kernels torch --rope-scaling dynamic:4 "
+        "--chunk-size 48 --dtype float32 --device cpu --kv-cache-tokens 640 --kv-dtype fp8 --kv-offload values "
+        "--select-dtype fp8 --no-cuda-graphs".split())
+    want = {"k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d", "span": 3,
+            "n_spans": 4, "positions": "original", "block_size": 8, "repr_keys": 2, "page_size": 4,
+            "kernels": "torch", "rope_scaling": "dynamic:4", "chunk_size": 48, "dtype": "float32", "device": "cpu",
+            "kv_cache_tokens": 640, "kv_dtype": "fp8", "kv_offload": "values", "select_dtype": "fp8",
+            "cuda_graphs": False}
+    got = policy_kwargs(args)
+    assert got == want and all(type(got[key]) is type(value) for key, value in want.items())
+    assert policy_kwargs(args, "tokenselect", engine=False) == {
+        "k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d",
+        "positions": "original"}
+    for choice, values in (("--selector", ("soft_vote", "hard_vote", "topk")),
+                           ("--positions", ("reindex", "original", "fixed")),
+                           ("--kernels", ("triton", "torch")), ("--kv-dtype", ("auto", "fp8", "bf16", "fp16", "fp32")),
+                           ("--kv-offload", ("none", "values")), ("--select-dtype", ("auto", "fp8"))):
+        for value in values:
+            assert getattr(parser.parse_args([choice, value]), choice[2:].replace("-", "_")) == value
+        with pytest.raises(SystemExit):
+            parser.parse_args([choice, "nope"])
+    defaults = parser.parse_args([])
+    assert policy_kwargs(defaults) == {"dtype": "auto"} and defaults.cuda_graphs is None
+    cfg = tmp_path / "s.json"
+    cfg.write_text('{"n-local": 3, "k": 7}')  # dashes or underscores
+    assert policy_kwargs(parser.parse_args(["--config", str(cfg), "--k", "9"])) == {"n_local": 3, "k": 9,
+                                                                                     "dtype": "auto"}
+    cfg.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a mapping of settings"):
+        policy_kwargs(parser.parse_args(["--config", str(cfg)]))
