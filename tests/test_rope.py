@@ -29,6 +29,12 @@ SCALINGS = {
     "yarn-attention-factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                               "attention_factor": 0.8},
     "yarn-no-original": {"rope_type": "yarn", "factor": 2.0},  # the original length is then max_position
+    "yarn-mscale-only": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 0.7},
+    "yarn-short-original": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},  # low < 0
+    "yarn-clipped-high": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                          "rope_theta": 10.0},  # the ramp from dimension 22 to 70.8, clipped to d - 1 = 63
+    "yarn-equal-betas": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "beta_fast": 8.0, "beta_slow": 8.0, "truncate": False},  # low == high: the ramp's 0.001
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 512},
     "llama3-factors": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
@@ -42,14 +48,15 @@ SCALINGS = {
 
 def hf_config(params: dict, theta: float = 500_000.0) -> LlamaConfig:
     return LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, max_position_embeddings=MAX_POS,
-                       rope_parameters={**params, "rope_theta": theta})
+                       rope_parameters={"rope_theta": theta, **params})
 
 
 @pytest.mark.parametrize("name", sorted(SCALINGS))
 def test_inverse_frequencies_and_attention_factor_match_transformers(name):
     cfg = hf_config(SCALINGS[name])
     spec = RopeSpec.from_hf(cfg.to_dict(), HEAD_DIM)
-    assert spec.kind == SCALINGS[name]["rope_type"] and spec.theta == 500_000.0 and spec.max_position == MAX_POS
+    assert spec.kind == SCALINGS[name]["rope_type"] and spec.max_position == MAX_POS
+    assert spec.theta == SCALINGS[name].get("rope_theta", 500_000.0)
     for seq_len in (0, MAX_POS, MAX_POS + 1, 3 * MAX_POS):  # only dynamic reads it: equal to the window, then past it
         want, want_scale = ROPE_INIT_FUNCTIONS[spec.kind](cfg, "cpu", seq_len=max(seq_len, MAX_POS))
         got, scale = spec.inv_freq(seq_len)
@@ -84,8 +91,16 @@ def test_the_v4_layout_reads_as_the_v5_one():
     v4 = {"max_position_embeddings": MAX_POS, "rope_theta": 500_000.0,
           "rope_scaling": {"type": "yarn", **{k: v for k, v in SCALINGS["yarn-mscale"].items() if k != "rope_type"}}}
     assert RopeSpec.from_hf(v4, HEAD_DIM) == RopeSpec.from_hf(v5, HEAD_DIM)
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'su'"):
+    with pytest.raises(ValueError, match=r"unsupported rope scaling type 'su' \(supported: default, linear, dynamic, "
+                                         r"yarn, llama3\)"):
         RopeSpec.from_hf({"rope_scaling": {"type": "su"}}, HEAD_DIM)
+    # a raw config dict (no transformers defaults filled in): yarn's original length is the window; a type given as
+    # null is the default
+    raw = RopeSpec.from_hf({"max_position_embeddings": 3000, "rope_scaling": {"rope_type": "yarn", "factor": 2}}, 16)
+    assert (raw.kind, raw.original_max_position, raw.factor) == ("yarn", 3000, 2.0)
+    assert RopeSpec.from_hf({"rope_scaling": {"rope_type": "linear", "factor": 2}}, 16).original_max_position is None
+    assert RopeSpec.from_hf({"rope_scaling": {"rope_type": None}}, 16).kind == "default"
+    assert RopeSpec.from_hf({"rope_scaling": {"type": "linear", "factor": 3}}, 16).kind == "linear"
 
 
 @pytest.mark.parametrize("kind", ["ntk", "linear", "dynamic", "yarn"])
@@ -126,5 +141,6 @@ def test_yarn_attention_factor_formula():
     assert RopeSpec(HEAD_DIM, kind="yarn", factor=4.0, max_position=4096).inv_freq()[1] == pytest.approx(
         0.1 * math.log(4.0) + 1.0)
     assert RopeSpec(HEAD_DIM, kind="yarn", factor=1.0, max_position=4096).inv_freq()[1] == 1.0
+    assert RopeSpec(HEAD_DIM, kind="yarn", factor=0.5, max_position=4096).inv_freq()[1] == 1.0  # no shrinking
     both = RopeSpec(HEAD_DIM, kind="yarn", factor=4.0, max_position=4096, mscale=0.7, mscale_all_dim=0.3)
     assert both.inv_freq()[1] == pytest.approx((0.07 * math.log(4.0) + 1) / (0.03 * math.log(4.0) + 1))
