@@ -167,6 +167,9 @@ def recheck(name: str, work: Path, children: int) -> dict:
 def summarize(name: str, work: Path) -> dict:
     """The counts and survivors of the set's last run in its scratch copy (mutmut keeps them in mutants/)."""
     scratch = work / name
+    if not (scratch / "mutants").is_dir():
+        return dict(set=name, score=None, strict_score=None, survivors=[], scratch=str(scratch),
+                    mutate=SETS[name]["mutate"], tests=SETS[name]["tests"], not_checked="all")
     subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch, env=ENV, capture_output=True)
     stats_file = scratch / "mutants" / "mutmut-cicd-stats.json"
     stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
