@@ -178,16 +178,37 @@ def summarize(name: str, work: Path) -> dict:
     survivors = sorted(line.strip().rsplit(":", 1)[0] for line in res.stdout.splitlines()
                        if re.search(r": (survived|suspicious|segfault)$", line.strip()))
     run = json.loads((scratch / "run.json").read_text()) if (scratch / "run.json").exists() else {}
+    help_text = [m for m in survivors if only_help_text(mutant_diff(scratch, m))]
     # a mutant whose tests ran past mutmut's time limit (an endless loop, say) counts as detected, as in mutmut's
     # own score
     detected = stats.get("killed", 0) + stats.get("timeout", 0)
     tested = detected + sum(stats.get(key, 0) for key in ("survived", "suspicious", "segfault"))
     checked = tested + sum(stats.get(key, 0) for key in ("no_tests", "skipped"))
     strict = checked - stats.get("skipped", 0)  # mutmut's own score counts a mutant no test reaches as surviving
-    return dict(set=name, score=(detected / tested if tested else None),
+    return dict(set=name, score=(detected / tested if tested else None), help_text=help_text,
+                score_without_help_text=(detected / (tested - len(help_text)) if tested > len(help_text) else None),
                 strict_score=(detected / strict if strict else None), survivors=survivors, scratch=str(scratch),
                 mutate=SETS[name]["mutate"], tests=SETS[name]["tests"], not_checked=stats.get("total", 0) - checked,
                 **run, **stats)
+
+
+def mutant_diff(scratch: Path, mutant: str) -> list[str]:
+    shown = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=scratch, env=ENV, capture_output=True,
+                           text=True).stdout
+    return [line for line in shown.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+
+
+def _without_help(line: str) -> str:
+    line = re.sub(r'(help|description)=("[^"]*"|None)', "", line)
+    line = re.sub(r'add_argument_group\(("[^"]*"|None)', "add_argument_group(", line)
+    return re.sub(r"[\s,]", "", line)
+
+
+def only_help_text(diff: list[str]) -> bool:
+    """A mutant that changes nothing but an argparse help text (a --help screen's words): equivalent."""
+    old = [_without_help(line[1:]) for line in diff if line.startswith("-")]
+    new = [_without_help(line[1:]) for line in diff if line.startswith("+")]
+    return bool(old) and old == new
 
 
 def report(rows: list[dict]) -> str:
@@ -200,8 +221,14 @@ def report(rows: list[dict]) -> str:
                    f"{r.get('timeout', '-')} | {r.get('no_tests', '-')} | {r.get('not_checked', '-')} | {score} | {strict} | "
                    f"{'-' if 'seconds' not in r else round(r['seconds'] / 60, 1)} |")
     for r in rows:
-        if r["survivors"]:
-            out += ["", f"Survivors in {r['set']}:", ""] + [f"- `{s}`" for s in r["survivors"]]
+        if r.get("help_text"):
+            out.append(f"\n{r['set']}: {len(r['help_text'])} of the survivors change only an argparse help text; "
+                       f"without them the score is {r['score_without_help_text']:.1%}.")
+    for r in rows:
+        rest = [s for s in r["survivors"] if s not in r.get("help_text", [])]
+        if rest:
+            out += ["", f"Survivors in {r['set']}" + (" (besides the help texts)" if r.get("help_text") else "") + ":",
+                    ""] + [f"- `{s}`" for s in rest]
     return "\n".join(out) + "\n"
 
 
