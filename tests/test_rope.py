@@ -100,6 +100,8 @@ def test_the_v4_layout_reads_as_the_v5_one():
     assert (raw.kind, raw.original_max_position, raw.factor) == ("yarn", 3000, 2.0)
     assert RopeSpec.from_hf({"rope_scaling": {"rope_type": "linear", "factor": 2}}, 16).original_max_position is None
     assert RopeSpec.from_hf({"rope_scaling": {"rope_type": None}}, 16).kind == "default"
+    bare = RopeSpec.from_hf({"rope_scaling": {"rope_type": "llama3", "factor": 8}}, 16)  # llama3's factors left out
+    assert (bare.low_freq_factor, bare.high_freq_factor, bare.beta_fast, bare.beta_slow) == (1.0, 4.0, 32.0, 1.0)
     assert RopeSpec.from_hf({"rope_scaling": {"type": "linear", "factor": 3}}, 16).kind == "linear"
 
 
