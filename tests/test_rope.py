@@ -130,6 +130,7 @@ def test_rotation_is_transformers_rotate_half(dtype):
     want = x * cos + rotate_half(x) * sin
     got = rotate(x, positions, inv_freq, scale)
     assert got.dtype == dtype
+    assert torch.equal(rotate(x, positions, inv_freq), rotate(x, positions, inv_freq, 1.0))  # the scale's default
     torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same operations: measured equal to the bit
     # position 0 is the identity (times the attention factor); a rotation keeps each pair's norm
     torch.testing.assert_close(got[0].float(), (x[0] * scale).float(), atol=0, rtol=0 if dtype == torch.float32 else 1e-2)
