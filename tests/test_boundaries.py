@@ -285,3 +285,42 @@ def test_block_scores_over_a_live_prefix(kern, live):
     got = kern.block_scores(rows, index, query, torch.tensor(live, device=DEVICE)).cpu()
     assert torch.isneginf(got[live:]).all()
     torch.testing.assert_close(got[:live], (rows[index[:live]] @ query).cpu(), atol=1e-5, rtol=1e-5)
+
+
+# ---- sparse attention over a graph's live prefix; RMSNorm's epsilon ------------------------------------------------
+
+@pytest.mark.parametrize("kern", [TORCH, TRITON], ids=["torch", "triton"])
+@pytest.mark.parametrize("c, live", [(1, 1), (1, 40), (3, 3), (3, 25), (3, 40)])
+def test_sparse_attention_over_a_live_prefix_reads_nothing_past_it(kern, c, live):
+    """A graph's fixed-length list of 40 of which the first ``live`` are attended (the chunk's own c last among
+    them): the rows after them hold NaN and change nothing; the result is the plain call over the prefix."""
+    from tokenselect.rope import RopeSpec
+
+    gen = torch.Generator().manual_seed(c * 100 + live)
+    n, d = 40, 16
+    q = torch.randn(c, 4, d, generator=gen).to(DEVICE)
+    k_pool, v_pool = torch.randn(60, 2, d, generator=gen).to(DEVICE), torch.randn(60, 2, d, generator=gen).to(DEVICE)
+    slots = torch.randperm(60, generator=gen)[:n].to(DEVICE)
+    k_pool[slots[live:]] = float("nan")
+    v_pool[slots[live:]] = float("nan")
+    key_pos = (torch.randperm(500, generator=gen)[:n] * 3).to(DEVICE)
+    q_pos = key_pos[live - c:live]
+    inv_freq, scale = RopeSpec(d, theta=10000.0).inv_freq()
+    inv_freq = inv_freq.to(DEVICE)
+    got = kern.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale,
+                                n_valid=torch.tensor(live, device=DEVICE))
+    want = TORCH.sparse_attention(q, k_pool, v_pool, slots[:live], key_pos[:live], q_pos, inv_freq, scale)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)  # fp32; measured up to 1e-6
+    # the scale's default is 1
+    assert torch.equal(TORCH.sparse_attention(q, k_pool, v_pool, slots[:live], key_pos[:live], q_pos, inv_freq), want)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_rms_norm_reference_is_the_formula(eps):
+    from tokenselect.kernels.rms_norm import rms_norm_ref
+
+    x = torch.tensor([[0.1, -0.2, 0.3, 0.05], [3.0, 4.0, 0.0, 0.0]], dtype=torch.float64)
+    w = torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=torch.float64)
+    want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    torch.testing.assert_close(rms_norm_ref(x.float(), w.float(), eps).double(), want, atol=1e-6, rtol=1e-6)
