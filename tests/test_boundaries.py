@@ -324,3 +324,17 @@ def test_rms_norm_reference_is_the_formula(eps):
     w = torch.tensor([1.0, 2.0, 0.5, -1.0], dtype=torch.float64)
     want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
     torch.testing.assert_close(rms_norm_ref(x.float(), w.float(), eps).double(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_host_memory_available_reads_memavailable(monkeypatch, tmp_path):
+    """The offloaded V pool is sized from MemAvailable (page cache that can be dropped counts), not from free pages."""
+    import builtins
+
+    from tokenselect import kv_cache
+
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    1234567 kB\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(fake if path == "/proc/meminfo" else path,
+                                                                           *a, **k))
+    assert kv_cache.host_memory_available() == 1234567 * 1024
