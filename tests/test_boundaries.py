@@ -338,3 +338,11 @@ def test_host_memory_available_reads_memavailable(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(fake if path == "/proc/meminfo" else path,
                                                                            *a, **k))
     assert kv_cache.host_memory_available() == 1234567 * 1024
+
+
+def test_silu_mul_reference_splits_the_last_dimension():
+    from tokenselect.kernels.silu_mul import silu_mul_ref
+
+    gate_up = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0))  # [batch, rows, 2 * width]
+    want = torch.nn.functional.silu(gate_up[..., :3]) * gate_up[..., 3:]
+    torch.testing.assert_close(silu_mul_ref(gate_up), want, atol=0, rtol=0)
