@@ -107,6 +107,11 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
     cfg.write_text('{"n-local": 3, "k": 7}')  # dashes or underscores
     assert policy_kwargs(parser.parse_args(["--config", str(cfg), "--k", "9"])) == {"n_local": 3, "k": 9,
                                                                                      "dtype": "auto"}
+    yml = tmp_path / "s.yml"
+    yml.write_text("n_local: 5\nselector: hard_vote\n")  # .yml is YAML too
+    assert policy_kwargs(parser.parse_args(["--config", str(yml)])) == {"n_local": 5, "selector": "hard_vote",
+                                                                        "dtype": "auto"}
+    assert policy_kwargs(argparse.Namespace(k=3, theta=None)) == {"k": 3}  # flags a command does not have: left out
     cfg.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a mapping of settings"):
         policy_kwargs(parser.parse_args(["--config", str(cfg)]))
