@@ -67,12 +67,13 @@ def test_an_fp8_pool_is_fp32_attention_over_fp8_rounded_keys_and_values(tiny_lla
     """The fp8 pool stores e4m3 and attention reads it back in the model's dtype: the logits are exactly those of
     an fp32 pool whose writes are rounded through e4m3 (measured difference 0.0 on a CPU)."""
     ids = prompt(120, 6)
-    fp8 = LLM(tiny_llama, kv_cache_tokens=512, kv_dtype="fp8", dtype="float32").prompt_logits(ids)
-    exact = LLM(tiny_llama, kv_cache_tokens=512, dtype="float32").prompt_logits(ids)
+    cpu = dict(kv_cache_tokens=512, dtype="float32", device="cpu")  # one kernel set, one summation order
+    fp8 = LLM(tiny_llama, kv_dtype="fp8", **cpu).prompt_logits(ids)
+    exact = LLM(tiny_llama, **cpu).prompt_logits(ids)
     write = KVCache.write
     e4m3 = torch.float8_e4m3fn
     monkeypatch.setattr(KVCache, "write", lambda self, layer, slots, k, v: write(
         self, layer, slots, k.to(e4m3).to(k.dtype), v.to(e4m3).to(v.dtype)))
-    rounded = LLM(tiny_llama, kv_cache_tokens=512, dtype="float32").prompt_logits(ids)
+    rounded = LLM(tiny_llama, **cpu).prompt_logits(ids)
     torch.testing.assert_close(fp8, rounded, atol=1e-6, rtol=0)
     assert (fp8 - exact).abs().max() > 1e-3  # the rounding is there to see: fp8 is not the fp32 pool
