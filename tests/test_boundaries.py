@@ -350,3 +350,42 @@ def test_silu_mul_reference_splits_the_last_dimension():
     gate_up = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0))  # [batch, rows, 2 * width]
     want = torch.nn.functional.silu(gate_up[..., :3]) * gate_up[..., 3:]
     torch.testing.assert_close(silu_mul_ref(gate_up), want, atol=0, rtol=0)
+
+
+def test_soft_vote_and_hard_vote_choose_differently_where_they_should():
+    """Two heads, three tokens, k = 1: each head's own top token is a different one (a tie of counts), while the
+    token both heads rank a close second has the largest summed softmax: soft vote picks it, hard vote never."""
+    keys = torch.zeros(3, 2, 2)
+    keys[:, 0, 0] = torch.tensor([10.0, 9.9, 0.0])  # head 0 reads kv head 0's first dimension
+    keys[:, 1, 1] = torch.tensor([0.0, 9.9, 10.0])  # head 1 reads kv head 1's second dimension
+    cache = KVCache(1, 3, 2, 2, torch.float32, torch.device("cpu"))
+    slots = cache.allocate(3)
+    cache.write(0, slots, keys, torch.zeros_like(keys))
+    q = torch.eye(2)
+    pick = {s: TokenSelect(cache, TORCH, k=1, selector=s).choose(q, cache.k[0], slots).tolist()
+            for s in ("soft_vote", "hard_vote", "topk")}
+    assert pick["soft_vote"] == [1] and pick["hard_vote"] in ([0], [2]) and pick["topk"] == [1]
+
+
+@pytest.mark.parametrize("selector", ["soft_vote", "hard_vote", "topk"])
+@pytest.mark.parametrize("live", [1, 17, 29, 30])
+def test_votes_over_a_live_prefix(selector, live):
+    """A graph's fixed-length middle: only middle[:live] are candidates, the rest vote -inf; the live ones get the
+    votes of the prefix alone (for hard_vote while k <= live)."""
+    cache, slots = _pool(30)
+    policy = TokenSelect(cache, TORCH, k=1, selector=selector, score_scale=0.7)
+    query = torch.randn(4, 8, generator=torch.Generator().manual_seed(live))
+    got = policy.votes(query, cache.k[0], slots, torch.tensor(live))
+    assert torch.isneginf(got[live:]).all() and torch.isfinite(got[:live]).all()
+    torch.testing.assert_close(got[:live], policy.votes(query, cache.k[0], slots[:live]), atol=1e-6, rtol=1e-6)
+
+
+def test_the_offloaded_value_pool_fits_when_it_needs_exactly_the_available_memory(monkeypatch):
+    from tokenselect import kv_cache
+
+    need = 2 * 16 * 2 * 8 * 4  # n_layers * n_slots * n_kv * head_dim * fp32
+    monkeypatch.setattr(kv_cache, "host_memory_available", lambda: need)
+    assert KVCache(2, 16, 2, 8, torch.float32, torch.device("cpu"), "values").v.numel() * 4 == need
+    monkeypatch.setattr(kv_cache, "host_memory_available", lambda: need - 1)
+    with pytest.raises(kv_cache.HostMemoryError, match="needs 0.0 GiB of host memory for 16 tokens"):
+        KVCache(2, 16, 2, 8, torch.float32, torch.device("cpu"), "values")
