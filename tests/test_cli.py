@@ -33,6 +33,12 @@ def test_generate_reads_settings_from_a_config_file(tiny_llama, tmp_path):
     res = run("generate", "--model", str(tiny_llama), "--prompt", "The quick brown fox", "--attention", "tokenselect",
               "--config", str(cfg), "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
+    # the file is read by the real command: a setting in it that cannot work is reported as such
+    cfg.write_text("k: 16\nkv_cache_tokens: 8\n")
+    res = run("generate", "--model", str(tiny_llama), "--prompt", "The quick brown fox", "--attention", "tokenselect",
+              "--config", str(cfg), "--max-tokens", "4")
+    assert res.returncode == 2 and "exceeds the context limit of 8 tokens" in res.stderr
+    # (tests/test_cli_settings.py checks that each setting of the file reaches the policy)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -85,7 +85,9 @@ def test_our_loader_matches_transformers(tok, hf, llm):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=2e-2, rtol=2e-2)
+    # measured (fp32, CPU): max |ours - ref| 4.6e-5 with logits up to 35.9, the argmax the same at every position;
+    # the bound was atol 2e-2 + rtol 2e-2 (up to 0.74 on the largest logit)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.99
 
 

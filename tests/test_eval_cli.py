@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 
 import pytest
 
@@ -33,6 +34,9 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
     assert sorted({r["depth"] for r in records}) == [0.0, 1.0]
     for r in records:
         assert r["score"] == score(r["task"], r["prediction"], r["answers"])
+        # and independently of the metric's code: passkey is 1 exactly when the first number written is the key
+        first = re.search(r"\d+", r["prediction"])
+        assert r["score"] == float(first is not None and first.group() == r["answers"][0])
         budget = r["target_tokens"] - max_tokens(r["task"])  # the length holds the prompt and the answer
         assert 0.8 * budget <= r["prompt_tokens"] <= budget
     # every policy answered the very same prompts

@@ -74,4 +74,5 @@ def test_bfloat16_close_to_fp32(tiny_llama):
     fp32 = LLM(tiny_llama, chunk_size=32, device="cpu").prompt_logits(ids)
     bf16 = LLM(tiny_llama, chunk_size=32, dtype="bfloat16", device="cpu").prompt_logits(ids)
     assert bf16.dtype == torch.float32  # logits always come back in fp32
-    assert (bf16 - fp32).abs().max() < 0.15 * fp32.abs().max()
+    # measured: max |bf16 - fp32| 0.0246 of max |fp32| 2.49 (0.0099 of it); the bound was 0.15 of it
+    assert (bf16 - fp32).abs().max() < 0.02 * fp32.abs().max()

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Every test that needs a GPU, and every Triton kernel compiled for CUDA against its PyTorch reference, in one
+# device command of at most 10 minutes (issue #34). Re-run it, and commit its summary, after any change that
+# touches tokenselect/kernels/, whole_graphs.py, step_graphs.py or the attention path.
+#
+# Usage: benchmarks/gpu_tests.sh OUTDIR [SHARDS]
+#   OUTDIR/gpu_tests.md    the summary (commit it as benchmarks/results/gpu_tests_<gpu>.md)
+#   OUTDIR/<shard>.log     each shard's pytest output
+#
+# What runs, as SHARDS + 1 pytest processes side by side (Triton compiles one kernel variant per shape, on the
+# CPU: one process compiles on one core, so the shards share the machine's cores; default SHARDS 4):
+#   graphs   the tests that need CUDA itself: whole-step CUDA graphs really captured and replayed
+#            (test_whole_graphs.py, test_step_graphs.py), the dense baseline's decode graph (test_bench_dense.py),
+#            value offload through mapped host memory (test_offload.py), the Selection Cache and the boundary cases
+#            on the device (test_selection_cache.py, test_boundaries.py), the engine's CUDA copies
+#            (test_engine.py), the CLI settings (test_cli_settings.py), the models against transformers and over a
+#            scrambled pool (test_models.py, test_precision.py), InfLLM and the baselines (test_baselines.py)
+#   kernels-i  tests/test_kernels.py dealt round-robin into SHARDS parts: every kernel compiled by Triton for the
+#            GPU against its reference on random ragged inputs, which on CUDA takes the paths that the CPU
+#            interpreter never runs: the fast-math RoPE (angles reduced by fma, then the hardware's sin/cos, at
+#            key positions up to 2.1M), the bf16 tensor-core dots of sparse attention and the scores, rms_norm's
+#            hardware bf16 rounding, the split-K merge and the fp8 pools
+# GPU_TESTS_SELECT="expr": pass -k "expr" to every shard (a quick partial run); GPU_TESTS_ALLOW_CPU=1: run on a
+# machine without CUDA, the kernels in Triton's interpreter (to try the script itself, with GPU_TESTS_SELECT)
+set -uo pipefail
+set -f  # test ids hold [...]: never globs
+out=${1:?usage: benchmarks/gpu_tests.sh OUTDIR [SHARDS]}
+shards=${2:-4}
+limit=${GPU_TESTS_LIMIT:-540}  # seconds each process may take: the device command's limit is 600
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+python3 - <<'EOF' > "$out/env.txt" 2>&1
+import subprocess, torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE")
+print("commit", subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+      or "(no git)")
+EOF
+if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  export TRITON_INTERPRET=0
+elif [[ ${GPU_TESTS_ALLOW_CPU:-0} == 1 ]]; then
+  export TRITON_INTERPRET=1
+else
+  echo "no CUDA device: this script is for a GPU machine" | tee "$out/gpu_tests.md" >&2
+  exit 2
+fi
+select=(); [[ -n ${GPU_TESTS_SELECT:-} ]] && select=(-k "$GPU_TESTS_SELECT")
+
+graphs=(tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_bench_dense.py tests/test_offload.py
+        tests/test_selection_cache.py tests/test_boundaries.py tests/test_engine.py tests/test_cli_settings.py
+        tests/test_models.py tests/test_precision.py tests/test_baselines.py)
+python3 -m pytest -q --collect-only tests/test_kernels.py 2>/dev/null | grep '::' > "$out/kernel_ids.txt"
+pids=()
+timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" "${graphs[@]}" > "$out/graphs.log" 2>&1 &
+pids+=($!)
+for ((i = 0; i < shards; i++)); do
+  awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/kernel_ids.txt" > "$out/kernels-$i.ids"
+  timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" $(cat "$out/kernels-$i.ids") \
+    > "$out/kernels-$i.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+set +f
+
+{
+  echo "# GPU tests"
+  echo
+  sed 's/^/    /' "$out/env.txt"
+  echo
+  echo "\`benchmarks/gpu_tests.sh OUTDIR $shards\`: the GPU-only tests and every Triton kernel compiled for CUDA against"
+  echo "its reference ($(wc -l < "$out/kernel_ids.txt") kernel test cases). Each shard's closing line:"
+  echo
+  echo "| shard | result |"
+  echo "| --- | --- |"
+  for log in "$out"/graphs.log "$out"/kernels-*.log; do
+    name=$(basename "$log" .log)
+    last=$(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -1)
+    [[ -z $last ]] && last="(no closing line: cut off by the ${limit}s limit?)"
+    echo "| $name | $last |"
+  done
+  echo
+  if grep -qE '^(FAILED|ERROR)' "$out"/*.log; then
+    echo "## Failures"
+    echo
+    grep -hE '^(FAILED|ERROR)' "$out"/*.log | sed 's/^/    /'
+    echo
+  fi
+  if grep -qE '^SKIPPED' "$out"/*.log; then
+    echo "## Skipped"
+    echo
+    grep -hE '^SKIPPED' "$out"/*.log | sed 's/^/    /'
+  fi
+} > "$out/gpu_tests.md"
+cat "$out/gpu_tests.md"
+exit $status

@@ -1,0 +1,117 @@
+"""The settings a user gives the ``tokenselect`` command reach the engine and its policy: a flag, a ``--config``
+file, a flag over the file, fp8 selection keys. The command runs in this process (``cli.main``) with the engine
+recorded as it is built, so the test reads the very policy that generated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenselect import cli, engine
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The engines the command builds, in order."""
+    made = []
+
+    class Recorded(engine.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine, "LLM", Recorded)
+    return made
+
+
+def generate(tiny_llama, *args):
+    return cli.main(["generate", "--model", str(tiny_llama), "--prompt", "The quick brown fox", "--max-tokens", "2",
+                     *args])
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_config_file_sets_the_policy(tiny_llama, tmp_path, built, suffix):
+    settings = {"k": 16, "n_init": 2, "n_local": 8, "selector": "hard_vote", "theta": 0.25}
+    cfg = tmp_path / f"ts{suffix}"
+    cfg.write_text(json.dumps(settings) if suffix == ".json" else "".join(f"{k}: {v}\n" for k, v in settings.items()))
+    assert generate(tiny_llama, "--attention", "tokenselect", "--config", str(cfg)) == 0
+    (llm,) = built
+    policy = llm.policy
+    assert policy.name == "tokenselect" and llm.policy_settings == settings
+    assert (policy.k, policy.n_init, policy.n_local, policy.selector, policy.selection_cache.theta) == (
+        16, 2, 8, "hard_vote", 0.25)
+
+
+def test_flags_override_the_config_file_and_engine_settings_come_from_it(tiny_llama, tmp_path, built):
+    cfg = tmp_path / "ts.yaml"
+    cfg.write_text("k: 16\nn_init: 2\nn_local: 8\nkv_cache_tokens: 640\nchunk_size: 48\n")
+    assert generate(tiny_llama, "--attention", "tokenselect", "--config", str(cfg), "--k", "24", "--n-local", "4") == 0
+    (llm,) = built
+    assert (llm.policy.k, llm.policy.n_init, llm.policy.n_local) == (24, 2, 4)
+    assert llm.cache.n_slots == 640 and llm.chunk_size == 48
+
+
+@pytest.mark.parametrize("select_dtype, want", [("auto", torch.float32), ("fp8", torch.float8_e4m3fn)])
+def test_select_dtype_reaches_the_cache_the_policy_scores(tiny_llama, built, select_dtype, want):
+    assert generate(tiny_llama, "--attention", "tokenselect", "--k", "8", "--n-init", "2", "--n-local", "4",
+                    "--select-dtype", select_dtype) == 0
+    (llm,) = built
+    assert llm.select_dtype == want and llm.cache.k_select.dtype == want
+    assert llm.policy.cache is llm.cache
+    assert (llm.cache.k_select is llm.cache.k) is (select_dtype == "auto")
+
+
+def test_defaults_fit_the_window_when_nothing_is_set(tiny_llama, built):
+    """No flags and no file: the paper's defaults scaled to the 256-token window (k 2048 -> 64, ...)."""
+    assert generate(tiny_llama, "--attention", "tokenselect") == 0
+    (llm,) = built
+    assert llm.policy_settings == {} and (llm.policy.k, llm.policy.n_init, llm.policy.n_local) == (64, 4, 16)
+
+
+def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
+    """Each flag's name, type and choices, as policy_kwargs hands them to the engine (no model needed)."""
+    import argparse
+
+    from tokenselect.policies import add_policy_args, policy_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_policy_args(parser)
+    args = parser.parse_args(
+        "--k 5 --n-init 1 --n-local 2 --theta 0.5 --selector topk --score-scale sqrt_d --span 3 --n-spans 4 "
+        "--block-size 8 --repr-keys 2 --page-size 4 --positions original --kernels torch --rope-scaling dynamic:4 "
+        "--chunk-size 48 --dtype float32 --device cpu --kv-cache-tokens 640 --kv-dtype fp8 --kv-offload values "
+        "--select-dtype fp8 --no-cuda-graphs".split())
+    want = {"k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d", "span": 3,
+            "n_spans": 4, "positions": "original", "block_size": 8, "repr_keys": 2, "page_size": 4,
+            "kernels": "torch", "rope_scaling": "dynamic:4", "chunk_size": 48, "dtype": "float32", "device": "cpu",
+            "kv_cache_tokens": 640, "kv_dtype": "fp8", "kv_offload": "values", "select_dtype": "fp8",
+            "cuda_graphs": False}
+    got = policy_kwargs(args)
+    assert got == want and all(type(got[key]) is type(value) for key, value in want.items())
+    assert policy_kwargs(args, "tokenselect", engine=False) == {
+        "k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d",
+        "positions": "original"}
+    for choice, values in (("--selector", ("soft_vote", "hard_vote", "topk")),
+                           ("--positions", ("reindex", "original", "fixed")),
+                           ("--kernels", ("triton", "torch")), ("--kv-dtype", ("auto", "fp8", "bf16", "fp16", "fp32")),
+                           ("--kv-offload", ("none", "values")), ("--select-dtype", ("auto", "fp8"))):
+        for value in values:
+            assert getattr(parser.parse_args([choice, value]), choice[2:].replace("-", "_")) == value
+        with pytest.raises(SystemExit):
+            parser.parse_args([choice, "nope"])
+    defaults = parser.parse_args([])
+    assert policy_kwargs(defaults) == {"dtype": "auto"} and defaults.cuda_graphs is None
+    cfg = tmp_path / "s.json"
+    cfg.write_text('{"n-local": 3, "k": 7}')  # dashes or underscores
+    assert policy_kwargs(parser.parse_args(["--config", str(cfg), "--k", "9"])) == {"n_local": 3, "k": 9,
+                                                                                     "dtype": "auto"}
+    yml = tmp_path / "s.yml"
+    yml.write_text("n_local: 5\nselector: hard_vote\n")  # .yml is YAML too
+    assert policy_kwargs(parser.parse_args(["--config", str(yml)])) == {"n_local": 5, "selector": "hard_vote",
+                                                                        "dtype": "auto"}
+    assert policy_kwargs(argparse.Namespace(k=3, theta=None)) == {"k": 3}  # flags a command does not have: left out
+    cfg.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a mapping of settings"):
+        policy_kwargs(parser.parse_args(["--config", str(cfg)]))

@@ -1,0 +1,273 @@
+"""Mutation testing of the modules the selection path rests on, with mutmut (3.x), one module set at a time.
+
+Each set mutates a few files and runs only the test files that exercise them, so that a set finishes on a
+2-core machine in minutes (mutmut runs, for each mutant, only the tests that called the mutated function).
+A set runs in a scratch copy of the repository (``--work``, default /tmp/tokenselect-mutation/SET): mutmut
+writes its ``mutants/`` tree there, never into the checkout.
+
+    python tools/mutation.py                       # every set
+    python tools/mutation.py selection_cache rope  # some of them
+    python tools/mutation.py --list                # the sets, their files and tests
+
+It prints and writes (``--out``, default benchmarks/results/mutation.md) a table: per set the mutants, killed,
+survived, timed out (counted as detected), with no test, the score detected / (those some test ran) and mutmut's own
+score (the mutants no test reaches counted as surviving), with the names of the
+survivors (``mutmut show NAME`` in the set's scratch copy prints a survivor's diff). Run it under
+``nice -n 10`` on a shared machine. Needs ``pip install mutmut==3.8.1``.
+
+Kernel files: only the plain-PyTorch references (``*_ref``) and their helpers are mutated; the Triton
+kernels (``@triton.jit``: mutmut skips decorated functions) and the launchers are checked against the references
+by tests/test_kernels.py and on a GPU by benchmarks/gpu_tests.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# in the kernel files, top-level functions that are neither a reference nor a helper of one (the launchers of the
+# Triton kernels) are fenced off with "# pragma: no mutate start/end" in the scratch copy
+KERNEL_KEEP = ("_checked_out",)
+
+SETS: dict[str, dict] = {
+    "selection_cache": dict(
+        mutate=["tokenselect/policies/selection_cache.py", "tokenselect/kernels/selection_check.py",
+                "tokenselect/kernels/selection_update.py"],
+        tests=["tests/test_selection_cache.py", "tests/test_boundaries.py",
+               "tests/test_kernels.py::test_selection_check_matches_reference",
+               "tests/test_kernels.py::test_selection_update_matches_reference"],
+        launchers=True),
+    "rope": dict(
+        mutate=["tokenselect/rope.py"],
+        tests=["tests/test_rope.py"]),  # transformers' own RoPE code, no checkpoint (test_models.py: slow per mutant)
+    "kv_cache": dict(
+        mutate=["tokenselect/kv_cache.py"],
+        tests=["tests/test_offload.py", "tests/test_engine.py", "tests/test_boundaries.py"]),
+    "kernel_refs": dict(
+        mutate=["tokenselect/kernels/topk.py", "tokenselect/kernels/sparse_attention.py",
+                "tokenselect/kernels/paged_dot.py", "tokenselect/kernels/head_vote.py",
+                "tokenselect/kernels/block_scores.py", "tokenselect/kernels/window_mass.py",
+                "tokenselect/kernels/rms_norm.py", "tokenselect/kernels/silu_mul.py",
+                "tokenselect/kernels/row_copy.py"],
+        # test_kernels.py less its three largest matrices of Triton-against-reference cases (sparse attention and
+        # window mass: minutes in Triton's interpreter, for every surviving mutant); the references' definition
+        # tests (against naive loops in fp64) stay
+        tests=["tests/test_boundaries.py"] + [f"tests/test_kernels.py::{t}" for t in (
+            "test_paged_dot_matches_reference", "test_head_soft_vote_matches_reference",
+            "test_head_soft_vote_over_a_live_prefix", "test_head_soft_vote_reads_fp8_keys",
+            "test_rms_norm_matches_reference", "test_silu_mul_matches_reference", "test_block_scores_matches_reference",
+            "test_paged_dot_reference_is_the_definition", "test_topk_matches_reference",
+            "test_topk_resolves_every_digit", "test_topk_takes_the_first_of_tied_scores", "test_topk_over_a_live_prefix",
+            "test_topk_writes_to_out", "test_topk_of_nothing_live", "test_small_and_odd_head_dims",
+            "test_sparse_attention_explicit_softmax_scale_and_fp8_pool", "test_sparse_attention_reference_equals_naive_loop",
+            "test_window_mass_mixed_dtypes_and_odd_shapes", "test_window_mass_reference_is_the_definition",
+            "test_paged_dot_with_a_whole_chunk_of_rows_per_kv_head", "test_gather_and_scatter_rows_match_reference",
+            "test_scatter_rows_writes_kv_pools_in_one_launch", "test_row_copy_of_a_layer_of_a_pool_and_bad_input",
+            "test_row_copy_reference_is_the_definition")],
+        launchers=True),
+    # the policies in two sets: the selection path the next issues rewrite, then the baselines
+    "policies": dict(
+        mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
+                "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py"],
+        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
+               "tests/test_boundaries.py", "tests/test_cli_settings.py"]),
+    "policies_baselines": dict(
+        mutate=["tokenselect/policies/reattention.py", "tokenselect/policies/quest.py", "tokenselect/policies/infllm.py"],
+        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py"]),
+    # issue #31 rewrites the server's request validation: its score is taken once that lands
+    "server_validation": dict(
+        mutate=["tokenselect/server.py"],
+        tests=["tests/test_server.py"]),
+}
+
+COPY = ["tokenselect", "tests", "pytest.ini", "pyproject.toml"]
+ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH="")
+
+
+def mutmut_config(spec: dict) -> str:
+    """The [tool.mutmut] section of one set."""
+    lines = ["", "[tool.mutmut]", 'source_paths = ["tokenselect/"]',
+             f"only_mutate = {json.dumps(spec['mutate'])}",
+             f"pytest_add_cli_args_test_selection = {json.dumps([t for t in spec['tests'] if Path(ROOT, t.split('::')[0]).exists()])}",
+             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"]',
+             'also_copy = ["pytest.ini"]',
+             "timeout_multiplier = 20.0",  # a shared, loaded machine: a slow test is not an endless loop
+             "timeout_constant = 10.0",
+             'process_isolation = "forkserver"']
+    return "\n".join(lines) + "\n"
+
+
+def prepare(name: str, work: Path) -> Path:
+    scratch = work / name
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    for item in COPY:
+        src = ROOT / item
+        if src.is_dir():
+            shutil.copytree(src, scratch / item, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, scratch / item)
+    with open(scratch / "pyproject.toml", "a") as f:
+        f.write(mutmut_config(SETS[name]))
+    if SETS[name].get("launchers"):
+        for path in SETS[name]["mutate"]:
+            fence_launchers(scratch / path)
+    return scratch
+
+
+def fence_launchers(path: Path) -> None:
+    """Put the top-level functions of a kernel file that mutmut would mutate (undecorated: mutmut skips the
+    @triton.jit ones) and that are not references (``*_ref``) nor in KERNEL_KEEP inside no-mutate pragmas."""
+    import ast
+
+    lines = path.read_text().splitlines(keepends=True)
+    fences = [(node.lineno, node.end_lineno) for node in ast.parse("".join(lines)).body
+              if isinstance(node, ast.FunctionDef) and not node.decorator_list
+              and not node.name.endswith("_ref") and node.name not in KERNEL_KEEP]
+    for start, end in sorted(fences, reverse=True):
+        lines[end:end] = ["# pragma: no mutate end\n"]
+        lines[start - 1:start - 1] = ["# pragma: no mutate start\n"]
+    path.write_text("".join(lines))
+
+
+def run_set(name: str, work: Path, children: int) -> dict:
+    scratch = prepare(name, work)
+    start = time.time()
+    with open(scratch / "mutmut.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=scratch,
+                              env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    (scratch / "run.json").write_text(json.dumps({"rc": proc.returncode, "seconds": round(time.time() - start)}))
+    return summarize(name, work)
+
+
+def recheck(name: str, work: Path, children: int) -> dict:
+    """Run the set's survivors again against the checkout's current tests (after tests were added for them)."""
+    scratch = work / name
+    survivors = summarize(name, work)["survivors"]
+    shutil.copytree(ROOT / "tests", scratch / "tests", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (scratch / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_config(SETS[name]))
+    if survivors:
+        with open(scratch / "mutmut.log", "a") as log:
+            subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *survivors],
+                           cwd=scratch, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    return summarize(name, work)
+
+
+def summarize(name: str, work: Path) -> dict:
+    """The counts and survivors of the set's last run in its scratch copy (mutmut keeps them in mutants/)."""
+    scratch = work / name
+    if not (scratch / "mutants").is_dir():
+        return dict(set=name, score=None, strict_score=None, survivors=[], scratch=str(scratch),
+                    mutate=SETS[name]["mutate"], tests=SETS[name]["tests"], not_checked="all")
+    subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch, env=ENV, capture_output=True)
+    stats_file = scratch / "mutants" / "mutmut-cicd-stats.json"
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    res = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=scratch, env=ENV, capture_output=True,
+                         text=True)
+    survivors = sorted(line.strip().rsplit(":", 1)[0] for line in res.stdout.splitlines()
+                       if re.search(r": (survived|suspicious|segfault)$", line.strip()))
+    run = json.loads((scratch / "run.json").read_text()) if (scratch / "run.json").exists() else {}
+    help_text = [m for m in survivors if only_help_text(mutant_diff(scratch, m))]
+    # a mutant whose tests ran past mutmut's time limit (an endless loop, say) counts as detected, as in mutmut's
+    # own score
+    detected = stats.get("killed", 0) + stats.get("timeout", 0)
+    tested = detected + sum(stats.get(key, 0) for key in ("survived", "suspicious", "segfault"))
+    checked = tested + sum(stats.get(key, 0) for key in ("no_tests", "skipped"))
+    strict = checked - stats.get("skipped", 0)  # mutmut's own score counts a mutant no test reaches as surviving
+    return dict(set=name, score=(detected / tested if tested else None), help_text=help_text,
+                score_without_help_text=(detected / (tested - len(help_text)) if tested > len(help_text) else None),
+                strict_score=(detected / strict if strict else None), survivors=survivors, scratch=str(scratch),
+                mutate=SETS[name]["mutate"], tests=SETS[name]["tests"], not_checked=stats.get("total", 0) - checked,
+                **run, **stats)
+
+
+def mutant_diff(scratch: Path, mutant: str) -> list[str]:
+    shown = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=scratch, env=ENV, capture_output=True,
+                           text=True).stdout
+    return [line for line in shown.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+
+
+def _without_help(line: str) -> str:
+    line = re.sub(r'(help|description)=("[^"]*"|None)', "", line)
+    line = re.sub(r'add_argument_group\(("[^"]*"|None)', "add_argument_group(", line)
+    return re.sub(r"[\s,]", "", line)
+
+
+def only_help_text(diff: list[str]) -> bool:
+    """A mutant that changes nothing but an argparse help text (a --help screen's words): equivalent."""
+    old = [_without_help(line[1:]) for line in diff if line.startswith("-")]
+    new = [_without_help(line[1:]) for line in diff if line.startswith("+")]
+    return bool(old) and old == new
+
+
+def report(rows: list[dict]) -> str:
+    out = ["| set | mutants | killed | survived | timeout | no tests | not run yet | score | with no-test ones | minutes |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        score = "-" if r["score"] is None else f"{r['score']:.1%}"
+        strict = "-" if r.get("strict_score") is None else f"{r['strict_score']:.1%}"
+        out.append(f"| {r['set']} | {r.get('total', '-')} | {r.get('killed', '-')} | {r.get('survived', '-')} | "
+                   f"{r.get('timeout', '-')} | {r.get('no_tests', '-')} | {r.get('not_checked', '-')} | {score} | {strict} | "
+                   f"{'-' if 'seconds' not in r else round(r['seconds'] / 60, 1)} |")
+    for r in rows:
+        if r.get("help_text"):
+            out.append(f"\n{r['set']}: {len(r['help_text'])} of the survivors change only an argparse help text; "
+                       f"without them the score is {r['score_without_help_text']:.1%}.")
+    for r in rows:
+        rest = [s for s in r["survivors"] if s not in r.get("help_text", [])]
+        if rest:
+            out += ["", f"Survivors in {r['set']}" + (" (besides the help texts)" if r.get("help_text") else "") + ":",
+                    ""] + [f"- `{s}`" for s in rest]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sets", nargs="*", help=f"module sets (default: all): {', '.join(SETS)}")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tokenselect-mutation"))
+    parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown) and beside it .json")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--collect", action="store_true",
+                        help="do not run: report the sets' last runs from their scratch copies")
+    parser.add_argument("--recheck", action="store_true",
+                        help="run only the survivors of the sets' last runs again, against the current tests")
+    args = parser.parse_args()
+    names = args.sets or list(SETS)
+    unknown = [n for n in names if n not in SETS]
+    if unknown:
+        parser.error(f"unknown set(s) {', '.join(unknown)}; choose from {', '.join(SETS)}")
+    if args.list:
+        for n in names:
+            print(f"{n}:\n  mutate {' '.join(SETS[n]['mutate'])}\n  tests  {' '.join(SETS[n]['tests'])}")
+        return 0
+    rows = []
+    for n in names:
+        if args.collect:
+            rows.append(summarize(n, args.work))
+        elif args.recheck:
+            rows.append(recheck(n, args.work, args.children))
+        else:
+            rows.append(run_set(n, args.work, args.children))
+        print(report(rows[-1:]), flush=True)
+    table = report(rows)
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
