@@ -53,11 +53,12 @@ def test_flags_override_the_config_file_and_engine_settings_come_from_it(tiny_ll
     assert llm.cache.n_slots == 640 and llm.chunk_size == 48
 
 
-@pytest.mark.parametrize("select_dtype, want", [("auto", torch.float32), ("fp8", torch.float8_e4m3fn)])
+@pytest.mark.parametrize("select_dtype, want", [("auto", None), ("fp8", torch.float8_e4m3fn)])
 def test_select_dtype_reaches_the_cache_the_policy_scores(tiny_llama, built, select_dtype, want):
     assert generate(tiny_llama, "--attention", "tokenselect", "--k", "8", "--n-init", "2", "--n-local", "4",
                     "--select-dtype", select_dtype) == 0
     (llm,) = built
+    want = want or llm.dtype  # auto: the keys of the KV pool itself, in the model's dtype (fp32 on a CPU)
     assert llm.select_dtype == want and llm.cache.k_select.dtype == want
     assert llm.policy.cache is llm.cache
     assert (llm.cache.k_select is llm.cache.k) is (select_dtype == "auto")

@@ -48,13 +48,13 @@ def test_keys_are_cached_before_rope(tiny_llama):
     ids = prompt(20, 0)
     llm.prompt_logits(ids)
     layer0 = llm.model.model.layers[0]
-    x = layer0.input_layernorm(llm.model.model.embed_tokens(torch.tensor(ids)))
+    x = layer0.input_layernorm(llm.model.model.embed_tokens(torch.tensor(ids, device=llm.device)))
     from safetensors.torch import load_file
 
     k_proj = load_file(Path(tiny_llama) / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"]
-    k = (x @ k_proj.T).view(20, 2, -1)
-    slots = torch.arange(20)  # a fresh pool hands out slots 0.. in order
-    torch.testing.assert_close(llm.cache.k[0, slots], k)
+    k = (x @ k_proj.to(x).T).view(20, 2, -1)
+    slots = torch.arange(20, device=llm.device)  # a fresh pool hands out slots 0.. in order
+    torch.testing.assert_close(llm.cache.k[0, slots], k.to(llm.cache.k.dtype))
 
 
 @pytest.mark.parametrize("attention", ["full", "tokenselect", "reattention", "quest"])

@@ -597,7 +597,8 @@ def test_triton_policy_equals_torch_policy(tiny_llama):
     """The whole TokenSelect path (selection and attention, prefill chunks and decode with the
     Selection Cache) gives the same logits and tokens with either kernel set."""
     ids = torch.randint(2, 300, (160,), generator=torch.Generator().manual_seed(4)).tolist()
-    settings = dict(chunk_size=32, k=24, n_init=4, n_local=16, theta=0.8, device=DEVICE, dtype=torch.float32)
+    settings = dict(chunk_size=32, k=24, n_init=4, n_local=16, theta=0.8, dense_until=0, device=DEVICE,
+                    dtype=torch.float32)
     ours = LLM(tiny_llama, "tokenselect", kernels="triton", **settings)
     ref = LLM(tiny_llama, "tokenselect", kernels="torch", **settings)
     torch.testing.assert_close(ours.prompt_logits(ids), ref.prompt_logits(ids), atol=1e-4, rtol=1e-4)

@@ -580,7 +580,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
             honest(self, layer, seq, q, out)
 
     monkeypatch.setattr(TokenSelect, "graph_choose", graph_choose)
-    settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dtype="float32")
+    settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dense_until=0, dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     settings["select_dtype"] = select_dtype
     want = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings).generate([ids(70, 1)], params)
