@@ -26,16 +26,20 @@ NAME = "tiny"
 PROMPTS = [f"The quick brown fox {i} jumps over the lazy dog. " * (1 + i % 3) for i in range(32)]
 
 
+def with_chat_template(source, path, template: str):
+    """A copy of the checkpoint folder ``source`` at ``path`` whose tokenizer config holds ``template``."""
+    shutil.copytree(source, path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tiny_llama, tmp_path_factory):
     """The tiny checkpoint, copied, with a chat template in its tokenizer config."""
-    path = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(tiny_llama, path)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_file.write_text(json.dumps(config))
-    return path
+    return with_chat_template(tiny_llama, tmp_path_factory.mktemp("chat") / "model", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,8 @@ import torch
 import uvicorn
 
 from checkpoints import VOCAB
-from test_server import NAME, PROMPTS, SETTINGS, checkpoint, expected, running_server, wait_for_free_pool  # noqa: F401
+from test_server import (NAME, PROMPTS, SETTINGS, checkpoint, expected, running_server,  # noqa: F401
+                         wait_for_free_pool, with_chat_template)
 from tokenselect.engine import LLM, MAX_IDLE_POLICIES
 from tokenselect.sampling import SamplingParams
 from tokenselect.sequence import Sequence
@@ -34,13 +34,7 @@ LONG_RUN = {"prompt": PROMPTS[3], "max_tokens": 2000, "temperature": 0, "ignore_
 
 @pytest.fixture(scope="module")
 def strict_checkpoint(checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("strict") / "model"
-    shutil.copytree(checkpoint, path)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = STRICT_TEMPLATE
-    config_file.write_text(json.dumps(config))
-    return path
+    return with_chat_template(checkpoint, tmp_path_factory.mktemp("strict") / "model", STRICT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

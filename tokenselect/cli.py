@@ -84,8 +84,10 @@ def demo_model(requested: str | None) -> str | None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """A passkey hidden in a prompt ``--multiple`` times the model's window: TokenSelect finds it,
-    full attention (positions past the window) does not."""
+    """A needle hidden in a prompt ``--multiple`` times the model's window: TokenSelect finds it, full
+    attention (positions past the window) does not. The embedded model gets InfiniteBench's passkey, the drill it
+    was trained on; a real model RULER's single needle, the task SmolLM2 does past its window
+    (``benchmarks/results/eval_smollm2_h100.md``)."""
     import random
 
     from .eval.metrics import score
@@ -93,13 +95,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     args.model = demo_model(args.model)
+    embedded = args.model is None
     if args.multiple is None:
-        args.multiple = EMBEDDED_DEMO_MULTIPLE if args.model is None else REAL_DEMO_MULTIPLE
+        args.multiple = EMBEDDED_DEMO_MULTIPLE if embedded else REAL_DEMO_MULTIPLE
+    task = args.task or ("passkey" if embedded else "niah_single_1")
     llm = build_llm(args)
     length = args.multiple * llm.window
     count = lambda text: len(llm.tokenizer(text)["input_ids"])  # noqa: E731
-    sample = make_sample("passkey", length, args.depth, random.Random(args.seed), count)
-    print(f"model {llm.path} (window {llm.window} tokens); passkey {sample.answers[0]} hidden at depth "
+    sample = make_sample(task, length, args.depth, random.Random(args.seed), count)
+    print(f"model {llm.path} (window {llm.window} tokens); {task}: {sample.answers[0]} hidden at depth "
           f"{args.depth:.0%} of a {count(sample.input)}-token prompt ({args.multiple}x the window)", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     correct = {}
@@ -108,7 +112,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             llm.set_attention(attention, **policy_kwargs(args, attention, engine=False))
         start = time.perf_counter()
         text = llm.generate([sample.input], params, use_tqdm=True)[0].text
-        correct[attention] = score("passkey", text, sample.answers) == 1.0
+        correct[attention] = score(task, text, sample.answers) == 1.0
         verdict = "correct" if correct[attention] else "wrong"
         print(f"{attention:>12}: {text.strip()!r:40} {verdict} ({time.perf_counter() - start:.1f}s)")
     return 0 if correct[args.attention] else 1
@@ -153,18 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="passkey retrieval far past the model window, TokenSelect vs full",
-                          description="Hide a passkey in a prompt MULTIPLE times the model's trained window "
-                                      "and ask for it, with TokenSelect and then with full attention. "
-                                      "Exit status 0 when the TokenSelect answer is correct.")
+    demo = sub.add_parser("demo", help="needle retrieval far past the model window, TokenSelect vs full",
+                          description="Hide a needle (a passkey, or RULER's magic number for a real model) in a "
+                                      "prompt MULTIPLE times the model's trained window and ask for it, with "
+                                      "TokenSelect and then with full attention. Exit status 0 when the "
+                                      "TokenSelect answer is correct.")
     demo.add_argument("--multiple", type=int, default=None,
                       help=f"prompt length in model windows (default {REAL_DEMO_MULTIPLE} with a real model, "
                            f"{EMBEDDED_DEMO_MULTIPLE} with the embedded one; full attention takes minutes of it on a "
                            "CPU)")
-    demo.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1 (default 0.5)")
+    demo.add_argument("--task", default=None, choices=("passkey", "number_string", "niah_single_1", "niah_single_2"),
+                      help="the needle task (default: passkey with the embedded model, niah_single_1 with a real one)")
+    demo.add_argument("--depth", type=float, default=0.5, help="where the needle sits, 0..1 (default 0.5)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the passkey and its placement")
     demo.add_argument("--compare", nargs="*", default=["full"], help="policies to run after it (default: full)")
-    demo.add_argument("--max-tokens", type=int, default=12)
+    demo.add_argument("--max-tokens", type=int, default=16)
     add_model_args(demo, attention_default="tokenselect",
                    model_help=f"{MODEL_HELP}; a name not yet cached is fetched first. Default: the first real model "
                               "in the cache, else the small model that ships with tokenselect (no download)")
