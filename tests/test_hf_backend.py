@@ -137,8 +137,8 @@ def test_positions_reassigned_as_the_models_rope(family, layer):
     k_post = rope(model, layer, k_raw, positions)
     q_post = rope(model, layer, q_raw, positions[t:])
     cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, theta=None)
-    cache.update(k_post, v, layer)
-    out, _ = tshf.tokenselect_attention(module, q_post, k_post, v, None, scaling=module.scaling)
+    k_cached, v_cached = cache.update(k_post, v, layer)  # as a model's attention layer calls it
+    out, _ = tshf.tokenselect_attention(module, q_post, k_cached, v_cached, None, scaling=module.scaling)
     listed = cache.selected[layer]
     assert planted in listed.tolist() and listed.numel() == 20
     order = torch.cat([listed, torch.tensor([t])])
@@ -148,3 +148,13 @@ def test_positions_reassigned_as_the_models_rope(family, layer):
     ref = torch.nn.functional.scaled_dot_product_attention(q_ref, k_ref, v[:, :, order], scale=module.scaling,
                                                            enable_gqa=True)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=2e-6, rtol=1e-5)
+
+
+def test_a_plain_cache_after_a_selection_cache_is_ordinary_attention():
+    """The attention function acts only on keys its SelectionCache returned: a later generate with transformers'
+    own cache is ordinary attention, however the earlier run ended."""
+    model = tiny("llama")
+    ids = distinct_tokens(PROMPT, 6)
+    want = generate(model, ids, 4, "sdpa")
+    generate(model, ids, 4, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8))
+    assert generate(model, ids, 4, "tokenselect") == want

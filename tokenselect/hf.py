@@ -141,7 +141,10 @@ def tokenselect_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     layer = getattr(module, "layer_idx", None)
     c, total = query.shape[2], key.shape[2]
     t = total - c
-    if (cache is None or cache.active_layer != layer or kwargs.get("softcap") is not None
+    if cache is not None and (cache.active_layer != layer or layer >= len(cache.layers)
+                              or key is not cache.layers[layer].keys):
+        cache = None  # the keys are not this cache's (e.g. a later run with a plain DynamicCache)
+    if (cache is None or kwargs.get("softcap") is not None
             or cache.attends_all(t, c) or _sliding(module)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
