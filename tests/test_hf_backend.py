@@ -158,3 +158,20 @@ def test_a_plain_cache_after_a_selection_cache_is_ordinary_attention():
     want = generate(model, ids, 4, "sdpa")
     generate(model, ids, 4, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8))
     assert generate(model, ids, 4, "tokenselect") == want
+
+
+def test_readme_example_runs(tiny_llama, tmp_path, monkeypatch, capsys):
+    """The README's example, on the tiny Llama and a book past the default budget (2,688 tokens): it selects."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Any Hugging Face model: `tokenselect.hf`")[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "book.txt").write_text("The quick brown fox jumps over the lazy dog. " * 110)  # ~2,860 tokens
+    scope = {"PATH": str(tiny_llama)}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["ids"].shape[1] > 2688 and scope["cache"].selected  # past the budget, and selecting
+    hits, misses = scope["cache"].hits_misses()
+    assert hits + misses == 2 * 63
