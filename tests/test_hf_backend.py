@@ -175,3 +175,31 @@ def test_readme_example_runs(tiny_llama, tmp_path, monkeypatch, capsys):
     assert scope["ids"].shape[1] > 2688 and scope["cache"].selected  # past the budget, and selecting
     hits, misses = scope["cache"].hits_misses()
     assert hits + misses == 2 * 63
+
+
+def test_eval_backend_transformers_writes_a_table_for_gemma3(tmp_path, capsys):
+    """`tokenselect eval --backend transformers` on a Gemma 3 checkpoint (an architecture our engine does not
+    load), on the CPU: a table of full and tokenselect, tokenselect selecting past its small budget."""
+    import json
+
+    from checkpoints import save_tokenizer
+
+    from tokenselect.cli import build_parser
+
+    path = tmp_path / "gemma3"
+    tiny("gemma3").save_pretrained(path)
+    save_tokenizer(path)
+    out = tmp_path / "run"
+    args = build_parser().parse_args([
+        "eval", "--backend", "transformers", "--model", str(path), "--task", "passkey", "--lengths", "512",
+        "--samples", "2", "--attention", "full,tokenselect", "--k", "16", "--n-init", "4", "--n-local", "16",
+        "--dense-until", "0", "--chat", "off", "--prompt-cache", "none", "--workers", "1", "--output", str(out)])
+    assert args.func(args) == 0
+    table = (out / "table.md").read_text()
+    assert "transformers, tokenselect.hf" in table and "| full" in table and "| tokenselect" in table
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and {r["policy"] for r in records} == {"full", "tokenselect"}
+    assert all(r["prompt_tokens"] > 4 + 16 + 16 for r in records)  # past the budget: tokenselect selected
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["selection_cache"]["tokenselect"]["misses"] >= 2  # one layer selects (the other slides)
+    assert "| tokenselect" in capsys.readouterr().out
