@@ -56,8 +56,8 @@ def test_k_covering_the_context_equals_sdpa(family):
     assert cache.selected == {}  # nothing was selected
 
 
-@pytest.mark.parametrize("theta", [None, 0.9, -1.0])
-def test_llama_past_the_budget_equals_the_engine(checkpoint_factory, theta):
+@pytest.mark.parametrize("theta,kernels", [(None, "torch"), (0.9, "torch"), (-1.0, "torch"), (0.9, "triton")])
+def test_llama_past_the_budget_equals_the_engine(checkpoint_factory, theta, kernels):
     """Past the budget, greedy tokens equal our engine's TokenSelect with the same settings (prefill in one chunk,
     as transformers does; dense_until 0). theta -1 reuses every decode step's selection after the first."""
     from tokenselect import LLM, SamplingParams
@@ -65,11 +65,12 @@ def test_llama_past_the_budget_equals_the_engine(checkpoint_factory, theta):
     path = checkpoint_factory("llama")
     ids = distinct_tokens(120, 0)
     settings = dict(k=16, n_init=4, n_local=16, theta=theta)
+    n = 4 if kernels == "triton" else 12  # the Triton kernels run in the (slow) interpreter on the CPU
     engine = LLM(str(path), "tokenselect", dense_until=0, chunk_size=128, **settings)
-    want = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    want = engine.generate([ids], SamplingParams(max_tokens=n, temperature=0))[0].token_ids
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    cache = tshf.SelectionCache(**settings)
-    assert generate(model, ids, 12, "tokenselect", cache) == list(want)
+    cache = tshf.SelectionCache(**settings, kernels=kernels)  # the engine: PyTorch references
+    assert generate(model, ids, n, "tokenselect", cache) == list(want)
     assert cache.selected[0].numel() == 4 + 16 + 16
     if theta == -1.0:
         assert cache.hits_misses() == (2 * 10, 2)  # 11 decode steps x 2 layers, the first of each a miss
@@ -119,8 +120,9 @@ def rope(model, layer, x, positions):
     return family.apply_rotary_pos_emb(x, x, cos, sin)[0]
 
 
-@pytest.mark.parametrize("family,layer", [("llama", 0), ("gemma3", 1), ("phi3", 1)])
-def test_positions_reassigned_as_the_models_rope(family, layer):
+@pytest.mark.parametrize("family,layer,kernels", [("llama", 0, "torch"), ("gemma3", 1, "torch"), ("phi3", 1, "torch"),
+                                                  ("llama", 0, "triton")])
+def test_positions_reassigned_as_the_models_rope(family, layer, kernels):
     """One decode step past the budget, against a reference built with the model's own RoPE: the selected keys
     rotated at their index in the list, the query at the list's end. A key planted along every head's query wins
     the vote and is attended."""
@@ -136,7 +138,7 @@ def test_positions_reassigned_as_the_models_rope(family, layer):
     positions = torch.arange(t + 1)
     k_post = rope(model, layer, k_raw, positions)
     q_post = rope(model, layer, q_raw, positions[t:])
-    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, theta=None)
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, theta=None, kernels=kernels)  # triton: interpreted on the CPU
     k_cached, v_cached = cache.update(k_post, v, layer)  # as a model's attention layer calls it
     out, _ = tshf.tokenselect_attention(module, q_post, k_cached, v_cached, None, scaling=module.scaling)
     listed = cache.selected[layer]

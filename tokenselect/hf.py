@@ -5,7 +5,7 @@ subclass); no model file is patched.
     import tokenselect.hf
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tokenselect")
     cache = tokenselect.hf.SelectionCache(k=2048, n_init=128, n_local=512, theta=0.9)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
+    out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)  # past_key_values= before v5
 
 How it fits together. transformers calls ``cache.update(keys, values, layer_idx)`` and then the registered
 attention function ``attention(module, query [B, H, c, d], key [B, H_kv, T, d], value, mask, scaling, ...)``
@@ -187,8 +187,11 @@ def tokenselect_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     cache.selected[layer] = order[:order.numel() - c]
     positions = torch.arange(order.numel(), device=key.device)  # by index in the list
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    out = kern.sparse_attention(q_raw, raw, value[0].transpose(0, 1), order, positions, positions[-c:], inv_freq,
-                                1.0, sm_scale)  # [c, H, d]
+    values = value[0].transpose(0, 1)  # [T, H_kv, d]
+    if kern.name == "triton":
+        values = values.contiguous()  # the kernels read pools of contiguous rows (a copy: O(T) a step)
+    out = kern.sparse_attention(q_raw, raw, values, order, positions, positions[-c:], inv_freq, 1.0,
+                                sm_scale)  # [c, H, d]
     return out.unsqueeze(0), None
 
 
