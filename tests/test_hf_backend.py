@@ -56,6 +56,15 @@ def test_k_covering_the_context_equals_sdpa(family):
     assert cache.selected == {}  # nothing was selected
 
 
+def test_dense_until_defaults_to_the_models_window():
+    """As our engine: without dense_until, contexts inside the model's window (256) attend everything."""
+    model = tiny("phi3")
+    ids = distinct_tokens(PROMPT, 7)
+    want = generate(model, ids, 4, "sdpa")
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8)
+    assert generate(model, ids, 4, "tokenselect", cache) == want and cache.selected == {}
+
+
 @pytest.mark.parametrize("theta,kernels", [(None, "torch"), (0.9, "torch"), (-1.0, "torch"), (0.9, "triton")])
 def test_llama_past_the_budget_equals_the_engine(checkpoint_factory, theta, kernels):
     """Past the budget, greedy tokens equal our engine's TokenSelect with the same settings (prefill in one chunk,
@@ -64,9 +73,9 @@ def test_llama_past_the_budget_equals_the_engine(checkpoint_factory, theta, kern
 
     path = checkpoint_factory("llama")
     ids = distinct_tokens(120, 0)
-    settings = dict(k=16, n_init=4, n_local=16, theta=theta)
+    settings = dict(k=16, n_init=4, n_local=16, theta=theta, dense_until=0)
     n = 4 if kernels == "triton" else 12  # the Triton kernels run in the (slow) interpreter on the CPU
-    engine = LLM(str(path), "tokenselect", dense_until=0, chunk_size=128, **settings)
+    engine = LLM(str(path), "tokenselect", chunk_size=128, **settings)
     want = engine.generate([ids], SamplingParams(max_tokens=n, temperature=0))[0].token_ids
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     cache = tshf.SelectionCache(**settings, kernels=kernels)  # the engine: PyTorch references
@@ -82,7 +91,7 @@ def test_transformers_only_families_select(family):
     full attention's, and the lists hold sinks + k + window."""
     model = tiny(family)
     ids = distinct_tokens(PROMPT, 2)
-    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, theta=None, config=model.config)
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0, theta=None, config=model.config)
     out = generate(model, ids, 6, "tokenselect", cache)
     assert len(out) == 6
     layers = [1] if family == "gemma3" else [0, 1]
@@ -97,7 +106,7 @@ def test_mistral_sliding_window_stays_dense():
     model = tiny("mistral_sliding")
     ids = distinct_tokens(PROMPT, 3)
     want = generate(model, ids, 6, "sdpa")
-    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, config=model.config)
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0, config=model.config)
     assert generate(model, ids, 6, "tokenselect", cache) == want
     assert cache.selected == {}
 
@@ -106,7 +115,7 @@ def test_partial_rotary_raises_a_clear_error():
     model = tiny("phi3", partial_rotary_factor=0.5)
     ids = distinct_tokens(PROMPT, 4)
     with pytest.raises(tshf.UnsupportedModel, match="partial rotary"):
-        generate(model, ids, 3, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8))
+        generate(model, ids, 3, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0))
 
 
 def rope(model, layer, x, positions):
@@ -138,7 +147,7 @@ def test_positions_reassigned_as_the_models_rope(family, layer, kernels):
     positions = torch.arange(t + 1)
     k_post = rope(model, layer, k_raw, positions)
     q_post = rope(model, layer, q_raw, positions[t:])
-    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, theta=None, kernels=kernels)  # triton: interpreted on the CPU
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0, theta=None, kernels=kernels)  # triton: interpreted on the CPU
     k_cached, v_cached = cache.update(k_post, v, layer)  # as a model's attention layer calls it
     out, _ = tshf.tokenselect_attention(module, q_post, k_cached, v_cached, None, scaling=module.scaling)
     listed = cache.selected[layer]
@@ -158,7 +167,7 @@ def test_a_plain_cache_after_a_selection_cache_is_ordinary_attention():
     model = tiny("llama")
     ids = distinct_tokens(PROMPT, 6)
     want = generate(model, ids, 4, "sdpa")
-    generate(model, ids, 4, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8))
+    generate(model, ids, 4, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0))
     assert generate(model, ids, 4, "tokenselect") == want
 
 

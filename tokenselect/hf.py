@@ -62,16 +62,16 @@ class SelectionCache(DynamicCache):
     before its own tokens (for inspection and tests).
 
     k: middle tokens chosen; n_init: sinks; n_local: recent window; theta: Selection Cache threshold (None: off);
-    dense_until: steps ending at or below this length attend everything (default None = 0, as the engine's
-    ``dense_until=0``); kernels: "torch" | "triton" | None (Triton on CUDA, PyTorch on the CPU)."""
+    dense_until: steps ending at or below this length attend everything (default None: the model's window,
+    ``config.max_position_embeddings``, as our engine's default; 0 for the paper's behaviour); kernels: "torch" | "triton" | None (Triton on CUDA, PyTorch on the CPU)."""
 
     def __init__(self, k: int = 2048, n_init: int = 128, n_local: int = 512, theta: float | None = 0.9,
                  dense_until: int | None = None, kernels: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        if min(k, n_init, n_local) < 0 or (dense_until or 0) < 0:
+        if min(k, n_init, n_local, dense_until or 0) < 0:
             raise ValueError("k, n_init, n_local and dense_until must be >= 0")
         self.k, self.n_init, self.n_local, self.theta = k, n_init, n_local, theta
-        self.dense_until = dense_until or 0
+        self.dense_until = dense_until  # None: the model's window, read when attending
         self.kernels_name = kernels
         self.raw_keys: dict[int, torch.Tensor] = {}  # layer -> [T, H_kv, d] un-rotated keys
         self.selected: dict[int, torch.Tensor] = {}
@@ -83,9 +83,11 @@ class SelectionCache(DynamicCache):
         _ACTIVE[0] = self
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def attends_all(self, t: int, c: int) -> bool:
-        """As the engine's ``SelectivePolicy.attends_all``: t past tokens, c new ones."""
-        return t <= self.n_init + self.k + self.n_local or t + c <= self.dense_until
+    def attends_all(self, t: int, c: int, window: int = 0) -> bool:
+        """As the engine's ``SelectivePolicy.attends_all``: t past tokens, c new ones; window: the model's, the
+        default of ``dense_until``."""
+        dense_until = window if self.dense_until is None else self.dense_until
+        return t <= self.n_init + self.k + self.n_local or t + c <= dense_until
 
     def kernels(self, device: torch.device):
         name = self.kernels_name or ("triton" if device.type == "cuda" else "torch")
@@ -145,7 +147,8 @@ def tokenselect_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                               or key is not cache.layers[layer].keys):
         cache = None  # the keys are not this cache's (e.g. a later run with a plain DynamicCache)
     if (cache is None or kwargs.get("softcap") is not None
-            or cache.attends_all(t, c) or _sliding(module)):
+            or cache.attends_all(t, c, getattr(module.config, "max_position_embeddings", 0) or 0)
+            or _sliding(module)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1:
