@@ -147,7 +147,8 @@ def test_positions_reassigned_as_the_models_rope(family, layer, kernels):
     positions = torch.arange(t + 1)
     k_post = rope(model, layer, k_raw, positions)
     q_post = rope(model, layer, q_raw, positions[t:])
-    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0, theta=None, kernels=kernels)  # triton: interpreted on the CPU
+    # Triton: interpreted on the CPU
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0, theta=None, kernels=kernels)
     k_cached, v_cached = cache.update(k_post, v, layer)  # as a model's attention layer calls it
     out, _ = tshf.tokenselect_attention(module, q_post, k_cached, v_cached, None, scaling=module.scaling)
     listed = cache.selected[layer]

@@ -63,7 +63,8 @@ class SelectionCache(DynamicCache):
 
     k: middle tokens chosen; n_init: sinks; n_local: recent window; theta: Selection Cache threshold (None: off);
     dense_until: steps ending at or below this length attend everything (default None: the model's window,
-    ``config.max_position_embeddings``, as our engine's default; 0 for the paper's behaviour); kernels: "torch" | "triton" | None (Triton on CUDA, PyTorch on the CPU)."""
+    ``config.max_position_embeddings``, as our engine's default; 0 for the paper's behaviour);
+    kernels: "torch" | "triton" | None (Triton on CUDA, PyTorch on the CPU)."""
 
     def __init__(self, k: int = 2048, n_init: int = 128, n_local: int = 512, theta: float | None = 0.9,
                  dense_until: int | None = None, kernels: str | None = None, **kwargs):
@@ -119,7 +120,8 @@ def rope_frequencies(module: torch.nn.Module, head_dim: int) -> torch.Tensor:
         raise UnsupportedModel(f"{config.model_type}: {e}") from None
     if spec.kind not in SUPPORTED_ROPE:
         raise UnsupportedModel(f"{config.model_type}: rope type {spec.kind!r} is not supported by tokenselect.hf "
-                               f"(supported: {', '.join(SUPPORTED_ROPE)}; others scale cos/sin or change with the length)")
+                               f"(supported: {', '.join(SUPPORTED_ROPE)}; others scale cos/sin or change with "
+                               "the length)")
     inv_freq, scale = spec.inv_freq()
     if scale != 1.0:
         raise UnsupportedModel(f"{config.model_type}: RoPE with an attention scaling is not supported")
