@@ -53,6 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(default $TOKENSELECT_HOME/eval-prompts; 'none' to build them afresh)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes that build the prompts (default: the CPU count, at most 16)")
+    p.add_argument("--backend", choices=("engine", "transformers"), default="engine",
+                   help="engine (default): our engine; transformers: the model through transformers with the "
+                        "tokenselect.hf attention backend (policies full and tokenselect)")
     p.add_argument("--prompts-only", action="store_true",
                    help="build the prompts into the prompt cache and stop (for several eval processes to share)")
     add_policy_args(p)

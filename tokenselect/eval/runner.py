@@ -171,6 +171,10 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Generate with every policy on every cell -> (one record per (cell, policy), the Selection Cache's
     counts over all the cells of each policy that has one: ``{policy: {"hits", "misses", "hit_rate"}}``, the
     hit rate of its decode steps on the eval's real text)."""
+    if getattr(args, "backend", "engine") == "transformers":
+        from .hf_backend import evaluate_transformers
+
+        return evaluate_transformers(args)
     from tqdm import tqdm
 
     from ..data import default_model_path
@@ -290,6 +294,8 @@ def title(args: argparse.Namespace, records: list[dict]) -> str:
     import torch
 
     model = Path(args.model).name if args.model else "default model"
+    if getattr(args, "backend", "engine") == "transformers":
+        model += " (transformers, tokenselect.hf)"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     interval = ", 95% interval in brackets" if args.samples > 1 else ""
     return (f"Eval: {model}, chat template {args.chat}, {args.samples} samples per cell (score x 100, greedy"
