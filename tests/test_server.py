@@ -48,10 +48,9 @@ def reference(checkpoint):
     return LLM(checkpoint, **SETTINGS)
 
 
-@contextmanager
-def running_server(llm, options=None):
-    """(base URL, app) of a real uvicorn server for ``llm`` (with ``ServerOptions``) on a free port, in a thread."""
-    app = create_app(llm, NAME, options)
+def start_server(app):
+    """A real uvicorn server for ``app`` on a free port of 127.0.0.1, started in a thread -> (server, thread,
+    base URL); the caller stops it (``server.should_exit``)."""
     server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -59,8 +58,16 @@ def running_server(llm, options=None):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+@contextmanager
+def running_server(llm, options=None):
+    """(base URL, app) of a real uvicorn server for ``llm`` (with ``ServerOptions``) on a free port, in a thread."""
+    app = create_app(llm, NAME, options)
+    server, thread, url = start_server(app)
     try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", app
+        yield url, app
     finally:
         server.should_exit = True
         thread.join(timeout=30)

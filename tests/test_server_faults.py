@@ -12,15 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from checkpoints import VOCAB
 from test_server import (NAME, PROMPTS, SETTINGS, checkpoint, expected, running_server,  # noqa: F401
-                         wait_for_free_pool, with_chat_template)
+                         start_server, wait_for_free_pool, with_chat_template)
 from tokenselect.engine import LLM, MAX_IDLE_POLICIES
 from tokenselect.sampling import SamplingParams
 from tokenselect.sequence import Sequence
-from tokenselect.server import INTERNAL_ERROR, create_app, uvicorn_config
+from tokenselect.server import INTERNAL_ERROR, create_app
 from tokenselect.server_options import ServerOptions
 
 # Mistral's template: roles must alternate, or it raises (jinja2's TemplateError)
@@ -357,14 +356,8 @@ def test_shutdown_waits_at_most_its_timeout_then_aborts(strict_checkpoint):
     """Shutdown waited for every running request however long: a stream of minutes held SIGTERM for minutes."""
     llm = LLM(strict_checkpoint, **SETTINGS)
     app = create_app(llm, NAME, ServerOptions(shutdown_timeout=1))
-    server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server, thread, url = start_server(app)
     deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     stream = Stream(url, LONG_RUN)
     while not stream.lines:
         assert time.monotonic() < deadline
