@@ -3,8 +3,10 @@ run side by side on one GPU) into one output folder: predictions, summary, table
 
     python benchmarks/merge_eval.py OUT RUN_DIR[=LABEL] [RUN_DIR[=LABEL] ...]
 
-Columns come in the order of the RUN_DIRs. Every run must have answered the very same prompts. A run of one
-policy given a LABEL is that column's name (for two runs of one policy under different engine settings).
+Columns come in the order of the RUN_DIRs. Runs may cover different (task, length) cells (e.g. a later run that
+adds lengths); where two runs share a cell they must have answered the very same prompts, and each
+(policy, task, length) cell comes from one run only. A run of one policy given a LABEL is that column's name (for
+two runs of one policy under different engine settings). A run's Selection Cache counts are summed per column.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from tokenselect.eval.runner import intervals, markdown_table, selection_cache_l
 
 
 def main(out: str, *runs: str) -> None:
-    records, configs, cells, selection_cache = [], [], None, {}
+    title = ""
+    records, configs, prompts, selection_cache = [], [], {}, {}
     for spec in runs:
         path, _, label = spec.partition("=")
         run = Path(path)
@@ -30,14 +33,24 @@ def main(out: str, *runs: str) -> None:
                 raise SystemExit(f"{run}: a LABEL names the column of a run of one policy")
             hit_rates = {label: counts for counts in hit_rates.values()}
             rows = [{**r, "policy": label} for r in rows]
-        mine = sorted({(r["task"], r["length"], r["sample"], tuple(r["answers"])) for r in rows})
-        if cells is not None and mine != cells:
-            raise SystemExit(f"{run} answered other prompts than {runs[0]}: not mergeable")
-        cells = mine
+        mine: dict = {}
+        for r in rows:
+            mine.setdefault((r["task"], r["length"]), set()).add((r["sample"], tuple(r["answers"])))
+        for cell, answered in mine.items():
+            if prompts.setdefault(cell, answered) != answered:
+                raise SystemExit(f"{run} answered other prompts for {cell} than an earlier run: not mergeable")
+        seen = {(r["policy"], r["task"], r["length"]) for r in records}
+        twice = sorted(seen & {(r["policy"], r["task"], r["length"]) for r in rows})
+        if twice:
+            raise SystemExit(f"{run} repeats cells of an earlier run: {twice[:3]}")
         records += rows
         configs.append(summary["config"])
-        selection_cache.update(hit_rates)
-        title = (run / "table.md").read_text().splitlines()[0]
+        for policy, counts in hit_rates.items():
+            total = selection_cache.setdefault(policy, {"hits": 0, "misses": 0})
+            total["hits"] += counts["hits"]
+            total["misses"] += counts["misses"]
+            total["hit_rate"] = round(total["hits"] / max(1, total["hits"] + total["misses"]), 4)
+        title = title or (run / "table.md").read_text().splitlines()[0]
     scores = summarize(records)
     target = Path(out)
     write_outputs(records, scores, {"merged": [str(r) for r in runs], "configs": configs}, target, selection_cache)

@@ -18,7 +18,8 @@ def is_needle_task(task: str) -> bool:
 
 
 def _mean(values: list[float]) -> float:
-    return 100 * sum(values) / len(values)
+    """Mean x 100; NaN for no values (a cell not run: matplotlib leaves the point out)."""
+    return 100 * sum(values) / len(values) if values else float("nan")
 
 
 def _lengths(records: list[dict]) -> list[str]:
@@ -31,7 +32,7 @@ def heatmap(records: list[dict], task: str, policy: str, path: Path) -> None:
     """Score by needle depth (rows) and context length (columns), 0 red .. 100 green."""
     lengths = _lengths(records)
     depth_values = sorted({r["depth"] for r in records})
-    grid = [[_mean([r["score"] for r in records if r["depth"] == d and r["length"] == n] or [float("nan")])
+    grid = [[_mean([r["score"] for r in records if r["depth"] == d and r["length"] == n])
              for n in lengths] for d in depth_values]
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depth_values)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
@@ -47,7 +48,8 @@ def heatmap(records: list[dict], task: str, policy: str, path: Path) -> None:
 
 
 def score_vs_length(records: list[dict], task: str, path: Path) -> None:
-    """Mean score against context length, one line per policy."""
+    """Mean score against context length, one line per policy (a length a policy was not run at is left out;
+    with several tasks, each point averages the tasks run at that length)."""
     lengths = _lengths(records)
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy in dict.fromkeys(r["policy"] for r in records):

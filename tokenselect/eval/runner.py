@@ -272,18 +272,28 @@ def timings(records: list[dict]) -> dict:
                 for n, v in by_len.items()} for p, by_len in cells.items()}
 
 
+def length_value(length: str) -> float:
+    """The sort key of a length label: '2x' -> 2.0, '16384' -> 16384.0 (rows of one task in increasing length)."""
+    try:
+        return float(length.rstrip("x"))
+    except ValueError:
+        return float("inf")
+
+
 def markdown_table(scores: dict, bounds: dict | None = None) -> str:
     """Rows task x length, one column per policy; with ``bounds`` (``intervals``) each score carries its 95%
     interval."""
     policies = list(scores)
-    rows = dict.fromkeys((t, n) for by_task in scores.values() for t, by_len in by_task.items() for n in by_len)
+    seen = dict.fromkeys((t, n) for by_task in scores.values() for t, by_len in by_task.items() for n in by_len)
+    tasks = list(dict.fromkeys(t for t, _ in seen))
+    rows = sorted(seen, key=lambda cell: (tasks.index(cell[0]), length_value(cell[1])))
     lines = ["| task | length | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]
     for task, length in rows:
         cells = []
         for p in policies:
             value = scores[p].get(task, {}).get(length)
             span = (bounds or {}).get(p, {}).get(task, {}).get(length)
-            cells.append("" if value is None else f"{value:.1f}" if span is None
+            cells.append("—" if value is None else f"{value:.1f}" if span is None
                          else f"{value:.1f} ({span[0]:.0f}-{span[1]:.0f})")
         lines.append(f"| {task} | {length} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
