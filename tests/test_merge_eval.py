@@ -1,0 +1,60 @@
+"""benchmarks/merge_eval.py: runs of one policy each, or of different lengths, merged into one table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_merge():
+    spec = importlib.util.spec_from_file_location("merge_eval", ROOT / "benchmarks" / "merge_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def write_run(folder: Path, policy: str, length: str, scores: list[float], hits: int = 0, misses: int = 0,
+              answers: str = "7") -> Path:
+    """A run folder as `tokenselect eval` writes it: one task, one length, one sample per score."""
+    folder.mkdir(parents=True)
+    rows = [{"policy": policy, "task": "niah_single_1", "length": length, "target_tokens": 8192 * int(length[:-1]),
+             "prompt_tokens": 100, "sample": i, "depth": i / max(1, len(scores) - 1), "answers": [answers],
+             "prediction": "x", "score": s, "prefill_s": 0.1, "decode_s": 0.2} for i, s in enumerate(scores)]
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = {policy: {"hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses)}} if hits + misses else {}
+    (folder / "summary.json").write_text(json.dumps({"config": {"attention": policy}, "selection_cache": cache}))
+    (folder / "table.md").write_text("# Eval: test model\n\n| table |\n")
+    return folder
+
+
+def test_runs_of_different_lengths_combine_into_rows_in_length_order(tmp_path):
+    merge = load_merge()
+    a = write_run(tmp_path / "a", "tokenselect", "16x", [1.0, 0.0], hits=1, misses=3)
+    b = write_run(tmp_path / "b", "tokenselect", "2x", [1.0, 1.0], hits=3, misses=1)
+    c = write_run(tmp_path / "c", "full", "2x", [0.0, 0.0])
+    merge(str(tmp_path / "out"), str(a), str(b), str(c))
+    table = (tmp_path / "out" / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| niah_single_1")]
+    assert [r.split("|")[2].strip() for r in rows] == ["2x", "16x"]  # by length, not by run order
+    assert rows[0].split("|")[3].strip().startswith("100.0")  # tokenselect at 2x
+    assert rows[1].split("|")[3].strip().startswith("50.0")
+    assert rows[1].split("|")[4].strip() == "—"  # full was not run at 16x
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["selection_cache"]["tokenselect"] == {"hits": 4, "misses": 4, "hit_rate": 0.5}  # summed
+    assert "Selection Cache of tokenselect: 50.0% hits (4 of 8" in table
+
+
+def test_a_cell_from_two_runs_or_other_prompts_is_refused(tmp_path):
+    merge = load_merge()
+    a = write_run(tmp_path / "a", "tokenselect", "2x", [1.0])
+    again = write_run(tmp_path / "again", "tokenselect", "2x", [1.0])
+    with pytest.raises(SystemExit, match="repeats cells"):
+        merge(str(tmp_path / "out"), str(a), str(again))
+    other = write_run(tmp_path / "other", "full", "2x", [1.0], answers="8")
+    with pytest.raises(SystemExit, match="other prompts"):
+        merge(str(tmp_path / "out2"), str(a), str(other))
