@@ -246,6 +246,24 @@ def test_eviction_under_pressure_never_touches_a_running_sequence(tiny_llama, ba
     assert llm.scheduler.available == llm.cache.n_slots and prefix.locked_tokens == 0
 
 
+def test_prompt_logits_compute_every_row_whatever_is_cached(tiny_llama):
+    llm = engine(tiny_llama, "full")
+    llm.generate(QUESTIONS[0], GREEDY)
+    logits = llm.prompt_logits(QUESTIONS[1])
+    assert logits.shape[0] == len(QUESTIONS[1])
+    torch.testing.assert_close(logits, engine(tiny_llama, "full", reuse=False).prompt_logits(QUESTIONS[1]))
+
+
+def test_one_token_requests_release_what_they_hold(tiny_llama):
+    """A request that ends at its first token (finished inside the step that computed its last chunk) leaves no
+    cached token locked."""
+    llm = engine(tiny_llama, "tokenselect")
+    one = SamplingParams(max_tokens=1, temperature=0)
+    outs = llm.generate(QUESTIONS, one) + [llm.generate(q, one)[0] for q in QUESTIONS]
+    assert [o.cached_tokens for o in outs[4:]] == [192] * 4
+    assert llm.scheduler.prefix.locked_tokens == 0 and llm.scheduler.available == llm.cache.n_slots
+
+
 def test_aborted_prefill_keeps_its_computed_chunks(tiny_llama):
     llm = engine(tiny_llama, "tokenselect")
     seq = llm.add_request(QUESTIONS[0], GREEDY)
@@ -289,7 +307,7 @@ def test_many_questions_over_one_document_with_the_embedded_model():
 @pytest.mark.parametrize("attention", ["full", "tokenselect"])
 def test_reuse_in_cuda_graphs_answers_as_without(tiny_llama, attention):
     """Steps as CUDA graphs (decode and full prefill chunks whole, the rest per layer) over a reused prefix."""
-    long_doc = prompt(CHUNK * 12, 5)  # a long prompt: its full chunks run as whole-step graphs
+    long_doc = prompt(CHUNK * 20, 5)  # a long prompt (16 chunks or more): its full chunks run as whole-step graphs
     questions = [long_doc + prompt(9, 50 + i) for i in range(3)]
     kw = dict(cuda_graphs=True, dtype="float32")
     expected = [engine(tiny_llama, attention, reuse=False, **kw).generate(q, GREEDY)[0].token_ids for q in questions]

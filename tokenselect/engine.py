@@ -387,6 +387,7 @@ class LLM:
         attention policy that ``generate`` uses."""
         seq = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
         seq.logits = []
+        seq.reuse = None  # a reused prefix would have no logits: every row is computed (and none cached)
         while not seq.finished:
             self.step()
         if seq.error is not None:

@@ -79,7 +79,7 @@ class Scheduler:
         """After a step: give the cache the prompt tokens ``seq`` has computed (to the grain's multiple) and
         hold them as its prefix; where another sequence cached some of them meanwhile, its own duplicate slots
         go back to the pool and the cache's take their place."""
-        if self.prefix is None or seq.reuse is None:
+        if self.prefix is None or seq.reuse is None or seq not in self.running:
             return
         n = min(seq.n_cached, len(seq.prompt_ids)) // seq.reuse.grain * seq.reuse.grain
         if n <= seq.n_shared:
