@@ -14,7 +14,7 @@ Time to first token: from the request's submission (for "at once", the common su
 token, on the host after the step that sampled it (which waited for the GPU). Before the runs, an untimed warm-up
 request (prefix cache off) compiles the kernels.
 
-    python benchmarks/prefix_reuse.py OUTDIR                          # Llama-3-8B shape, 128000-token document
+    python benchmarks/prefix_reuse.py OUTDIR                          # Llama-3-8B shape, 131000-token document
     python benchmarks/prefix_reuse.py OUTDIR --config tiny --doc-tokens 2000 --device cpu     # a try on a CPU
 
 writes OUTDIR/prefix_reuse.md and OUTDIR/prefix_reuse.json.
@@ -127,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     p.add_argument("--attention", default="tokenselect", help="policy (default tokenselect)")
     p.add_argument("--settings", help='policy settings as JSON, e.g. \'{"k": 4096}\'')
-    p.add_argument("--doc-tokens", type=parse_length, default=128000,
-                   help="document length, e.g. 128000 (default; not a multiple of the chunk, as documents are not), "
-                        "128k = 131072")
+    p.add_argument("--doc-tokens", type=parse_length, default=131000,
+                   help="document length (default 131000: 128K less 72, so that a follow-up computes the document's "
+                        "last partial chunk again, 440 tokens, as it would for a document of any length; 128k = "
+                        "131072 would be a multiple of the chunk)")
     p.add_argument("--questions", type=int, default=10, help="questions asked (default 10)")
     p.add_argument("--question-tokens", type=int, default=64, help="tokens of each question (default 64)")
     p.add_argument("--max-tokens", type=int, default=8, help="new tokens per question (default 8)")

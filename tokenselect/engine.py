@@ -396,7 +396,9 @@ class LLM:
 
     def stats(self) -> dict:
         """Policy counters (e.g. the Selection Cache's hits and misses, summed over the per-request
-        settings' instances still kept) and pool occupancy."""
+        settings' instances still kept), pool occupancy, and with the prefix cache its tokens held now
+        (``prefix_cache_tokens``), reused instead of computed (``prefix_cache_hit_tokens``) and evicted
+        (``prefix_cache_evicted_tokens``) so far."""
         counters: dict = {}
         for policy in list(self._policies.values()):  # a copy: the server reads stats beside the engine thread
             for key, value in policy.stats().items():
