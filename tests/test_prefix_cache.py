@@ -194,6 +194,15 @@ def test_requests_with_other_policy_settings_do_not_share(tiny_llama):
     assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 0, 192)
 
 
+def test_another_policy_on_the_same_engine_computes_its_own(tiny_llama):
+    llm = engine(tiny_llama, "full")
+    llm.generate(QUESTIONS[0], GREEDY)
+    llm.set_attention("tokenselect", **SELECTING)
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 0
+    llm.set_attention("full")
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 200  # what full attention cached is still there
+
+
 def test_a_request_is_never_refused_for_room_that_eviction_frees(tiny_llama):
     """A pool full of cached prompts: a request needing almost all of it evicts them and runs."""
     llm = engine(tiny_llama, "full", kv_cache_tokens=256)
