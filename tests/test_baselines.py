@@ -304,5 +304,5 @@ def test_prompts_four_times_the_window_generate(tiny_llama, attention):
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [out.token_ids for out in together] == alone
     assert max(int(torch.cat([p.positions, p.q_positions]).max()) for p in seen) < llm.window
-    assert llm.cache.num_free == llm.cache.n_slots
+    assert llm.scheduler.available == llm.cache.n_slots
     assert not getattr(llm.policy, "_memory", None) and not getattr(llm.policy, "_bounds", None)

@@ -66,7 +66,7 @@ def test_several_prompts_in_one_call_equal_one_at_a_time(tiny_llama, batch_invar
     together = llm.generate(prompts, GREEDY)
     alone = [LLM(tiny_llama, attention, chunk_size=32).generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
-    assert llm.cache.num_free == llm.cache.n_slots
+    assert llm.scheduler.available == llm.cache.n_slots
 
 
 def test_full_pool_queues_requests_and_never_touches_running_ones(tiny_llama):

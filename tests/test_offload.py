@@ -87,12 +87,12 @@ def test_freeing_and_aborting_return_every_slot(tiny_llama):
     seq = llm.add_request(prompt(250, 4), GREEDY)
     for _ in range(3):
         llm.step()
-    assert llm.cache.num_free == llm.cache.n_slots - 96
+    assert llm.scheduler.available == llm.cache.n_slots - 96
     llm.abort(seq)
-    assert seq.finish_reason == "abort" and llm.cache.num_free == llm.cache.n_slots and not llm.scheduler.has_work()
+    assert seq.finish_reason == "abort" and llm.scheduler.available == llm.cache.n_slots and not llm.scheduler.has_work()
     # the aborted sequence's slots are handed out again: their host values are overwritten, not reused
     assert llm.generate([ids], GREEDY)[0].token_ids == expected
-    assert llm.cache.num_free == llm.cache.n_slots
+    assert llm.scheduler.available == llm.cache.n_slots
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

@@ -244,7 +244,7 @@ def test_prompt_four_times_the_window_generates(tiny_llama, attention):
     ids = torch.randint(2, 300, (1024,), generator=torch.Generator().manual_seed(9)).tolist()
     out = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 5 and out[0].finish_reason == "length"
-    assert llm.cache.num_free == llm.cache.n_slots  # everything released
+    assert llm.scheduler.available == llm.cache.n_slots  # everything released
 
 
 def test_defaults_fit_small_windows(tiny_llama):

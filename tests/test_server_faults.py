@@ -170,14 +170,14 @@ def test_a_sequence_whose_step_fails_ends_alone_and_returns_its_slots(strict_che
         llm.step()
     assert bad.finish_reason == "error" and isinstance(bad.error, IndexError)
     assert good.finish_reason == "length" and good.text == want
-    assert llm.cache.num_free == llm.cache.n_slots and not llm.scheduler.running
+    assert llm.scheduler.available == llm.cache.n_slots and not llm.scheduler.running
     with pytest.raises(ValueError, match="outside the vocabulary"):  # checked before it is queued
         llm.generate([[1, 2, VOCAB + 5]], params)
     llm.config = dataclasses.replace(llm.config, vocab_size=VOCAB + 100)  # a config that overstates the embedding
     with pytest.raises(RuntimeError) as failed:  # the batch API raises rather than return a silent "error"
         llm.generate([PROMPTS[2], [1, 2, VOCAB + 5]], params)
     assert isinstance(failed.value.__cause__, IndexError)
-    assert llm.cache.num_free == llm.cache.n_slots
+    assert llm.scheduler.available == llm.cache.n_slots
 
 
 def test_an_engine_failure_is_a_generic_500_for_its_request_only(strict_checkpoint, reference):
@@ -370,7 +370,7 @@ def test_shutdown_waits_at_most_its_timeout_then_aborts(strict_checkpoint):
     stream.thread.join(timeout=10)
     assert not stream.thread.is_alive() and isinstance(stream.error, httpx.RemoteProtocolError)
     assert len(stream.lines) < 2000
-    assert llm.cache.num_free == llm.cache.n_slots and not app.state.worker.thread.is_alive()
+    assert llm.scheduler.available == llm.cache.n_slots and not app.state.worker.thread.is_alive()
 
 
 PARAMS = [

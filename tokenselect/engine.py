@@ -24,6 +24,7 @@ from .kv_cache import KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
 from .models.registry import resolve_model
 from .policies import AttentionPolicy, default_chunk, make_policy
+from .prefix_cache import PrefixCache, reuse_rule
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
@@ -59,7 +60,8 @@ class LLM:
         cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
         steps and a long prompt's full prefill chunks of TokenSelect, StreamingLLM, full attention and InfLLM as
         one graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs
-        eagerly)
+        eagerly), prefix_cache (default True: keep the KV of computed prompts and start a request that shares a
+        prefix with one after it, ``prefix_cache.py``)
         (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
@@ -94,7 +96,7 @@ class LLM:
                kv_cache_tokens: int | None = None, kv_dtype: str = "auto", kv_offload: str = "none",
                select_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
                rope_scaling: str | None = None,
-               cuda_graphs: bool | None = None, **policy_settings) -> None:
+               cuda_graphs: bool | None = None, prefix_cache: bool = True, **policy_settings) -> None:
         cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
@@ -117,7 +119,8 @@ class LLM:
                              kv_offload, self.select_dtype)
         self.max_model_len = min(max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
-        self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
+        self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs,
+                                   PrefixCache(self.cache) if prefix_cache else None)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.graphs = StepGraphs(self.model, self.device, self.chunk_size) if cuda_graphs else None
@@ -221,6 +224,9 @@ class LLM:
         key, policy = self.policy_for(policy_settings)
         seq = Sequence(ids, params, self.device, policy, self.tokenizer)
         seq.policy_key = key
+        if self.scheduler.prefix is not None:
+            seq.reuse = reuse_rule(self.attention, {**self.policy_settings, **dict(key)}, self.rope.spec.kind,
+                                   self.chunk_size)
         self._policy_users.setdefault(key, set()).add(seq.id)
         self.scheduler.add(seq)
         return seq
@@ -280,7 +286,7 @@ class LLM:
             for seq, n in batch:
                 if seq.started_at is None:
                     seq.started_at = now
-                slots = self.cache.allocate(n)
+                slots = self.scheduler.allocate(n)  # evicting unused cached prefixes if the pool is short
                 new_slots.append(slots)
                 seq.slots[seq.n_cached:seq.n_cached + n] = slots
                 ids.extend(seq.token_slice(seq.n_cached, n))
@@ -311,6 +317,8 @@ class LLM:
         for ch, row_logits in zip(chunks, logits):
             seq = ch.seq
             seq.n_cached += ch.length
+            if not ch.decode:
+                self.scheduler.computed(seq)  # the prompt's computed chunks into the prefix cache
             if seq.logits is not None:
                 seq.logits.append(row_logits)
             if seq.n_cached == seq.n_tokens:
@@ -379,6 +387,7 @@ class LLM:
         attention policy that ``generate`` uses."""
         seq = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
         seq.logits = []
+        seq.reuse = None  # a reused prefix would have no logits: every row is computed (and none cached)
         while not seq.finished:
             self.step()
         if seq.error is not None:
@@ -387,7 +396,9 @@ class LLM:
 
     def stats(self) -> dict:
         """Policy counters (e.g. the Selection Cache's hits and misses, summed over the per-request
-        settings' instances still kept) and pool occupancy."""
+        settings' instances still kept), pool occupancy, and with the prefix cache its tokens held now
+        (``prefix_cache_tokens``), reused instead of computed (``prefix_cache_hit_tokens``) and evicted
+        (``prefix_cache_evicted_tokens``) so far."""
         counters: dict = {}
         for policy in list(self._policies.values()):  # a copy: the server reads stats beside the engine thread
             for key, value in policy.stats().items():
@@ -396,5 +407,15 @@ class LLM:
         if "selection_cache_hits" in counters:
             looked_up = counters["selection_cache_hits"] + counters["selection_cache_misses"]
             counters["selection_cache_hit_rate"] = counters["selection_cache_hits"] / looked_up if looked_up else 0.0
+        prefix = self.scheduler.prefix
         return {"attention": self.attention, "kv_slots_free": self.cache.num_free,
-                "kv_slots": self.cache.n_slots, **counters}
+                "kv_slots": self.cache.n_slots, **(prefix.stats() if prefix is not None else {}), **counters}
+
+    def set_prefix_cache(self, enabled: bool) -> None:
+        """Turn prefix reuse on or off (e.g. to time the same requests both ways on one loaded model). Only
+        between requests; turning it off frees every cached prompt's slots."""
+        if self.scheduler.has_work():
+            raise RuntimeError("set_prefix_cache while requests are running")
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.clear()
+        self.scheduler.prefix = PrefixCache(self.cache) if enabled else None

@@ -1,10 +1,20 @@
-"""Which tokens run in the next forward pass.
+"""Which tokens run in the next forward pass, and who holds which KV slots.
 
 Every running sequence that is generating contributes one token; prompts are prefilled in chunks
 that share a per-step token budget. Chunk boundaries of a prompt are always multiples of the chunk
-size, so a sequence is processed the same way whatever else is running. A request is admitted only
-when its whole reservation (prompt + max_tokens) fits in the KV pool next to those running, so a
-running sequence never finds the pool full.
+size (a prefill that starts after a reused prefix first runs up to the next multiple), so a sequence
+is processed the same way whatever else is running and whatever it reused.
+
+With a prefix cache (``prefix_cache.py``) a sequence starts after the longest cached prefix of its prompt
+(looked up when it is admitted, and again before each prefill chunk while it has computed nothing of its
+own, so that ten questions queued behind one document reuse it once the first has computed it), and hands
+its prompt's computed chunks to the cache as they complete. A sequence's slot table then begins with
+``n_shared`` slots the cache owns (locked while it runs), followed by slots of its own.
+
+A request is admitted only when its own slots (prompt + max_tokens, less the reused prefix) fit in the pool
+next to what the running sequences may still take and the cached tokens they lock: unlocked cached tokens
+are evicted on demand, so a running sequence never finds the pool full, and a request is never held back
+for room that eviction could free.
 """
 
 from __future__ import annotations
@@ -12,15 +22,16 @@ from __future__ import annotations
 from collections import deque
 
 from .kv_cache import KVCache
+from .prefix_cache import PrefixCache
 from .sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, chunk_size: int, max_num_seqs: int):
+    def __init__(self, cache: KVCache, chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None):
         self.cache, self.chunk_size, self.max_num_seqs = cache, chunk_size, max_num_seqs
+        self.prefix = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.reserved = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -28,29 +39,102 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def committed(self) -> int:
+        """Slots spoken for: every running sequence's own slots at their most (taken or still to take) and the
+        cached tokens they lock."""
+        own = sum(seq.reserved - seq.n_shared for seq in self.running)
+        return own + (self.prefix.locked_tokens if self.prefix is not None else 0)
+
+    @property
+    def available(self) -> int:
+        """Slots a new allocation can get: the free ones and the cached tokens no running sequence holds."""
+        return self.cache.num_free + (self.prefix.evictable_tokens if self.prefix is not None else 0)
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """-> [(sequence, number of its next tokens to run)]."""
-        while (self.waiting and len(self.running) < self.max_num_seqs
-               and self.reserved + self.waiting[0].reserved <= self.cache.n_slots):
-            seq = self.waiting.popleft()
-            self.reserved += seq.reserved
-            self.running.append(seq)
+        while self.waiting and len(self.running) < self.max_num_seqs and self._admit(self.waiting[0]):
+            self.running.append(self.waiting.popleft())
         batch = [(seq, 1) for seq in self.running if not seq.prefilling]
         budget = self.chunk_size
         for seq in self.running:
             if seq.prefilling:
-                n = min(self.chunk_size, len(seq.prompt_ids) - seq.n_cached)
+                if seq.n_cached == seq.n_shared:  # nothing of its own yet: a longer prefix may be cached by now
+                    self._reuse(seq, self._match(seq))
+                n = min(self.chunk_size - seq.n_cached % self.chunk_size, len(seq.prompt_ids) - seq.n_cached)
                 if n > budget:
                     break
                 batch.append((seq, n))
                 budget -= n
         return batch
 
+    def allocate(self, n: int):
+        """``n`` free slots -> [n] int64, evicting unlocked cached tokens if the free list is short."""
+        short = n - self.cache.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict(short)
+        return self.cache.allocate(n)
+
+    def computed(self, seq: Sequence) -> None:
+        """After a step: give the cache the prompt tokens ``seq`` has computed (to the grain's multiple) and
+        hold them as its prefix; where another sequence cached some of them meanwhile, its own duplicate slots
+        go back to the pool and the cache's take their place."""
+        if self.prefix is None or seq.reuse is None or seq not in self.running:
+            return
+        n = min(seq.n_cached, len(seq.prompt_ids)) // seq.reuse.grain * seq.reuse.grain
+        if n <= seq.n_shared:
+            return
+        start = seq.prefix_node or self.prefix.root(seq.reuse.namespace)
+        node, m = self.prefix.insert(start, seq.prompt_ids, seq.slots[:n], n)
+        if m > seq.n_shared:
+            self.cache.free(seq.slots[seq.n_shared:m].clone())
+            seq.slots[seq.n_shared:m] = self.prefix.slots(node)[seq.n_shared:m]
+        self._hold(seq, node)
+
     def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's slots and reservation."""
+        """Release a finished or aborted sequence's slots and reservation: its computed prompt stays cached."""
         if seq in self.running:
+            self.computed(seq)
             self.running.remove(seq)
-            self.reserved -= seq.reserved
-            self.cache.free(seq.slots[:seq.n_cached])
+            self.cache.free(seq.slots[seq.n_shared:seq.n_cached])
+            if seq.prefix_node is not None:
+                self.prefix.unlock(seq.prefix_node)
+                seq.prefix_node = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    # ---- prefix reuse -------------------------------------------------------------------------
+
+    def _match(self, seq: Sequence):
+        """The deepest cached node of ``seq``'s prompt (None without reuse). At most the prompt less its last
+        token: that one is always computed, for the logits of the first new token."""
+        if self.prefix is None or seq.reuse is None:
+            return None
+        start = seq.prefix_node or self.prefix.root(seq.reuse.namespace)
+        return self.prefix.match(start, seq.prompt_ids, len(seq.prompt_ids) - 1, seq.reuse.grain)
+
+    def _admit(self, seq: Sequence) -> bool:
+        node = self._match(seq)
+        matched = node.depth if node is not None else 0
+        extra = self.prefix.unlocked_tokens(node) if node is not None else 0
+        if self.committed + extra + seq.reserved - matched > self.cache.n_slots:
+            return False
+        self._reuse(seq, node)
+        return True
+
+    def _reuse(self, seq: Sequence, node) -> None:
+        """Start ``seq`` (which has computed nothing of its own) after the cached prefix ending at ``node``."""
+        if node is None or node.depth <= seq.n_shared:
+            return
+        seq.slots[seq.n_shared:node.depth] = self.prefix.slots(node, seq.prefix_node)
+        seq.cached_tokens += node.depth - seq.n_cached
+        self.prefix.hit_tokens += node.depth - seq.n_cached
+        seq.n_cached = node.depth
+        self._hold(seq, node)
+
+    def _hold(self, seq: Sequence, node) -> None:
+        """``seq``'s prefix is now the path to ``node``: lock it (before unlocking the old one, its ancestor)."""
+        self.prefix.lock(node)
+        if seq.prefix_node is not None:
+            self.prefix.unlock(seq.prefix_node)
+        seq.prefix_node, seq.n_shared = node, node.depth

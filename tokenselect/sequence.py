@@ -16,6 +16,7 @@ _ids = itertools.count()
 @dataclass
 class RequestOutput:
     """text: the generated text; token_ids: the new tokens; finish_reason: 'stop' or 'length'.
+    cached_tokens: prompt tokens reused from the prefix cache.
     prefill_s: seconds from the step that ran the prompt's first chunk to the first new token; decode_s: from
     there to the last new token. Wall-clock at step boundaries, so with other sequences in the same steps
     each includes their share."""
@@ -27,6 +28,7 @@ class RequestOutput:
     finish_reason: str | None
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of being computed
 
 
 class Sequence:
@@ -43,6 +45,13 @@ class Sequence:
         # Slot table: slot of token i of the sequence, filled as tokens enter the cache.
         self.slots = torch.empty(len(prompt_ids) + params.max_tokens, dtype=torch.int64, device=device)
         self.n_cached = 0  # tokens whose K/V are in the cache
+        # Prefix reuse (``scheduler.py``, ``prefix_cache.py``): how it may share prompt KV (None: it does not),
+        # the cached node its first n_shared slots belong to (held while it runs), and how many of its prompt's
+        # tokens were reused rather than computed
+        self.reuse = None
+        self.prefix_node = None
+        self.n_shared = 0
+        self.cached_tokens = 0
         self.detokenizer = IncrementalText(tokenizer) if tokenizer is not None else None  # None: no text
         self.finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then ``error`` says why)
         self.error: BaseException | None = None
@@ -87,4 +96,4 @@ class Sequence:
         first, start = self.first_token_at, self.started_at
         return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
                              first - start if first is not None else 0.0,
-                             self.last_token_at - first if first is not None else 0.0)
+                             self.last_token_at - first if first is not None else 0.0, self.cached_tokens)

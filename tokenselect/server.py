@@ -172,6 +172,7 @@ class Snapshot:
     completion_tokens: int
     finish_reason: str | None
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -300,7 +301,7 @@ class EngineWorker:
             job.send(internal_error())
         else:
             job.send(Snapshot(seq.text, len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason,
-                              self._new_logprobs(job)))
+                              self._new_logprobs(job), seq.cached_tokens))
 
     def _new_logprobs(self, job: Job) -> list:
         """The job's logprob entries since its last snapshot, the token ids decoded (by this thread's tokenizer)."""
@@ -651,7 +652,8 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                "created": int(time.time()), "model": name, "choices": [{"index": 0, **choice}]}
         if usage is not None:
             obj["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+                            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
         return obj
 
     def logprobs_object(kind: str, entries: list | None, offset: int = 0) -> dict | None:

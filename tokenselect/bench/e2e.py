@@ -264,7 +264,8 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
         slots = length + max(args.decode_steps + args.profile_steps, WARMUP_DECODE_STEPS) + 8
         llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, kv_offload=args.kv_offload,
                          select_dtype=args.select_dtype, kv_cache_tokens=slots,
-                         chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs)
+                         chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+                         prefix_cache=False)  # the timed prompt starts with the warm-up's: it would be reused
     except (torch.OutOfMemoryError, HostMemoryError) as e:
         where = "on the GPU" if isinstance(e, torch.OutOfMemoryError) else "in host memory"
         for policy in policies:

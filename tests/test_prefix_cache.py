@@ -1,0 +1,348 @@
+"""The prefix cache: the radix tree itself, then the engine reusing prompt KV across requests (outputs unchanged,
+token counts as expected, eviction under pressure that never touches a running sequence)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tokenselect import LLM, SamplingParams
+from tokenselect.kv_cache import KVCache
+from tokenselect.prefix_cache import PrefixCache, Reuse, reuse_rule
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+CHUNK = 32
+# tokenselect selecting inside the tiny model's window (4 sinks + 64 chosen + 16 local: past 84 tokens), so that a
+# chunk's KV depends on the chunk's selection
+SELECTING = dict(dense_until=0)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cached_prefix(ids: list[int], earlier: list[list[int]], grain: int) -> int:
+    """What the cache should serve of ``ids`` after the prompts ``earlier`` were computed: their longest common
+    prefix, at most all but the last token, cut to a multiple of ``grain``."""
+    common = max((next((i for i, (a, b) in enumerate(zip(ids, e)) if a != b), min(len(ids), len(e)))
+                  for e in earlier), default=0)
+    return min(common, len(ids) - 1) // grain * grain
+
+
+# ---- the tree ------------------------------------------------------------------------------------
+
+def tree(n_slots: int = 64) -> tuple[KVCache, PrefixCache]:
+    cache = KVCache(1, n_slots, 1, 4, torch.float32, torch.device("cpu"))
+    return cache, PrefixCache(cache)
+
+
+def cache_prompt(pc: PrefixCache, cache: KVCache, tokens: list[int]):
+    """Insert ``tokens`` as a finished sequence would: its own slots, duplicates freed. -> the end node."""
+    slots = cache.allocate(len(tokens))
+    node, m = pc.insert(pc.root("ns"), tokens, slots, len(tokens))
+    cache.free(slots[:m])
+    return node
+
+
+def test_match_of_nothing_cached_is_the_root_and_an_insert_is_matched_token_exactly():
+    cache, pc = tree()
+    root = pc.root("ns")
+    assert pc.match(root, [5, 6, 7], 2, 1) is root  # an empty tree: length 0
+    node = cache_prompt(pc, cache, [1, 2, 3, 4, 5])
+    assert pc.cached_tokens == 5 and cache.num_free == 59
+    assert pc.match(root, [9, 2, 3], 2, 1) is root  # another first token: length 0
+    half = pc.match(root, [1, 2, 3, 9, 9, 9], 5, 1)  # diverges after 3 tokens: the node is split there
+    assert half.depth == 3 and pc.slots(half).tolist() == pc.slots(node).tolist()[:3]
+    assert pc.match(root, [1, 2, 3, 4, 5, 6], 5, 1) is node  # the whole of it
+    # the same prompt again: at most all but its last token (whose logits the request needs)
+    assert pc.match(root, [1, 2, 3, 4, 5], 4, 1).depth == 4
+    assert pc.match(root, [1, 2, 3, 4, 5, 6], 5, 2).depth == 4  # cut to the grain
+    assert pc.match(root, [1, 2, 3, 4, 5, 6], 5, 8) is root
+    assert pc.match(pc.root("other"), [1, 2, 3, 4, 5, 6], 5, 1).depth == 0  # namespaces do not share
+
+
+def test_insert_reports_what_was_cached_already():
+    cache, pc = tree()
+    cache_prompt(pc, cache, [1, 2, 3, 4])
+    slots = cache.allocate(6)
+    node, m = pc.insert(pc.root("ns"), [1, 2, 3, 7, 8, 9], slots, 6)
+    assert m == 3 and node.depth == 6 and pc.cached_tokens == 7
+    assert pc.slots(node).tolist()[3:] == slots.tolist()[3:]  # the new tokens keep the caller's slots
+
+
+def test_locked_prefixes_survive_eviction_and_the_least_recently_used_leaf_goes_first_from_its_end():
+    cache, pc = tree(16)
+    a = cache_prompt(pc, cache, [1, 2, 3, 4, 5, 6])
+    b = cache_prompt(pc, cache, [1, 2, 3, 7, 8, 9])  # shares [1, 2, 3] with a
+    c = cache_prompt(pc, cache, [20, 21, 22, 23])
+    assert pc.cached_tokens == 13 and cache.num_free == 3
+    pc.lock(b)  # a running sequence holds [1, 2, 3, 7, 8, 9]
+    assert pc.locked_tokens == 6 and pc.evictable_tokens == 7
+    pc.lock(a), pc.unlock(a)  # a used after c: c is the least recently used
+    assert pc.evict(2) == 2 and pc.match(pc.root("ns"), [20, 21, 22, 23, 0], 4, 1).depth == 2  # c's end went
+    assert pc.evict(4) == 4  # the rest of c, then a's end: [4, 5, 6] would be next, 2 of them taken
+    assert pc.match(pc.root("ns"), [1, 2, 3, 4, 5, 6, 0], 6, 1).depth == 4
+    assert pc.evict(100) == 1  # only a's last unlocked token is left: [1, 2, 3] is b's too
+    assert pc.cached_tokens == pc.locked_tokens == 6 and cache.num_free == 16 - 6
+    assert pc.match(pc.root("ns"), [1, 2, 3, 7, 8, 9, 0], 6, 1) is b
+    pc.unlock(b)
+    assert pc.clear() == 6 and cache.num_free == 16 and pc.evicted_tokens == 13
+
+
+def test_reuse_rules():
+    assert reuse_rule("full", {}, "default", 512) == Reuse(("full", "[]"), 1)
+    assert reuse_rule("full", {}, "dynamic", 512).grain == 512  # dynamic NTK follows each chunk's end
+    assert reuse_rule("tokenselect", {"k": 8}, "default", 512).grain == 512
+    assert reuse_rule("tokenselect", {"k": 8}, "default", 512) != reuse_rule("tokenselect", {"k": 9}, "default", 512)
+    assert reuse_rule("infllm", {}, "default", 512) is None
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+def engine(path, attention: str, reuse: bool = True, **settings) -> LLM:
+    extra = SELECTING if attention == "tokenselect" else {}
+    return LLM(path, attention, chunk_size=CHUNK, prefix_cache=reuse, **{**extra, **settings})
+
+
+DOC = prompt(200, 1)
+QUESTIONS = [DOC + prompt(5 + 3 * i, 10 + i) for i in range(4)]
+
+
+@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+def test_questions_in_turn_reuse_the_document_and_answer_as_without(tiny_llama, attention):
+    grain = 1 if attention == "full" else CHUNK
+    without = engine(tiny_llama, attention, reuse=False)
+    expected = [without.generate(q, GREEDY)[0].token_ids for q in QUESTIONS]
+    llm = engine(tiny_llama, attention)
+    outs = [llm.generate(q, GREEDY)[0] for q in QUESTIONS]
+    assert [o.token_ids for o in outs] == expected
+    want = [cached_prefix(q, QUESTIONS[:i], grain) for i, q in enumerate(QUESTIONS)]
+    assert want == [0] + [200 // grain * grain] * 3  # the document, to the grain
+    assert [o.cached_tokens for o in outs] == want
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] == sum(want) and stats["prefix_cache_evicted_tokens"] == 0
+    assert llm.scheduler.available == llm.cache.n_slots  # nothing held once they are done
+    assert without.stats().get("prefix_cache_hit_tokens") is None and without.cache.num_free == without.cache.n_slots
+
+
+@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+def test_questions_at_once_reuse_what_the_first_computed(tiny_llama, batch_invariant_matmuls, attention):
+    """Queued together: the first prefills the document, the others (still waiting for the step's chunk budget)
+    find it cached before their first chunk, and the batched answers equal the ones computed alone."""
+    expected = [engine(tiny_llama, attention, reuse=False).generate(q, GREEDY)[0].token_ids for q in QUESTIONS]
+    llm = engine(tiny_llama, attention)
+    outs = llm.generate(QUESTIONS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].cached_tokens == 0
+    # the first's chunks are cached as they complete, to the grain: the chunk boundary 192 for tokenselect. With
+    # full attention (grain 1) the second's first chunk (192..208) fits beside the first's last (192..205, 13 of
+    # the step's 32 tokens) and computes the document's end itself; the later ones find the first's whole prompt
+    assert [o.cached_tokens for o in outs[1:]] == ([192, 200, 200] if attention == "full" else [192] * 3)
+
+
+@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+def test_prompt_asked_again_computes_its_last_token(tiny_llama, attention):
+    """Prefix == the whole prompt: the last token is computed again, for the logits of the first new token."""
+    llm = engine(tiny_llama, attention)
+    ids = prompt(CHUNK * 4, 3)  # a multiple of the chunk
+    first, again = llm.generate(ids, GREEDY)[0], llm.generate(ids, GREEDY)[0]
+    assert again.token_ids == first.token_ids
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (len(ids) - 1 if attention == "full" else len(ids) - CHUNK)
+    one = llm.generate(ids[:1], GREEDY)[0]  # a one-token prompt can reuse nothing
+    assert one.cached_tokens == 0
+
+
+@pytest.mark.parametrize("attention", ["quest", "reattention", "streaming", "infllm"])
+def test_every_policy_answers_as_without_reuse(tiny_llama, attention):
+    """Quest's page bounds are rebuilt from the reused keys, ReAttention and StreamingLLM keep no state;
+    InfLLM's representatives need the prompt's queries, so it computes every prompt (cached_tokens 0)."""
+    settings = dict(n_local=16, k=32) if attention in ("quest", "infllm") else dict(n_local=16)
+    if attention == "infllm":
+        settings["block_size"] = 8
+    expected = [engine(tiny_llama, attention, reuse=False, **settings).generate(q, GREEDY)[0].token_ids
+                for q in QUESTIONS[:2]]
+    llm = engine(tiny_llama, attention, **settings)
+    outs = [llm.generate(q, GREEDY)[0] for q in QUESTIONS[:2]]
+    assert [o.token_ids for o in outs] == expected
+    assert outs[1].cached_tokens == (0 if attention == "infllm" else 192)
+
+
+@pytest.mark.parametrize("kv", [dict(kv_dtype="fp8"), dict(kv_offload="values"), dict(select_dtype="fp8")])
+def test_reuse_with_fp8_and_offloaded_values(tiny_llama, kv):
+    expected = [engine(tiny_llama, "tokenselect", reuse=False, **kv).generate(q, GREEDY)[0].token_ids
+                for q in QUESTIONS[:2]]
+    llm = engine(tiny_llama, "tokenselect", **kv)
+    outs = [llm.generate(q, GREEDY)[0] for q in QUESTIONS[:2]]
+    assert [o.token_ids for o in outs] == expected and outs[1].cached_tokens == 192
+
+
+def test_requests_with_other_policy_settings_do_not_share(tiny_llama):
+    """KV past layer 0 depends on what the layers below attended: another k computes its own."""
+    llm = engine(tiny_llama, "tokenselect")
+    own = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    a = llm.add_request(QUESTIONS[0], own, {"k": 16})
+    while llm.scheduler.has_work():
+        llm.step()
+    b = llm.add_request(QUESTIONS[1], own)
+    c = llm.add_request(QUESTIONS[2], own, {"k": 16})
+    while llm.scheduler.has_work():
+        llm.step()
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 0, 192)
+
+
+def test_another_policy_on_the_same_engine_computes_its_own(tiny_llama):
+    llm = engine(tiny_llama, "full")
+    llm.generate(QUESTIONS[0], GREEDY)
+    llm.set_attention("tokenselect", **SELECTING)
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 0
+    llm.set_attention("full")
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 200  # what full attention cached is still there
+
+
+def test_a_request_is_never_refused_for_room_that_eviction_frees(tiny_llama):
+    """A pool full of cached prompts: a request needing almost all of it evicts them and runs."""
+    llm = engine(tiny_llama, "full", kv_cache_tokens=256)
+    for seed in range(3):
+        llm.generate(prompt(70, seed), GREEDY)
+    assert llm.stats()["prefix_cache_tokens"] == 210 and llm.cache.num_free == 256 - 210
+    big = prompt(256 - GREEDY.max_tokens, 9)  # exactly the pool's capacity with its max_tokens
+    out = llm.generate(big, GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens
+    # it took 255 slots (its last new token is never fed back): 209 cached tokens went, one stays, and its own
+    # prompt is cached now
+    assert out.cached_tokens == 0
+    assert llm.stats()["prefix_cache_evicted_tokens"] == 209 and llm.stats()["prefix_cache_tokens"] == 1 + len(big)
+    assert out.token_ids == engine(tiny_llama, "full", reuse=False, kv_cache_tokens=256).generate(
+        big, GREEDY)[0].token_ids
+
+
+def test_eviction_under_pressure_never_touches_a_running_sequence(tiny_llama, batch_invariant_matmuls):
+    """A small pool, many overlapping prompts arriving over time: every eviction frees slots that no running
+    sequence holds, the answers equal an engine's without reuse, and nothing is held at the end."""
+    rng = random.Random(0)
+    stems = [prompt(96, 100 + i) for i in range(3)]
+    prompts = [rng.choice(stems)[:rng.randrange(40, 97)] + prompt(rng.randrange(1, 20), 200 + i) for i in range(24)]
+    llm = engine(tiny_llama, "tokenselect", kv_cache_tokens=400, max_num_seqs=4)
+    prefix = llm.scheduler.prefix
+    evict = prefix.evict
+
+    def checked_evict(n: int) -> int:
+        before = set(range(llm.cache.n_slots)) - set(llm.cache._stack[:llm.cache.num_free].tolist())
+        freed = evict(n)
+        now_free = set(llm.cache._stack[:llm.cache.num_free].tolist()) & before
+        for seq in llm.scheduler.running:
+            held = set(seq.slots[:seq.n_cached].tolist())
+            assert not held & now_free, f"eviction freed slots of running sequence {seq.id}"
+        return freed
+
+    prefix.evict = checked_evict
+    seqs = []
+    for i, p in enumerate(prompts):  # three new requests a step, the engine stepping in between
+        seqs.append(llm.add_request(p, GREEDY))
+        if i % 3 == 2:
+            llm.step()
+    while llm.scheduler.has_work():
+        llm.step()
+    reference = engine(tiny_llama, "tokenselect", reuse=False)
+    assert [s.output_ids for s in seqs] == [reference.generate(p, GREEDY)[0].token_ids for p in prompts]
+    stats = llm.stats()
+    assert stats["prefix_cache_evicted_tokens"] > 0 and stats["prefix_cache_hit_tokens"] > 0  # both happened
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert llm.scheduler.available == llm.cache.n_slots and prefix.locked_tokens == 0
+
+
+def test_prompt_logits_compute_every_row_whatever_is_cached(tiny_llama):
+    llm = engine(tiny_llama, "full")
+    llm.generate(QUESTIONS[0], GREEDY)
+    logits = llm.prompt_logits(QUESTIONS[1])
+    assert logits.shape[0] == len(QUESTIONS[1])
+    torch.testing.assert_close(logits, engine(tiny_llama, "full", reuse=False).prompt_logits(QUESTIONS[1]))
+
+
+def test_one_token_requests_release_what_they_hold(tiny_llama):
+    """A request that ends at its first token (finished inside the step that computed its last chunk) leaves no
+    cached token locked."""
+    llm = engine(tiny_llama, "tokenselect")
+    one = SamplingParams(max_tokens=1, temperature=0)
+    outs = llm.generate(QUESTIONS, one) + [llm.generate(q, one)[0] for q in QUESTIONS]
+    assert [o.cached_tokens for o in outs[4:]] == [192] * 4
+    assert llm.scheduler.prefix.locked_tokens == 0 and llm.scheduler.available == llm.cache.n_slots
+
+
+def test_aborted_prefill_keeps_its_computed_chunks(tiny_llama):
+    llm = engine(tiny_llama, "tokenselect")
+    seq = llm.add_request(QUESTIONS[0], GREEDY)
+    for _ in range(3):
+        llm.step()
+    llm.abort(seq)
+    assert llm.stats()["prefix_cache_tokens"] == 3 * CHUNK and llm.scheduler.available == llm.cache.n_slots
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 3 * CHUNK
+
+
+def test_set_prefix_cache_turns_reuse_off_and_frees_the_cache(tiny_llama):
+    llm = engine(tiny_llama, "full")
+    llm.generate(QUESTIONS[0], GREEDY)
+    llm.set_prefix_cache(False)
+    assert llm.cache.num_free == llm.cache.n_slots and "prefix_cache_tokens" not in llm.stats()
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 0
+    llm.set_prefix_cache(True)
+    llm.generate(QUESTIONS[0], GREEDY)
+    assert llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 200
+
+
+def test_many_questions_over_one_document_with_the_embedded_model():
+    """The shipped model, text prompts: a document and ten questions in turn, then ten at once. Each follow-up
+    reuses the document up to the last chunk boundary its tokens share with an earlier prompt."""
+    llm = LLM(None, "tokenselect", chunk_size=64, kv_cache_tokens=4096)
+    doc = "The contract between the two parties was signed in spring. " * 30
+    ask = [f"\nQuestion {i}: what happened in clause {i}?\nAnswer:" for i in range(10)]
+    ids = [llm.encode(doc + q) for q in ask]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    turns = [llm.generate(doc + q, params)[0] for q in ask]
+    want = [cached_prefix(x, ids[:i], 64) for i, x in enumerate(ids)]
+    assert want[0] == 0 and min(want[1:]) >= len(llm.encode(doc)) // 64 * 64 - 64 > 0
+    assert [o.cached_tokens for o in turns] == want
+    at_once = llm.generate([doc + q for q in ask], params)
+    assert [o.token_ids for o in at_once] == [o.token_ids for o in turns]
+    assert [o.cached_tokens for o in at_once] == [cached_prefix(x, ids, 64) for x in ids]  # all cached now
+    assert llm.stats()["prefix_cache_hit_tokens"] == sum(want) + sum(o.cached_tokens for o in at_once)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+def test_reuse_in_cuda_graphs_answers_as_without(tiny_llama, attention):
+    """Steps as CUDA graphs (decode and full prefill chunks whole, the rest per layer) over a reused prefix."""
+    long_doc = prompt(CHUNK * 20, 5)  # a long prompt (16 chunks or more): its full chunks run as whole-step graphs
+    questions = [long_doc + prompt(9, 50 + i) for i in range(3)]
+    kw = dict(cuda_graphs=True, dtype="float32")
+    expected = [engine(tiny_llama, attention, reuse=False, **kw).generate(q, GREEDY)[0].token_ids for q in questions]
+    llm = engine(tiny_llama, attention, **kw)
+    turns = [llm.generate(q, GREEDY)[0] for q in questions]
+    assert [o.token_ids for o in turns] == expected and turns[2].cached_tokens >= len(long_doc) - CHUNK
+    assert llm.whole_graphs.steps_run > 0 and llm.whole_graphs.failure is None
+    assert [o.token_ids for o in llm.generate(questions, GREEDY)] == expected
+
+
+def test_benchmark_script_runs_at_a_tiny_size(tmp_path):
+    """``benchmarks/prefix_reuse.py`` (the GPU benchmark) end to end on the CPU: its runs, its token counts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_reuse.py"
+    spec = importlib.util.spec_from_file_location("prefix_reuse", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([str(tmp_path), "--config", "tiny", "--layers", "1", "--doc-tokens", "700", "--questions", "3",
+                       "--question-tokens", "16", "--max-tokens", "2", "--chunk-size", "64",
+                       "--kv-cache-tokens", "4096", "--device", "cpu"]) == 0
+    result = json.loads((tmp_path / "prefix_reuse.json").read_text())
+    cached = {label: [r["cached_tokens"] for r in rows] for label, rows in result["runs"].items()}
+    assert cached == {"without reuse, in turn": [0, 0, 0], "without reuse, at once": [0, 0, 0],
+                      "with reuse, in turn": [0, 640, 640], "with reuse, at once": [0, 640, 640]}
+    assert all(r["ttft_s"] > 0 for rows in result["runs"].values() for r in rows)
+    text = (tmp_path / "prefix_reuse.md").read_text()
+    assert "| 2 |" in text and "follow-up question (2..3, in turn) with reuse: median" in text
