@@ -234,9 +234,10 @@ def _default_for(module: torch.nn.Module, policy: str, t: int) -> PolicyState:
     state = entry[1] if entry is not None and entry[0]() is config else None
     if (state is None or state.policy_name != policy
             or (state.pools is not None and state.pools.length(module.layer_idx) > t)):
+        if entry is None or entry[0]() is not config:  # forget the state with the model (once per config)
+            weakref.finalize(config, _DEFAULT.pop, id(config), None)
         state = PolicyState(policy, {})
         _DEFAULT[id(config)] = (weakref.ref(config), state)
-        weakref.finalize(config, _DEFAULT.pop, id(config), None)
     return state
 
 
