@@ -162,55 +162,248 @@ def test_positions_reassigned_as_the_models_rope(family, layer, kernels):
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=2e-6, rtol=1e-5)
 
 
-def test_a_plain_cache_after_a_selection_cache_is_ordinary_attention():
-    """The attention function acts only on keys its SelectionCache returned: a later generate with transformers'
-    own cache is ordinary attention, however the earlier run ended."""
+def test_a_plain_cache_after_a_selection_cache_is_ordinary_attention_inside_the_window():
+    """A later generate with transformers' own cache runs the policy's defaults, which attend densely inside the
+    model's window (dense_until): the same tokens as SDPA, however the earlier run ended."""
     model = tiny("llama")
     ids = distinct_tokens(PROMPT, 6)
     want = generate(model, ids, 4, "sdpa")
     generate(model, ids, 4, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0))
     assert generate(model, ids, 4, "tokenselect") == want
+    assert tshf.default_state(model).selected == {}
+
+
+# the policies' small settings: past n_init + budget + n_local after ~40 tokens of the tiny model (window 256)
+BASELINES = {
+    "tokenselect": dict(k=16, n_init=4, n_local=16, dense_until=0),
+    "streaming": dict(n_init=4, n_local=16),
+    "quest": dict(k=16, page_size=4, n_init=4, n_local=16),
+    "infllm": dict(k=16, block_size=4, repr_keys=2, n_init=4, n_local=16),
+    "reattention": dict(n_init=4, n_local=16, span=4, n_spans=4),
+}
+CHUNK = 32  # the engine's prefill chunk; generate prefills in the same chunks (prefill_chunk_size)
+
+
+def engine_tokens(path, policy: str, ids: list[int], n: int, **settings) -> list[int]:
+    from tokenselect import LLM, SamplingParams
+
+    engine = LLM(str(path), policy, chunk_size=CHUNK, **settings)
+    return list(engine.generate([ids], SamplingParams(max_tokens=n, temperature=0))[0].token_ids)
+
+
+@pytest.mark.parametrize("policy,kernels", [(p, "torch") for p in BASELINES]
+                         + [(p, "triton") for p in ("quest", "infllm", "reattention")])
+def test_baselines_equal_the_engine(checkpoint_factory, policy, kernels):
+    """Every policy through the backend (the engine's own policy object, asked per layer and step) gives our
+    engine's greedy tokens, prefilled in the same chunks; the last decode step attended a proper subset. The
+    Triton kernels (interpreted on the CPU: the GPU's path) against the engine's PyTorch references."""
+    path = checkpoint_factory("llama")
+    ids = distinct_tokens(120, 11)
+    n = 10 if kernels == "torch" else 3
+    want = engine_tokens(path, policy, ids, n, **BASELINES[policy])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.set_attn_implementation("tokenselect")
+    cache = tshf.PolicyCache(policy, chunk=CHUNK, kernels=kernels, **BASELINES[policy])
+    out = model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         prefill_chunk_size=CHUNK)
+    assert out[0, len(ids):].tolist() == want
+    assert cache.policy.name == policy and sorted(cache.selected) == [0, 1]
+    listed = cache.selected[1].tolist()
+    assert listed[:4] == [0, 1, 2, 3] and len(listed) < len(ids) + n - 1
+    if policy == "infllm":  # InfLLM's default positions put the memory at one position (not re-indexed)
+        return
+    assert listed == sorted(listed)
+
+
+@pytest.mark.parametrize("policy", list(BASELINES))
+def test_budget_covering_the_context_equals_sdpa(policy):
+    """Boundary: when the policy's budget covers the whole context every step is transformers' own SDPA (the same
+    tokens, nothing selected), for every policy."""
+    model = tiny("llama")
+    ids = distinct_tokens(PROMPT, 12)
+    want = generate(model, ids, 6, "sdpa")
+    covering = {**BASELINES[policy], "n_local": 128}  # n_init + n_local >= 80 + 6 tokens
+    cache = tshf.PolicyCache(policy, chunk=96, **covering)  # InfLLM: the prompt is one chunk
+    assert generate(model, ids, 6, "tokenselect", cache) == want
+    assert cache.selected == {}
+
+
+def test_without_a_cache_the_policys_defaults_apply(checkpoint_factory):
+    """attn_implementation="tokenselect" alone: TokenSelect with the engine's defaults fitted to the window (k 64,
+    n_init 4, n_local 16, theta 0.9, dense until the 256-token window), the same tokens as the engine's default
+    TokenSelect past the window, and as an explicit SelectionCache() (whose left-out settings are the same)."""
+    path = checkpoint_factory("llama")
+    ids = distinct_tokens(300, 13)  # past the window
+    n = 6
+    from tokenselect import LLM, SamplingParams
+
+    engine = LLM(str(path), "tokenselect")  # its defaults: chunk 64 for this window
+    want = list(engine.generate([ids], SamplingParams(max_tokens=n, temperature=0))[0].token_ids)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="tokenselect")
+    run = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, prefill_chunk_size=64)
+    out = model.generate(torch.tensor([ids]), **run)
+    assert out[0, len(ids):].tolist() == want
+    state = tshf.default_state(model)
+    policy = state.policy
+    assert (policy.k, policy.n_init, policy.n_local, policy.dense_until) == (64, 4, 16, 256)
+    assert state.selected[0].numel() == 4 + 64 + 16
+    assert sum(state.hits_misses()) == 2 * (n - 1)  # every decode step of both layers looked up
+    cache = tshf.SelectionCache()
+    assert model.generate(torch.tensor([ids]), cache=cache, **run)[0, len(ids):].tolist() == want
+    # a second run without a cache starts afresh (its own Selection Cache), as the first
+    assert model.generate(torch.tensor([ids]), **run)[0, len(ids):].tolist() == want
+    assert tshf.default_state(model) is not state and sum(tshf.default_state(model).hits_misses()) == 2 * (n - 1)
+
+
+@pytest.mark.parametrize("name", ["tokenselect_streaming", "tokenselect_quest"])
+def test_named_implementations_run_their_policy_without_a_cache(name):
+    """attn_implementation="tokenselect_<policy>" runs that policy's defaults; past the window it selects."""
+    model = tiny("llama")
+    ids = distinct_tokens(300, 14)
+    generate(model, ids, 2, name)
+    state = tshf.default_state(model)
+    assert state.policy.name == name.split("_")[1] and state.selected
+
+
+def pad_left(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[1] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("policy,theta", [("tokenselect", 0.9), ("tokenselect", -1.0), ("quest", None),
+                                          ("infllm", None), ("streaming", None)])
+def test_batch_equals_one_at_a_time(batch_invariant_matmuls, policy, theta):
+    """A left-padded batch of prompts of different lengths gives each row the tokens it gets alone (each row its
+    own selection, Selection Cache entries and memory). The prompts are prefilled in one step (a batch's chunks
+    are cut at the batch's columns, so a padded row's chunks would not be its chunks alone)."""
+    model = tiny("llama")
+    prompts = [distinct_tokens(n, 20 + n) for n in (120, 97, 64)]
+    settings = BASELINES[policy] if theta is None else {**BASELINES[policy], "theta": theta}
+    run = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=1)
+    model.set_attn_implementation("tokenselect")
+    alone = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), cache=tshf.PolicyCache(policy, chunk=128, **settings), **run)
+        alone.append(out[0, len(p):].tolist())
+    ids, mask = pad_left(prompts)
+    cache = tshf.PolicyCache(policy, chunk=128, **settings)
+    out = model.generate(ids, attention_mask=mask, cache=cache, **run)
+    assert out[:, ids.shape[1]:].tolist() == alone
+    model.set_attn_implementation("sdpa")
+    assert all(model.generate(torch.tensor([p]), **run)[0, len(p):].tolist() != a for p, a in zip(prompts, alone))
+    rows = cache.selected[1]
+    assert len(rows) == 3 and all(r is not None for r in rows)  # every row selected at the last step
+    assert all(r[:4].tolist() == [0, 1, 2, 3] for r in rows)  # token indices within the row (padding skipped)
+
+
+def test_batch_with_a_row_inside_the_budget(batch_invariant_matmuls):
+    """A row short enough to attend densely (SDPA, as alone) beside rows that select."""
+    model = tiny("llama")
+    prompts = [distinct_tokens(110, 30), distinct_tokens(20, 31)]
+    settings = dict(k=16, n_init=4, n_local=16, dense_until=0)
+    run = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
+    model.set_attn_implementation("tokenselect")
+    alone = [model.generate(torch.tensor([p]), cache=tshf.SelectionCache(**settings), **run)[0, len(p):].tolist()
+             for p in prompts]
+    ids, mask = pad_left(prompts)
+    cache = tshf.SelectionCache(**settings)
+    out = model.generate(ids, attention_mask=mask, cache=cache, **run)
+    assert out[:, ids.shape[1]:].tolist() == alone
+    assert cache.selected[0][0] is not None and cache.selected[0][1] is None
+
+
+def test_infllm_without_chunked_prefill_raises_a_clear_error():
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="prefill_chunk_size=32"):
+        generate(model, distinct_tokens(PROMPT, 15), 2, "tokenselect", tshf.PolicyCache("infllm", chunk=32))
+
+
+def test_unknown_settings_and_policies_raise():
+    with pytest.raises(ValueError, match="takes no setting page_size"):
+        tshf.PolicyCache("streaming", page_size=4)
+    with pytest.raises(ValueError, match="unknown policy"):
+        tshf.PolicyCache("h2o")
+    model = tiny("llama", max_position_embeddings=64)  # ReAttention's n_local + chunk exceed this window
+    with pytest.raises(ValueError, match="exceed the model window"):
+        generate(model, distinct_tokens(PROMPT, 16), 2, "tokenselect", tshf.PolicyCache("reattention", n_local=60))
 
 
 def test_readme_example_runs(tiny_llama, tmp_path, monkeypatch, capsys):
-    """The README's example, on the tiny Llama and a book past the default budget (2,688 tokens): it selects."""
+    """The README's example as written (PATH the tiny Llama, a book past its 256-token window: 2,860 tokens): the
+    run without a cache selects with TokenSelect's defaults, the one with a SelectionCache with its settings."""
     import re
     from pathlib import Path
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("## Any Hugging Face model: `tokenselect.hf`")[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 10
     monkeypatch.chdir(tmp_path)
     (tmp_path / "book.txt").write_text("The quick brown fox jumps over the lazy dog. " * 110)  # ~2,860 tokens
     scope = {"PATH": str(tiny_llama)}
     exec(compile(code, "README.md", "exec"), scope)
-    assert scope["ids"].shape[1] > 2688 and scope["cache"].selected  # past the budget, and selecting
-    hits, misses = scope["cache"].hits_misses()
-    assert hits + misses == 2 * 63
+    model, cache, ids = scope["model"], scope["cache"], scope["ids"]
+    assert ids.shape[1] > 2688 and cache.selected  # past the budget, and selecting
+    defaults = tshf.default_state(model)
+    assert defaults.policy.k == 64 and defaults.selected[1].numel() == 4 + 64 + 16  # fitted to the window
+    hits, misses = cache.hits_misses()
+    assert hits + misses == 2 * 63 and sum(defaults.hits_misses()) == 2 * 63
+    assert capsys.readouterr().out.strip()
+
+
+def test_speed_script_on_a_tiny_model(tmp_path):
+    """benchmarks/hf_backend_speed.py at a tiny size on the CPU: both systems timed at each length and policy, the
+    same greedy tokens (same weights, same prefill chunks), a markdown table with the command."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "hf_backend_speed", Path(__file__).parent.parent / "benchmarks" / "hf_backend_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "speed.md"
+    argv = ["--random", "tiny", "--lengths", "150,300", "--decode-steps", "3", "--prompt", "random",
+            "--policies", "full,tokenselect:k=16;n_init=4;n_local=16;dense_until=0", "--out", str(out)]
+    assert bench.main(argv) == 0
+    text = out.read_text()
+    assert "hf_backend_speed.py --random tiny" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 150 ") or line.startswith("| 300 ")]
+    assert len(rows) == 4
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(cells[i]) > 0 for i in (2, 3, 4, 5, 6, 7))
+    assert text.count("tokens agree on 8 of 8") == 2
 
 
 def test_eval_backend_transformers_writes_a_table_for_gemma3(tmp_path, capsys):
     """`tokenselect eval --backend transformers` on a Gemma 3 checkpoint (an architecture our engine does not
-    load), on the CPU: a table of full and tokenselect, tokenselect selecting past its small budget."""
+    load) written by benchmarks/hf_tiny_checkpoint.py (as for benchmarks/results/eval_hf_tiny_gemma3_cpu.md), on
+    the CPU: a table of full, tokenselect and infllm, the policies selecting past their small budget."""
+    import importlib.util
     import json
-
-    from checkpoints import save_tokenizer
+    from pathlib import Path
 
     from tokenselect.cli import build_parser
 
-    path = tmp_path / "gemma3"
-    tiny("gemma3").save_pretrained(path)
-    save_tokenizer(path)
+    spec = importlib.util.spec_from_file_location(
+        "hf_tiny_checkpoint", Path(__file__).parent.parent / "benchmarks" / "hf_tiny_checkpoint.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    path = builder.write("gemma3", tmp_path / "gemma3")
     out = tmp_path / "run"
     args = build_parser().parse_args([
         "eval", "--backend", "transformers", "--model", str(path), "--task", "passkey", "--lengths", "512",
-        "--samples", "2", "--attention", "full,tokenselect", "--k", "16", "--n-init", "4", "--n-local", "16",
+        "--samples", "2", "--attention", "full,tokenselect,infllm", "--k", "16", "--n-init", "4", "--n-local", "16",
         "--dense-until", "0", "--chat", "off", "--prompt-cache", "none", "--workers", "1", "--output", str(out)])
     assert args.func(args) == 0
     table = (out / "table.md").read_text()
     assert "transformers, tokenselect.hf" in table and "| full" in table and "| tokenselect" in table
     records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert len(records) == 4 and {r["policy"] for r in records} == {"full", "tokenselect"}
+    assert len(records) == 6 and {r["policy"] for r in records} == {"full", "tokenselect", "infllm"}
+    assert all(r["prediction"] != f["prediction"] for r, f in zip(records[2:4], records[:2]))  # it selected
     assert all(r["prompt_tokens"] > 4 + 16 + 16 for r in records)  # past the budget: tokenselect selected
     summary = json.loads((out / "summary.json").read_text())
     assert summary["selection_cache"]["tokenselect"]["misses"] >= 2  # one layer selects (the other slides)

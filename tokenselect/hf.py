@@ -1,42 +1,61 @@
-"""TokenSelect inside Hugging Face transformers: an attention function and a cache, through transformers' own
-extension points (``AttentionInterface.register``, ``AttentionMaskInterface.register``, a ``DynamicCache``
-subclass); no model file is patched.
+"""TokenSelect (and the engine's other policies) inside Hugging Face transformers: attention functions and a
+cache, through transformers' own extension points (``AttentionInterface.register``,
+``AttentionMaskInterface.register``, a ``DynamicCache`` subclass); no model file is patched.
 
     import tokenselect.hf
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tokenselect")
+    out = model.generate(ids, max_new_tokens=64, do_sample=False)          # TokenSelect, its defaults
     cache = tokenselect.hf.SelectionCache(k=2048, n_init=128, n_local=512, theta=0.9)
-    out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)  # past_key_values= before v5
+    out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)  # its own settings
+    cache = tokenselect.hf.PolicyCache("quest", k=1024, page_size=16)      # a baseline, with a cache object
+    out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False, prefill_chunk_size=512)
+
+Policies: ``tokenselect``, ``streaming``, ``quest``, ``infllm``, ``reattention`` (and ``full``: SDPA). Their
+selection is the engine's own code: the cache builds the engine's policy object
+(``tokenselect.policies.make_policy``) over the un-rotated keys and asks it, for each layer's step, the engine's
+one question (``AttentionPolicy.plan(layer, SeqView, q) -> Plan``: which cached tokens, at which positions).
+Settings a user leaves out take the engine's defaults, fitted to the model's window
+(``config.max_position_embeddings``) as the engine fits them. Without a cache object, the attention
+implementation's policy runs with those defaults: ``"tokenselect"`` is TokenSelect, ``"tokenselect_streaming"``,
+``"tokenselect_quest"``, ``"tokenselect_infllm"``, ``"tokenselect_reattention"`` the baselines; a cache object's
+policy wins over the name's.
 
 How it fits together. transformers calls ``cache.update(keys, values, layer_idx)`` and then the registered
 attention function ``attention(module, query [B, H, c, d], key [B, H_kv, T, d], value, mask, scaling, ...)``
-with the whole cache (T = t past tokens + the c new ones). ``SelectionCache.update`` records which layer is
-running, so the attention function finds its cache and its per-layer state there.
+with the whole cache (T = t past columns + the c new ones). ``PolicyCache.update`` records which layer is
+running, so the attention function finds its cache there. With transformers' own ``DynamicCache`` (no cache
+object given) the state lives with the model instead (``default_state(model)``), and a step that finds fewer
+cached tokens than its state has seen (a new ``generate``) starts a fresh one.
 
-Inside the budget (t <= n_init + k + n_local, or t + c <= dense_until) and on sliding-window layers, the
-attention is transformers' own SDPA attention with transformers' mask: exactly ordinary attention. Past it
-(batch 1 only), the step attends ``[n_init sinks | k chosen middle tokens in order | n_local recent | its own
-c tokens]``, chosen as the engine's TokenSelect does (``policies/tokenselect.py``): soft vote over heads of
-un-rotated q.k (the chunk's mean query), top k, and on decode steps the Selection Cache (reuse while
-cos(q, q_cached) >= theta).
+Post-RoPE keys. transformers caches keys after RoPE, at their positions (``position_ids``). The engine's
+policies score un-rotated keys and place the attended list at positions they choose. So the state keeps a second
+copy of the keys, un-rotated (rotated back by -p in fp32 with the model's inverse frequencies; once per token,
+when first seen), and the attention runs the engine's kernels on it: ``sparse_attention`` rotates each listed
+key to the position the policy gave it -- the relative rotation by the difference, done as un-rotate then
+rotate. This needs standard RoPE whose frequencies do not depend on the length and whose cos/sin are not scaled:
+rope types default, linear and llama3, over the whole head (no partial rotary). Other models raise
+``UnsupportedModel`` at their first step through a policy. The un-rotation rounds (fp32: ~1e-7 relative), so
+logits past the budget match the engine's to rounding.
 
-Post-RoPE keys. transformers caches keys after RoPE, at position = their index in the cache. The engine scores
-un-rotated keys and places the list at positions 0..n-1. So the cache keeps a second copy of the keys,
-un-rotated (rotated by -p with the model's inverse frequencies; computed once per token, when first seen), and
-the attention runs the engine's kernels on it: scores on the un-rotated keys, and ``sparse_attention`` rotates
-each listed key to its index j in the list -- the relative rotation by (j - p) of the cached key, done as
-un-rotate then rotate. This needs standard RoPE whose frequencies do not depend on the length and whose cos/sin
-are not scaled: rope types default, linear and llama3, over the whole head (no partial rotary). Other models
-raise ``UnsupportedModel`` when they first select (inside the budget any model works: nothing is re-placed).
-The un-rotation rounds (fp32: ~1e-7 relative), so logits past the budget match the engine's to rounding.
+When a step attends every token at its own position (inside the budget, or below ``dense_until``), and on
+sliding-window layers, the attention is transformers' own SDPA attention with transformers' mask: exactly
+ordinary attention. Prefill: ``generate`` prefills the whole prompt in one step (which a policy attends densely,
+t = 0) unless given ``prefill_chunk_size``; with it, each chunk selects as in the engine (InfLLM needs it for
+prompts longer than its chunk). A one-token step is a decode step (the Selection Cache); a last prefill chunk of
+one token is taken for one too.
+
+Batches. Rows are padded on the left (transformers' default for decoder-only models); each row is one sequence
+to the policy (its own selection, Selection Cache entries and memory), whose tokens are the columns the mask lets
+its last query see. Rows attend as they would alone; when every row attends densely the batch is one SDPA call.
 
 Kernels: the PyTorch references on the CPU, the Triton kernels on CUDA (``kernels.get_kernels``).
-Without a ``SelectionCache`` (a plain ``DynamicCache``) the attention function cannot see the cache and uses
-ordinary SDPA attention everywhere.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -44,61 +63,182 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernels import get_kernels
-from .policies.selection_cache import SelectionCache as _QueryCache
+from .policies import POLICIES, SeqView, default_chunk, make_policy, policy_settings
 from .rope import RopeSpec, rotate
 
 NAME = "tokenselect"
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+# attention implementation name -> the policy it runs without a cache object
+IMPLEMENTATIONS = {NAME: "tokenselect", **{f"{NAME}_{p}": p for p in ("streaming", "quest", "infllm", "reattention")}}
 
 
 class UnsupportedModel(ValueError):
-    """The model's positions cannot be re-assigned (non-standard or partial RoPE)."""
+    """The model's positions cannot be re-assigned (non-standard or partial RoPE, soft-capped logits)."""
 
 
-class SelectionCache(DynamicCache):
-    """A ``DynamicCache`` (post-RoPE keys/values per layer, [B, H_kv, T, d]) that also holds TokenSelect's
-    settings and state: the un-rotated keys per layer ([T, H_kv, d]), the Selection Cache of decode queries, and
-    ``selected[layer]``: the token indices [n_init + k + n_local] the layer's last selective step attended
-    before its own tokens (for inspection and tests).
+class KeyPools:
+    """What the engine's policies read of the engine's ``KVCache``, over the un-rotated keys: ``k[layer]`` and
+    ``k_select[layer]`` -> [T * B, H_kv, d] (slot ``column * B + row``: a column's slots never move as the cache
+    grows), ``shape`` (n_layers, -, H_kv, d) and ``offload``. Grown by doubling, so an append copies only the
+    new columns."""
 
-    k: middle tokens chosen; n_init: sinks; n_local: recent window; theta: Selection Cache threshold (None: off);
-    dense_until: steps ending at or below this length attend everything (default None: the model's window,
-    ``config.max_position_embeddings``, as our engine's default; 0 for the paper's behaviour);
-    kernels: "torch" | "triton" | None (Triton on CUDA, PyTorch on the CPU)."""
+    offload = "none"
 
-    def __init__(self, k: int = 2048, n_init: int = 128, n_local: int = 512, theta: float | None = 0.9,
-                 dense_until: int | None = None, kernels: str | None = None, **kwargs):
-        super().__init__(**kwargs)
-        if min(k, n_init, n_local, dense_until or 0) < 0:
-            raise ValueError("k, n_init, n_local and dense_until must be >= 0")
-        self.k, self.n_init, self.n_local, self.theta = k, n_init, n_local, theta
-        self.dense_until = dense_until  # None: the model's window, read when attending
-        self.kernels_name = kernels
-        self.raw_keys: dict[int, torch.Tensor] = {}  # layer -> [T, H_kv, d] un-rotated keys
-        self.selected: dict[int, torch.Tensor] = {}
-        self.queries: _QueryCache | None = None
+    def __init__(self, n_layers: int, batch: int, n_kv: int, d: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (n_layers, 0, n_kv, d)
+        self.batch, self.dtype, self.device = batch, dtype, device
+        self._store: dict[int, torch.Tensor] = {}  # layer -> [capacity, B, H_kv, d]
+        self._length: dict[int, int] = {}
+
+    @property
+    def k(self) -> KeyPools:
+        return self
+
+    k_select = k
+
+    def length(self, layer: int) -> int:
+        """Columns un-rotated so far in ``layer``."""
+        return self._length.get(layer, 0)
+
+    def append(self, layer: int, new: torch.Tensor) -> None:
+        """new: [n, B, H_kv, d] un-rotated keys of the next n columns."""
+        have, n = self.length(layer), new.shape[0]
+        store = self._store.get(layer)
+        if store is None or store.shape[0] < have + n:
+            grown = torch.empty(max(2 * (have + n), 64), *new.shape[1:], dtype=self.dtype, device=self.device)
+            if store is not None:
+                grown[:have] = store[:have]
+            self._store[layer] = store = grown
+        store[have:have + n] = new
+        self._length[layer] = have + n
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        n, (_, _, n_kv, d) = self.length(layer), self.shape
+        if layer not in self._store:
+            return torch.empty(0, n_kv, d, dtype=self.dtype, device=self.device)
+        return self._store[layer][:n].view(n * self.batch, n_kv, d)
+
+
+class PolicyState:
+    """One batch's run of a policy: the engine's policy object over ``KeyPools``, built at the first step (when
+    the model's shapes are known), what the last steps attended (``selected``), and the RoPE frequencies.
+
+    selected[layer]: the token indices (within the row's own tokens) the layer's last selective step attended
+    before the step's own tokens: [n] for a batch of one; for a batch, a list of one per row (None for a row that
+    attended densely)."""
+
+    def __init__(self, policy: str, settings: dict, kernels: str | None = None, chunk: int | None = None):
+        self.policy_name, self.settings, self.kernels_name, self.chunk = policy, settings, kernels, chunk
+        self.policy = None
+        self.pools: KeyPools | None = None
+        self.selected: dict[int, torch.Tensor | list] = {}
+        self._inv_freq: dict[int, torch.Tensor] = {}
+
+    def build(self, module: torch.nn.Module, key: torch.Tensor) -> None:
+        config = module.config
+        window = int(getattr(config, "max_position_embeddings", 0) or 0)
+        if window <= 0:
+            raise UnsupportedModel(f"{config.model_type}: no max_position_embeddings to fit the policy's defaults to")
+        self.chunk = self.chunk or default_chunk(window)
+        b, n_kv, _, d = key.shape
+        self.pools = KeyPools(config.num_hidden_layers, b, n_kv, d, key.dtype, key.device)
+        name = self.kernels_name or ("triton" if key.device.type == "cuda" else "torch")
+        self.kernels = get_kernels(name)
+        self.policy = make_policy(self.policy_name, self.pools, self.kernels, window, self.chunk, self.settings)
+
+    def inv_freq(self, module: torch.nn.Module, d: int, device: torch.device) -> torch.Tensor:
+        layer = module.layer_idx
+        if layer not in self._inv_freq:
+            self._inv_freq[layer] = rope_frequencies(module, d).to(device)
+        return self._inv_freq[layer]
+
+    def hits_misses(self) -> tuple[int, int]:
+        """Selection Cache hits and misses (TokenSelect; (0, 0) for the other policies or before a step)."""
+        stats = self.policy.stats() if self.policy is not None else {}
+        return stats.get("selection_cache_hits", 0), stats.get("selection_cache_misses", 0)
+
+
+def check_settings(policy: str, settings: dict) -> dict:
+    """The settings the user gave (None: the default), checked against the engine's policy; ``dense_until``
+    None is kept (the engine reads it as the model's window)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    accepted = policy_settings(policy)
+    unknown = sorted(set(settings) - set(accepted))
+    if unknown:
+        raise ValueError(f"policy {policy!r} takes no setting {', '.join(unknown)} "
+                         f"(it takes: {', '.join(accepted) or 'none'})")
+    return {key: value for key, value in settings.items() if value is not None or key == "dense_until"}
+
+
+class PolicyCache(DynamicCache):
+    """A ``DynamicCache`` (post-RoPE keys/values per layer, [B, H_kv, T, d]) that also runs one of the engine's
+    policies: ``PolicyCache("quest", k=1024)``. settings: the policy's own (``tokenselect.policies
+    .policy_settings(name)``; left out: the engine's defaults fitted to the model's window); kernels: "torch" |
+    "triton" | None (Triton on CUDA); chunk: the policy's prefill chunk (InfLLM sizes its memory by it, ReAttention
+    its spans; default the engine's, 512 or a quarter of a small window); config: the model's config (transformers
+    uses it for sliding-window layers). One cache serves one ``generate``."""
+
+    def __init__(self, policy: str = "tokenselect", *, kernels: str | None = None, chunk: int | None = None,
+                 config=None, **settings):
+        super().__init__(config=config)
+        self.state = PolicyState(policy, check_settings(policy, settings), kernels, chunk)
         self.active_layer: int | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.active_layer = layer_idx
-        _ACTIVE[0] = self
+        _ACTIVE.cache = self
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def attends_all(self, t: int, c: int, window: int = 0) -> bool:
-        """As the engine's ``SelectivePolicy.attends_all``: t past tokens, c new ones; window: the model's, the
-        default of ``dense_until``."""
-        dense_until = window if self.dense_until is None else self.dense_until
-        return t <= self.n_init + self.k + self.n_local or t + c <= dense_until
+    @property
+    def policy(self):
+        """The engine's policy object (None before the first step)."""
+        return self.state.policy
 
-    def kernels(self, device: torch.device):
-        name = self.kernels_name or ("triton" if device.type == "cuda" else "torch")
-        return get_kernels(name)
+    @property
+    def selected(self) -> dict:
+        return self.state.selected
 
     def hits_misses(self) -> tuple[int, int]:
-        return (0, 0) if self.queries is None else self.queries.counts()
+        return self.state.hits_misses()
 
 
-_ACTIVE: list[SelectionCache | None] = [None]  # the cache whose update ran last (the layer about to attend)
+class SelectionCache(PolicyCache):
+    """``PolicyCache("tokenselect", ...)``: k, n_init, n_local, theta (None: no Selection Cache), dense_until
+    (None: the model's window; 0: the paper's, select past n_init + k + n_local), selector, score_scale,
+    positions."""
+
+    def __init__(self, *, kernels: str | None = None, chunk: int | None = None, config=None, **settings):
+        super().__init__("tokenselect", kernels=kernels, chunk=chunk, config=config, **settings)
+
+
+_ACTIVE = threading.local()  # .cache: the PolicyCache whose update ran last in this thread (the layer about to attend)
+_DEFAULT: dict[int, tuple[weakref.ref, PolicyState]] = {}  # id(model config) -> (config, the no-cache run's state)
+
+
+def default_state(model: torch.nn.Module) -> PolicyState | None:
+    """The state of the model's last run without a cache object (its ``selected``, ``hits_misses()``)."""
+    config = getattr(model, "config", model)
+    for c in (config, getattr(config, "get_text_config", lambda **_: config)(decoder=True)):
+        entry = _DEFAULT.get(id(c))
+        if entry is not None and entry[0]() is c:
+            return entry[1]
+    return None
+
+
+def _default_for(module: torch.nn.Module, policy: str, t: int) -> PolicyState:
+    """The no-cache state of the module's model; a fresh one when the step finds fewer cached tokens than the
+    state has seen in this layer (a new run)."""
+    config = module.config
+    entry = _DEFAULT.get(id(config))
+    state = entry[1] if entry is not None and entry[0]() is config else None
+    if (state is None or state.policy_name != policy
+            or (state.pools is not None and state.pools.length(module.layer_idx) > t)):
+        if entry is None or entry[0]() is not config:  # forget the state with the model (once per config)
+            weakref.finalize(config, _DEFAULT.pop, id(config), None)
+        state = PolicyState(policy, {})
+        _DEFAULT[id(config)] = (weakref.ref(config), state)
+    return state
 
 
 def rope_frequencies(module: torch.nn.Module, head_dim: int) -> torch.Tensor:
@@ -135,70 +275,147 @@ def _sliding(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "sliding_window", None) or getattr(module.config, "sliding_window", None))
 
 
-def tokenselect_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                          **kwargs) -> tuple[torch.Tensor, None]:
-    """The registered attention function. query: [B, H, c, d] post-RoPE at positions t..t+c-1; key, value:
-    [B, H_kv, T, d] (the whole cache after this step's update, T = t + c). Returns ([B, c, H, d], None), as
-    transformers' attention functions do."""
-    cache = _ACTIVE[0]
+def _valid_columns(mask: torch.Tensor | None, batch: int, total: int, device: torch.device) -> torch.Tensor | None:
+    """[B, T] bool: the columns that are tokens of each row (not padding): those its last query sees, as the
+    model's full-attention mask ([B, 1, c, T] bool, True = attend, or additive float) says. None: all are."""
+    if mask is None:
+        return None
+    last = mask[:, 0, -1, :total]
+    valid = last if last.dtype == torch.bool else last == 0
+    valid = valid.expand(batch, total)
+    return None if bool(valid.all()) else valid
+
+
+def _unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [n, B, heads, d] rotated at positions [n, B] -> un-rotated, in fp32 (then x's dtype)."""
+    n, b = x.shape[:2]
+    flat = rotate(x.float().flatten(0, 1), -positions.flatten(), inv_freq)
+    return flat.view(x.shape).to(x.dtype)
+
+
+def _dense(plan, past: torch.Tensor, c: int) -> bool:
+    """Whether a plan attends every past token at its own position, its queries right after: full attention."""
+    t = past.numel()
+    if plan.slots.numel() != t or plan.q_positions.numel() != c:
+        return False
+    index = torch.arange(t + c, device=past.device)
+    return ((plan.slots is past or torch.equal(plan.slots, past)) and torch.equal(plan.positions, index[:t])
+            and torch.equal(plan.q_positions, index[t:]))
+
+
+def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     default_policy: str = "tokenselect", **kwargs) -> tuple[torch.Tensor, None]:
+    """The registered attention functions. query: [B, H, c, d] post-RoPE; key, value: [B, H_kv, T, d] (the whole
+    cache after this step's update, T = t + c). Returns ([B, c, H, d], None), as transformers' attention
+    functions do. default_policy: the policy that runs without a cache object."""
     layer = getattr(module, "layer_idx", None)
-    c, total = query.shape[2], key.shape[2]
-    t = total - c
-    if cache is not None and (cache.active_layer != layer or layer >= len(cache.layers)
-                              or key is not cache.layers[layer].keys):
-        cache = None  # the keys are not this cache's (e.g. a later run with a plain DynamicCache)
-    if (cache is None or kwargs.get("softcap") is not None
-            or cache.attends_all(t, c, getattr(module.config, "max_position_embeddings", 0) or 0)
-            or _sliding(module)):
+    if layer is None or _sliding(module) or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if query.shape[0] != 1:
-        raise NotImplementedError("tokenselect.hf selects for a batch of one sequence (batch > 1 past the budget)")
+    b, h, c, d = query.shape
+    total = key.shape[2]
+    t = total - c
+    cache = getattr(_ACTIVE, "cache", None)
+    if cache is not None and cache.active_layer == layer and layer < len(cache.layers) \
+            and key is cache.layers[layer].keys:
+        state = cache.state
+    else:  # transformers' own cache (or none): the policy of the implementation's name, its defaults
+        state = _default_for(module, default_policy, t)
+    if state.policy_name == "full":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if getattr(module.config, "attn_logit_softcapping", None):
         raise UnsupportedModel(f"{module.config.model_type}: attention logit soft-capping is not supported")
-    d = query.shape[-1]
-    inv_freq = rope_frequencies(module, d).to(query.device)
-    kern = cache.kernels(query.device)
-    # the un-rotated keys, [T, H_kv, d]: extended by the tokens not seen yet
-    raw = cache.raw_keys.get(layer)
-    seen = 0 if raw is None else raw.shape[0]
+    if state.policy is None:
+        state.build(module, key)
+    pools, policy = state.pools, state.policy
+    if b != pools.batch:
+        raise ValueError(f"tokenselect.hf: a cache built for a batch of {pools.batch} got a batch of {b}")
+    if policy.name == "infllm" and c > state.chunk:
+        raise ValueError(f"infllm through tokenselect.hf: a step of {c} tokens is longer than its chunk "
+                         f"({state.chunk}); pass prefill_chunk_size={state.chunk} to generate (InfLLM counts the "
+                         "attention each chunk's queries give the local window, a chunk at a time)")
+    inv_freq = state.inv_freq(module, d, query.device)
+    valid = _valid_columns(attention_mask, b, total, key.device)
+    # positions of the cached columns: transformers' position_ids for this step's, else (and for columns cached
+    # before the state saw them) each row's count of real tokens before them, as generate numbers them
+    rank = None if valid is None else valid.long().cumsum(1) - 1  # [B, T]
+    ids = kwargs.get("position_ids")
+    if ids is not None and ids.shape[-1] == c:
+        q_pos = ids.to(key.device).expand(b, c).T  # [c, B]
+    else:
+        q_pos = (torch.arange(t, total, device=key.device)[:, None].expand(c, b) if rank is None
+                 else rank[:, t:].T)
+    seen = pools.length(layer)
     if seen > total:
         raise RuntimeError("the cache shrank under tokenselect.hf (cropping is not supported)")
     if seen < total:
-        new = key[0, :, seen:].transpose(0, 1)  # [T - seen, H_kv, d]
-        pos = torch.arange(seen, total, device=key.device)
-        new = rotate(new, -pos, inv_freq)
-        raw = new if raw is None else torch.cat([raw, new])
-        cache.raw_keys[layer] = raw
-    q_pos = torch.arange(t, total, device=query.device)
-    q_raw = rotate(query[0].transpose(0, 1), -q_pos, inv_freq)  # [c, H, d]
-    n_init, n_local, k = cache.n_init, cache.n_local, cache.k
-    middle = torch.arange(n_init, t - n_local, device=key.device)
-    query_sel = q_raw.mean(dim=0, dtype=torch.float32)  # [H, d], the engine's selection_query
-    chosen = None
-    if c == 1 and cache.theta is not None:
-        if cache.queries is None:
-            cache.queries = _QueryCache(cache.theta, module.config.num_hidden_layers, k, kern.selection_check,
-                                        kern.selection_update)
-        chosen = cache.queries.lookup(0, layer, query_sel)
-    if chosen is None:
-        vote = kern.head_soft_vote(query_sel.to(q_raw.dtype), raw, middle, 1.0)  # raw scores, as the engine
-        chosen = kern.topk(vote, k, None, middle)  # token indices, ascending
-        if c == 1 and cache.queries is not None:
-            cache.queries.store(cache.queries.row(0, query_sel.numel(), query_sel.device), layer, query_sel, chosen)
-    order = torch.cat([torch.arange(n_init, device=key.device), chosen,
-                       torch.arange(t - n_local, total, device=key.device)])  # [n + c]: the list, own last
-    cache.selected[layer] = order[:order.numel() - c]
-    positions = torch.arange(order.numel(), device=key.device)  # by index in the list
+        cols = torch.arange(seen, total, device=key.device)
+        pos = cols[:, None].expand(-1, b) if rank is None else rank[:, seen:].T  # [n, B]
+        if seen <= t:
+            pos = torch.cat([pos[:t - seen], q_pos])
+        pools.append(layer, _unrotate(key[:, :, seen:].permute(2, 0, 1, 3), pos, inv_freq))
+    q_raw = _unrotate(query.permute(2, 0, 1, 3), q_pos, inv_freq)  # [c, B, H, d]
+
+    plans = []  # per row: (plan, past slots, own columns, own query rows) or None (no token of the row here)
+    for row in range(b):
+        if valid is None:
+            past_cols = torch.arange(t, device=key.device)
+            own = torch.arange(t, total, device=key.device)
+        else:
+            past_cols = valid[row, :t].nonzero().flatten()
+            own = t + valid[row, t:].nonzero().flatten()
+        if own.numel() == 0:
+            plans.append(None)
+            continue
+        past = past_cols * b + row
+        q_row = q_raw[own - t, row]  # [c_row, H, d]
+        plan = policy.plan(layer, SeqView(row, past, decode=c == 1), q_row)
+        plans.append((plan, past, own, q_row))
+    dense = [p is None or _dense(p[0], p[1], p[2].numel()) for p in plans]
+    if all(dense):  # every row as ordinary attention: transformers' own, for the batch
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = query.new_zeros(b, c, h, d)
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    values = value[0].transpose(0, 1)  # [T, H_kv, d]
-    if kern.name == "triton":
-        values = values.contiguous()  # the kernels read pools of contiguous rows (a copy: O(T) a step)
-    out = kern.sparse_attention(q_raw, raw, values, order, positions, positions[-c:], inv_freq, 1.0,
-                                sm_scale)  # [c, H, d]
-    return out.unsqueeze(0), None
+    kern, keys = state.kernels, pools[layer]
+    chosen = [None] * b
+    for row, (entry, is_dense) in enumerate(zip(plans, dense)):
+        if entry is None:
+            continue
+        plan, past, own, q_row = entry
+        if is_dense:  # as this row alone: SDPA over its columns
+            mask = None if attention_mask is None else attention_mask[row:row + 1]
+            out[row] = sdpa_attention_forward(module, query[row:row + 1], key[row:row + 1], value[row:row + 1],
+                                              mask, dropout=dropout, scaling=scaling, **kwargs)[0][0]
+            continue
+        slots = torch.cat([plan.slots, own * b + row])  # [n + c_row]: the list, the row's own tokens last
+        columns = slots // b
+        # gathered rows (n of them, not the whole cache): the kernels read [n, H_kv, d] contiguous pools
+        k_rows = keys[slots]
+        v_rows = value[row][:, columns].transpose(0, 1).contiguous()
+        positions = torch.cat([plan.positions, plan.q_positions])
+        index = torch.arange(slots.numel(), device=key.device)
+        out[row, own - t] = kern.sparse_attention(q_row, k_rows, v_rows, index, positions, plan.q_positions,
+                                                  inv_freq, 1.0, sm_scale)
+        listed = columns[:plan.slots.numel()]
+        chosen[row] = listed if rank is None else rank[row, listed]
+    state.selected[layer] = chosen[0] if b == 1 else chosen
+    return out, None
 
 
-AttentionInterface.register(NAME, tokenselect_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+def _make(policy: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        return policy_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                default_policy=policy, **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"{policy}_attention"
+    attention.__doc__ = f"``policy_attention`` whose policy without a cache object is {policy!r}."
+    return attention
+
+
+tokenselect_attention = _make("tokenselect")
+for _name, _policy in IMPLEMENTATIONS.items():
+    AttentionInterface.register(_name, tokenselect_attention if _policy == "tokenselect" else _make(_policy))
+    AttentionMaskInterface.register(_name, sdpa_mask)

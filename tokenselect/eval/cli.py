@@ -55,7 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="processes that build the prompts (default: the CPU count, at most 16)")
     p.add_argument("--backend", choices=("engine", "transformers"), default="engine",
                    help="engine (default): our engine; transformers: the model through transformers with the "
-                        "tokenselect.hf attention backend (policies full and tokenselect)")
+                        "tokenselect.hf attention backend (every policy; no @SCALING)")
     p.add_argument("--prompts-only", action="store_true",
                    help="build the prompts into the prompt cache and stop (for several eval processes to share)")
     add_policy_args(p)

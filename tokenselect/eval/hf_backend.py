@@ -1,10 +1,12 @@
 """``tokenselect eval --backend transformers``: the same cells, scored on a transformers model through
 ``tokenselect.hf`` (any architecture transformers has, e.g. ones our engine cannot load).
 
-Policies: ``full`` (transformers' SDPA attention) and ``tokenselect`` (attn_implementation "tokenselect" with a
-``tokenselect.hf.SelectionCache`` of the flags' k, n_init, n_local, theta, dense_until). Samples run one at a
-time (the backend selects for a batch of one). prefill_s is the time to the first token's logits, decode_s the
-rest of ``generate``.
+Policies: ``full`` (transformers' SDPA attention) and every policy of the engine (attn_implementation
+"tokenselect" with a ``tokenselect.hf.PolicyCache`` of the policy and the settings of the flags it takes; left out:
+the engine's defaults for the model's window). Prompts are prefilled in chunks of the engine's size
+(``--chunk-size``, default 512 or a quarter of a small window: ``generate(prefill_chunk_size=...)``), so each
+chunk selects as in the engine. Samples run one at a time. prefill_s is the time to the first token's logits,
+decode_s the rest of ``generate``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-BACKEND_POLICIES = ("full", "tokenselect")
-CACHE_SETTINGS = ("k", "n_init", "n_local", "theta", "dense_until")
+BACKEND_POLICIES = ("full", "tokenselect", "streaming", "quest", "infllm", "reattention")
 
 
 def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -27,7 +28,7 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     import tokenselect.hf as tshf
 
     from ..models.registry import home
-    from ..policies import policy_kwargs
+    from ..policies import default_chunk, policy_kwargs, policy_settings
     from .metrics import score
     from .runner import make_samples, max_tokens, split_policy, use_chat
 
@@ -45,6 +46,7 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     config = AutoConfig.from_pretrained(path)
     config = getattr(config, "text_config", config)
     window = int(getattr(config, "max_position_embeddings", 2048))
+    chunk = args.chunk_size or default_chunk(window)
     args.chat = "on" if use_chat(tokenizer, args.chat, path) else "off"
     cache_dir = None if args.prompt_cache == "none" else Path(args.prompt_cache or home() / "eval-prompts")
     cells = make_samples(tokenizer, window, tasks, lengths, args.samples, args.seed, args.chat == "on", cache_dir,
@@ -58,13 +60,14 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     progress = tqdm(total=len(specs) * len(cells), desc="eval", unit="sample", file=sys.stderr)
     for spec in specs:
         name, own, _ = split_policy(spec)
+        accepted = policy_settings(name)
         settings = {key: value for key, value in {**policy_kwargs(args, name, engine=False), **own}.items()
-                    if key in CACHE_SETTINGS}
-        args.policy_settings[spec] = settings if name == "tokenselect" else {}
-        model.set_attn_implementation("tokenselect" if name == "tokenselect" else "sdpa")
+                    if key in accepted}
+        args.policy_settings[spec] = settings
+        model.set_attn_implementation("sdpa" if name == "full" else "tokenselect")
         hits = misses = 0
         for cell in cells:
-            cache = tshf.SelectionCache(config=model.config, **settings) if name == "tokenselect" else None
+            cache = None if name == "full" else tshf.PolicyCache(name, chunk=chunk, config=model.config, **settings)
             first = []
 
             class FirstLogits(LogitsProcessor):
@@ -78,7 +81,7 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=max_tokens(cell["task"]), do_sample=False,
                                      logits_processor=LogitsProcessorList([FirstLogits()]),
-                                     pad_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=chunk,
                                      **({} if cache is None else {"cache": cache}))
             end = time.perf_counter()
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
