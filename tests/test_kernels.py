@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
+from tokenselect.kernels.head_vote import head_soft_vote_ref
 from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
 from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
@@ -288,6 +289,20 @@ def test_paged_dot_reference_is_the_definition():
     for h in range(8):
         for t in range(9):
             assert ref[h, t].item() == pytest.approx((q[h] @ k_pool[slots[t], h // 4]).item(), abs=1e-5)
+
+
+def test_head_soft_vote_reference_is_the_definition():
+    """vote[t] = sum over heads h of softmax_t(q_h . k_t) at the default scale 1, and with a live prefix the
+    dead entries vote -inf while the live ones are a softmax over the live ones alone (plain loops)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]
+    dots = torch.tensor([[float(q[h] @ k_pool[slots[t], h // 4]) for t in range(9)] for h in range(8)])
+    expect = sum(torch.exp(dots[h]) / torch.exp(dots[h]).sum() for h in range(8))
+    torch.testing.assert_close(head_soft_vote_ref(q, k_pool, slots), expect, atol=1e-5, rtol=1e-5)
+    live = sum(torch.exp(dots[h, :5]) / torch.exp(dots[h, :5]).sum() for h in range(8))
+    got = head_soft_vote_ref(q, k_pool, slots, n_valid=torch.tensor(5))
+    torch.testing.assert_close(got[:5], live, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(got[5:]).all()
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (7, 3), (7, 50), (2047, 2047), (2048, 100), (5000, 2048), (9000, 1500)])

@@ -8,6 +8,7 @@ writes its ``mutants/`` tree there, never into the checkout.
     python tools/mutation.py                       # every set
     python tools/mutation.py selection_cache rope  # some of them
     python tools/mutation.py --list                # the sets, their files and tests
+    python tools/mutation.py kv_cache --resume     # continue a set's run that a deadline cut off
 
 It prints and writes (``--out``, default benchmarks/results/mutation.md) a table: per set the mutants, killed,
 survived, timed out (counted as detected), with no test, the score detected / (those some test ran) and mutmut's own
@@ -65,7 +66,8 @@ SETS: dict[str, dict] = {
             "test_paged_dot_matches_reference", "test_head_soft_vote_matches_reference",
             "test_head_soft_vote_over_a_live_prefix", "test_head_soft_vote_reads_fp8_keys",
             "test_rms_norm_matches_reference", "test_silu_mul_matches_reference", "test_block_scores_matches_reference",
-            "test_paged_dot_reference_is_the_definition", "test_topk_matches_reference",
+            "test_paged_dot_reference_is_the_definition", "test_head_soft_vote_reference_is_the_definition",
+            "test_topk_matches_reference",
             "test_topk_resolves_every_digit", "test_topk_takes_the_first_of_tied_scores", "test_topk_over_a_live_prefix",
             "test_topk_writes_to_out", "test_topk_of_nothing_live", "test_small_and_odd_head_dims",
             "test_sparse_attention_explicit_softmax_scale_and_fp8_pool", "test_sparse_attention_reference_equals_naive_loop",
@@ -140,8 +142,10 @@ def fence_launchers(path: Path) -> None:
     path.write_text("".join(lines))
 
 
-def run_set(name: str, work: Path, children: int) -> dict:
-    scratch = prepare(name, work)
+def run_set(name: str, work: Path, children: int, resume: bool = False) -> dict:
+    """Run the set's mutants in a fresh scratch copy, or with ``resume`` continue the last run's copy (mutmut
+    tests only the mutants that have no result yet: a run cut off by a deadline picks up where it stopped)."""
+    scratch = work / name if resume and (work / name / "mutants").is_dir() else prepare(name, work)
     start = time.time()
     with open(scratch / "mutmut.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=scratch,
@@ -241,6 +245,8 @@ def main() -> int:
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--collect", action="store_true",
                         help="do not run: report the sets' last runs from their scratch copies")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the sets' last runs: test only the mutants not run yet, with the same tests")
     parser.add_argument("--recheck", action="store_true",
                         help="run only the survivors of the sets' last runs again, against the current tests")
     args = parser.parse_args()
@@ -259,7 +265,7 @@ def main() -> int:
         elif args.recheck:
             rows.append(recheck(n, args.work, args.children))
         else:
-            rows.append(run_set(n, args.work, args.children))
+            rows.append(run_set(n, args.work, args.children, resume=args.resume))
         print(report(rows[-1:]), flush=True)
     table = report(rows)
     print(table)
