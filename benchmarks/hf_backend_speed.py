@@ -116,7 +116,7 @@ def hf_generate(model, ids: list[int], policy: str, settings: dict, steps: int, 
     with torch.no_grad():
         out = model.generate(x, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
                              prefill_chunk_size=chunk, logits_processor=LogitsProcessorList([FirstLogits()]),
-                             pad_token_id=0, **({} if cache is None else {"cache": cache}))
+                             pad_token_id=0, **({} if cache is None else {"past_key_values": cache}))
     sync(device)
     end = time.perf_counter()
     hits, misses = cache.hits_misses() if cache is not None else (0, 0)

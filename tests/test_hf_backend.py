@@ -40,7 +40,7 @@ def tiny(family: str, **overrides) -> torch.nn.Module:
 
 def generate(model, ids: list[int], n: int, attention: str, cache=None) -> list[int]:
     model.set_attn_implementation(attention)
-    kwargs = {} if cache is None else {"cache": cache}
+    kwargs = {} if cache is None else {"past_key_values": cache}
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
     return out[0, len(ids):].tolist()
 
@@ -204,7 +204,7 @@ def test_baselines_equal_the_engine(checkpoint_factory, policy, kernels):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.set_attn_implementation("tokenselect")
     cache = tshf.PolicyCache(policy, chunk=CHUNK, kernels=kernels, **BASELINES[policy])
-    out = model.generate(torch.tensor([ids]), cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+    out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          prefill_chunk_size=CHUNK)
     assert out[0, len(ids):].tolist() == want
     assert cache.policy.name == policy and sorted(cache.selected) == [0, 1]
@@ -250,7 +250,7 @@ def test_without_a_cache_the_policys_defaults_apply(checkpoint_factory):
     assert state.selected[0].numel() == 4 + 64 + 16
     assert sum(state.hits_misses()) == 2 * (n - 1)  # every decode step of both layers looked up
     cache = tshf.SelectionCache()
-    assert model.generate(torch.tensor([ids]), cache=cache, **run)[0, len(ids):].tolist() == want
+    assert model.generate(torch.tensor([ids]), past_key_values=cache, **run)[0, len(ids):].tolist() == want
     # a second run without a cache starts afresh (its own Selection Cache), as the first
     assert model.generate(torch.tensor([ids]), **run)[0, len(ids):].tolist() == want
     assert tshf.default_state(model) is not state and sum(tshf.default_state(model).hits_misses()) == 2 * (n - 1)
@@ -286,11 +286,11 @@ def test_batch_equals_one_at_a_time(batch_invariant_matmuls, policy, theta):
     model.set_attn_implementation("tokenselect")
     alone = []
     for p in prompts:
-        out = model.generate(torch.tensor([p]), cache=tshf.PolicyCache(policy, chunk=128, **settings), **run)
+        out = model.generate(torch.tensor([p]), past_key_values=tshf.PolicyCache(policy, chunk=128, **settings), **run)
         alone.append(out[0, len(p):].tolist())
     ids, mask = pad_left(prompts)
     cache = tshf.PolicyCache(policy, chunk=128, **settings)
-    out = model.generate(ids, attention_mask=mask, cache=cache, **run)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, **run)
     assert out[:, ids.shape[1]:].tolist() == alone
     model.set_attn_implementation("sdpa")
     assert all(model.generate(torch.tensor([p]), **run)[0, len(p):].tolist() != a for p, a in zip(prompts, alone))
@@ -306,11 +306,11 @@ def test_batch_with_a_row_inside_the_budget(batch_invariant_matmuls):
     settings = dict(k=16, n_init=4, n_local=16, dense_until=0)
     run = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
     model.set_attn_implementation("tokenselect")
-    alone = [model.generate(torch.tensor([p]), cache=tshf.SelectionCache(**settings), **run)[0, len(p):].tolist()
+    alone = [model.generate(torch.tensor([p]), past_key_values=tshf.SelectionCache(**settings), **run)[0, len(p):].tolist()
              for p in prompts]
     ids, mask = pad_left(prompts)
     cache = tshf.SelectionCache(**settings)
-    out = model.generate(ids, attention_mask=mask, cache=cache, **run)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, **run)
     assert out[:, ids.shape[1]:].tolist() == alone
     assert cache.selected[0][0] is not None and cache.selected[0][1] is None
 

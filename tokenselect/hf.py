@@ -6,9 +6,9 @@ cache, through transformers' own extension points (``AttentionInterface.register
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tokenselect")
     out = model.generate(ids, max_new_tokens=64, do_sample=False)          # TokenSelect, its defaults
     cache = tokenselect.hf.SelectionCache(k=2048, n_init=128, n_local=512, theta=0.9)
-    out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)  # its own settings
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)  # its own settings
     cache = tokenselect.hf.PolicyCache("quest", k=1024, page_size=16)      # a baseline, with a cache object
-    out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False, prefill_chunk_size=512)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False, prefill_chunk_size=512)
 
 Policies: ``tokenselect``, ``streaming``, ``quest``, ``infllm``, ``reattention`` (and ``full``: SDPA). Their
 selection is the engine's own code: the cache builds the engine's policy object

@@ -82,7 +82,7 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
                 out = model.generate(ids, max_new_tokens=max_tokens(cell["task"]), do_sample=False,
                                      logits_processor=LogitsProcessorList([FirstLogits()]),
                                      pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=chunk,
-                                     **({} if cache is None else {"cache": cache}))
+                                     **({} if cache is None else {"past_key_values": cache}))
             end = time.perf_counter()
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             if cache is not None:
