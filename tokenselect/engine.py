@@ -296,7 +296,8 @@ class LLM:
             if self.whole_graphs is not None and self.whole_graphs.usable(chunks):
                 logits = self.model.logits(self.whole_graphs.run(chunks, ids, step_slots)[logit_rows])
             else:
-                ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, step_slots)
+                ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, step_slots,
+                                     (self.config.n_heads, self.config.head_dim), self.dtype)
                 input_ids = to_device(ids, self.device)
                 if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
                     logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])

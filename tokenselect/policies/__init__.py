@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import AttentionPolicy, Plan, SelectivePolicy, SeqView
+from .base import Attended, AttentionPolicy, SelectivePolicy, SeqStep, start_step
 from .full import FullAttention
 from .infllm import InfLLM
 from .quest import Quest
@@ -166,5 +166,5 @@ def policy_kwargs(args: argparse.Namespace, attention: str | None = None, engine
     return settings
 
 
-__all__ = ["AttentionPolicy", "Plan", "SelectivePolicy", "SeqView", "POLICIES", "make_policy",
+__all__ = ["Attended", "AttentionPolicy", "SelectivePolicy", "SeqStep", "start_step", "POLICIES", "make_policy",
            "policy_settings", "default_chunk", "add_policy_args", "policy_kwargs"]

@@ -14,7 +14,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import GraphSeq, SelectivePolicy, SeqView
+from .base import SelectivePolicy, SeqStep
 
 
 class StreamingLLM(SelectivePolicy):
@@ -24,9 +24,6 @@ class StreamingLLM(SelectivePolicy):
                  positions: str = "reindex"):
         super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=0, positions=positions)
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The middle is evicted: nothing is chosen from it."""
-        return torch.empty(0, dtype=torch.int64, device=middle.device)
-
-    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
-        """Nothing to choose: the list is the sinks and the window alone."""
+        return step.table.new_zeros(0), None

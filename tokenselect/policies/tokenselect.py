@@ -21,7 +21,7 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import arange
-from .base import GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
+from .base import SelectivePolicy, SeqStep, selection_query
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -41,73 +41,31 @@ class TokenSelect(SelectivePolicy):
             raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
         self.k, self.selector = k, selector
         self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
-        # an entry: the chosen middle tokens of a miss's plan, their slots (and with "original" positions their
-        # token indices after them)
-        self.selection_cache = SelectionCache(theta, cache.k.shape[0], k * (2 if positions == "original" else 1),
-                                              kernels.selection_check, kernels.selection_update)
+        # an entry: a miss's choice, [k] indices into the middle
+        self.selection_cache = SelectionCache(theta, cache.k.shape[0], k, kernels.selection_check,
+                                              kernels.selection_update)
 
-    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the chosen
-        middle of the last miss's plan: a hit puts it between the sinks and the current local window."""
-        t, c = seq.past.numel(), q.shape[0]
-        if not seq.decode or self.attends_all(t, c):
-            return super().plan(layer, seq, q)
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The ``k`` middle tokens with the highest vote, without a branch. A prefill chunk selects with its mean
+        query. A decode step's query is its own (a view: no kernel), and goes through the Selection Cache, whose
+        decision gates the work: on a hit the vote and the top-k see no live candidate (their kernels read
+        nothing; the top-k's picks are discarded), and the store-or-reuse returns the cached choice."""
         sc = self.selection_cache
-        query = selection_query(q)
-        cached = sc.lookup(seq.id, layer, query)
-        if cached is not None:
-            return self.reuse(cached, seq, c)
-        middle = seq.past[self.n_init:t - self.n_local]
-        chosen = self.choose(query.to(q.dtype), self.cache.k_select[layer], middle)
-        plan = self.assemble(seq, chosen, c)
-        if sc.theta is not None:
-            part = slice(self.n_init, self.n_init + self.k)
-            entry = plan.slots[part] if self.positions == "reindex" else torch.cat([plan.slots[part],
-                                                                                    plan.positions[part]])
-            sc.store(sc.row(seq.id, query.numel(), query.device), layer, query, entry)
-        return plan
-
-    def reuse(self, entry: torch.Tensor, seq: SeqView, c: int) -> Plan:
-        """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the sinks, the
-        entry's slots [k] (with "original" its token indices [k] follow them in the entry), the current local
-        window."""
-        t, k = seq.past.numel(), self.k
-        slots = torch.cat([seq.past[:self.n_init], entry[:k], seq.past[t - self.n_local:]])
-        # "reindex" places by index in the list, for which ``place`` reads only the list's length
-        index = arange(t, slots.device)
-        order = slots if self.positions == "reindex" else torch.cat([index[:self.n_init], entry[k:],
-                                                                     index[t - self.n_local:]])
-        positions, q_positions = self.place(order, t, c)
-        return Plan(slots, positions, q_positions)
-
-    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
-        """``plan``'s choice on the device, without a branch: the chosen slots [k] to ``out``. A prefill chunk
-        selects with its mean query. A decode step's query is its own (a view: no kernel), and goes through
-        the Selection Cache, whose decision gates the work: on a hit the vote and the top-k see no live
-        candidate (their kernels read nothing; the top-k's picks are discarded), and the store-or-reuse
-        writes the cached choice. The middle is the table's fixed span, of which the first
-        length - n_init - n_local slots are live."""
-        sc = self.selection_cache
-        query = q[0] if seq.decode else selection_query(q).to(q.dtype)
-        miss = sc.miss(seq.row, layer, query) if seq.decode else None  # None: select, store nothing
-        middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
-        live = seq.once(f"length - {self.n_init + self.n_local}", lambda: seq.length - (self.n_init + self.n_local))
+        query = q[0] if step.decode else selection_query(q).to(q.dtype)
+        miss = sc.miss(step.row, layer, query) if step.decode else None  # None: select, store nothing
+        middle, live = self.middle(step)
         keys = self.cache.k_select[layer]
-        if miss is None:  # the picks straight into the list
-            self.choose(query, keys, middle, live, middle, out)
-        else:
-            sc.update(seq.row, layer, query, self.choose(query, keys, middle, live * miss, middle), miss, out)
+        if miss is None:
+            return self.top(query, keys, middle, live), None
+        return sc.update(step.row, layer, query, self.top(query, keys, middle, live * miss), miss), None
 
-    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
-        return self.selection_cache.row(seq.id, q_shape[1] * q_shape[2], seq.past.device)
+    def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
+                q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        return self.selection_cache.row(seq_id, q_shape[1] * q_shape[2], slots.device)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         sc = self.selection_cache
         return () if sc.unit is None else (sc.unit, sc.selection, sc.valid, sc.device_counts)
-
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        """A chunk's selection, with its mean query in the queries' dtype (the keys may be stored in another)."""
-        return self.choose(selection_query(q).to(q.dtype), self.cache.k_select[layer], middle)
 
     def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
               live: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,12 +87,10 @@ class TokenSelect(SelectivePolicy):
                 0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
         return vote if dead is None else vote.masked_fill(dead, float("-inf"))
 
-    def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
-               live: torch.Tensor | None = None, values: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live]); with
-        values ([M], e.g. ``middle`` itself), values at those indices; written to ``out`` ([k] int64) if given."""
-        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live, values, out)
+    def top(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
+            live: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live])."""
+        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live)
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)

@@ -1,0 +1,28 @@
+"""A toy policy, as a newcomer would add one: attend the sinks, k random middle tokens and the local window.
+
+Adding it takes this file and one line in the registry (``policies.POLICIES``; the test adds it there).
+``choose`` is tensor operations on the device with shapes fixed by the step, so the same code runs eagerly
+and inside a CUDA graph. The randomness is a hash of (token, length, layer) rather than a generator's draw,
+so that the run a graph is checked against and its replay choose alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenselect.policies import SelectivePolicy, SeqStep
+from tokenselect.transfer import arange
+
+
+class RandomK(SelectivePolicy):
+    name = "random"
+
+    def __init__(self, cache, kernels, k: int = 8, n_init: int = 4, n_local: int = 16):
+        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k)
+        self.k = k
+
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
+        middle, live = self.middle(step)  # candidates: middle[:live]
+        noise = torch.sin((arange(middle.numel(), middle.device) + 1) * 12.9898 + step.length * 78.233 + layer)
+        scores = (noise * 43758.5453).frac().abs().float()
+        return self.kernels.topk(scores, self.k, live), None  # k indices into the middle, ascending
