@@ -195,16 +195,16 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
         while any(s.prefilling for s in seqs):
             llm.step()
         decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
-        assert llm.whole_graphs.usable(decode) is works, policy
-        assert not llm.whole_graphs.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
-        assert not llm.whole_graphs.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
+        assert llm.runner.whole.usable(decode) is works, policy
+        assert not llm.runner.whole.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
+        assert not llm.runner.whole.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
         for s in seqs:
             llm.abort(s)
     llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16)
     seq = llm.add_request(ids(80, 9), SamplingParams(max_tokens=3, ignore_eos=True))
     while seq.prefilling:
         llm.step()
-    assert not llm.whole_graphs.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
+    assert not llm.runner.whole.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
     llm.abort(seq)
 
 
@@ -215,7 +215,7 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
     monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0,
               cuda_graphs=True)
-    graphs = llm.whole_graphs
+    graphs = llm.runner.whole
     seq = llm.add_request(ids(150, 1), SamplingParams(max_tokens=2, ignore_eos=True))
     usable = []
     while seq.prefilling:
@@ -248,10 +248,10 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
     # the full chunks past the threshold (4 + 16 + 16 tokens, InfLLM's 4 + (4 * 4 + 3) + 16, streaming's 4 + 16,
     # full attention's 0): from 64 (32, 0), 96, 128, 160; not the last 8 tokens
-    assert engines[1].whole_graphs.steps_run == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
+    assert engines[1].runner.whole.steps_run == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
-    assert len([key for key in engines[1].whole_graphs._steps if not key[0]]) == 1
+    assert len([key for key in engines[1].runner.whole._steps if not key[0]]) == 1
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
@@ -273,7 +273,7 @@ def test_infllm_prefill_through_whole_graphs_keeps_the_eager_memory(tiny_llama, 
         seqs.append(llm.add_request(distinct_tokens(200, 11), SamplingParams(max_tokens=3, ignore_eos=True)))
         while seqs[-1].prefilling:
             llm.step()
-    assert engines[1].whole_graphs.steps_run == 4  # the chunks from 64 to 160; the last 8 tokens take StepGraphs
+    assert engines[1].runner.whole.steps_run == 4  # the chunks from 64 to 160; the last 8 tokens take StepGraphs
     (plain, graphed), last = [llm.policy for llm in engines], 192  # the last chunk's attention is still pending
     for layer in range(engines[0].model.config.n_layers):
         want = plain.representatives(seqs[0].id, layer)
@@ -295,10 +295,10 @@ def test_full_attention_through_whole_graphs_with_the_triton_kernels(tiny_llama,
     torch.testing.assert_close(engines[1].prompt_logits(prompt), engines[0].prompt_logits(prompt),
                                rtol=1e-4, atol=1e-4)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    before = engines[1].whole_graphs.steps_run
+    before = engines[1].runner.whole.steps_run
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
-    assert engines[1].whole_graphs.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
+    assert engines[1].runner.whole.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
 
 
 def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
@@ -311,7 +311,7 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
     stats = [llm.stats() for llm in engines]
-    assert engines[1].whole_graphs.steps_run >= 9  # every decode step after the first
+    assert engines[1].runner.whole.steps_run >= 9  # every decode step after the first
     for key in ("selection_cache_hits", "selection_cache_misses"):
         assert stats[1][key] == stats[0][key] > 0
 
@@ -346,8 +346,8 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         outputs.append(([s.output_ids for s in first + [late]], llm.stats()))
     (want, plain), (got, graphed) = outputs
     assert got == want
-    assert engines[1].whole_graphs.failure is None  # on a GPU: every recorded graph passed its check
-    steps = engines[1].whole_graphs._steps
+    assert engines[1].runner.whole.failure is None  # on a GPU: every recorded graph passed its check
+    steps = engines[1].runner.whole._steps
     assert steps and all(key[2] % 16 == 0 for key in steps)
     if attention == "tokenselect" and settings["theta"] is not None:
         assert graphed["selection_cache_hits"] == plain["selection_cache_hits"]
@@ -399,7 +399,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     with pytest.warns(UserWarning, match="whole-step CUDA graphs turned off"):
         got = graphed.generate([ids(70, 1)], params)
     assert got[0].token_ids == want[0].token_ids
-    assert graphed.whole_graphs.failure.startswith("the replay") and not graphed.whole_graphs._steps
+    assert graphed.runner.whole.failure.startswith("the replay") and not graphed.runner.whole._steps
 
 
 def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, batch_invariant_matmuls):
@@ -416,5 +416,5 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
             llm.step()
         outputs.append([s.output_ids for s in seqs])
         if graphs:
-            assert [key[1] for key in llm.whole_graphs._steps] == [1]  # the longer request alone
+            assert [key[1] for key in llm.runner.whole._steps] == [1]  # the longer request alone
     assert outputs[0] == outputs[1]

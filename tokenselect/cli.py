@@ -136,7 +136,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve  # the web stack is imported only to serve
 
-    return serve(args)
+    return serve(build_llm(args), args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .attention import BatchAttention, Chunk, RopeFrequencies
+from .attention import Chunk, RopeFrequencies
 from .config import ModelConfig
 from .errors import ContextTooLong, TokenSelectError
 from .kernels import get_kernels
@@ -24,12 +25,11 @@ from .kv_cache import KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
 from .models.registry import resolve_model
 from .policies import AttentionPolicy, default_chunk, make_policy
+from .runner import ModelRunner
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
-from .step_graphs import StepGraphs
 from .transfer import to_device
-from .whole_graphs import WholeGraphs
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
@@ -56,10 +56,9 @@ class LLM:
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
         that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
-        cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
-        steps and a long prompt's full prefill chunks of TokenSelect, StreamingLLM, full attention and InfLLM as
-        one graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs
-        eagerly)
+        cuda_graphs (run steps through CUDA graphs, ``runner.ModelRunner``: decode steps and a long prompt's
+        full prefill chunks as one graph each once the policy selects, other steps' layers as graphs around
+        attention; default on CUDA; on a CPU the same code runs eagerly)
         (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
@@ -118,11 +117,11 @@ class LLM:
         self.max_model_len = min(max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
+        self._seq_ids = itertools.count()  # Sequence ids, unique among this engine's
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self.graphs = StepGraphs(self.model, self.device, self.chunk_size) if cuda_graphs else None
-        self.whole_graphs = (WholeGraphs(self.model, self.cache, self.kernels, self.rope, self.device,
-                                         self.chunk_size) if cuda_graphs else None)
+        self.runner = ModelRunner(self.model, self.cache, self.kernels, self.rope, self.device, self.chunk_size,
+                                  cuda_graphs)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -134,8 +133,8 @@ class LLM:
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
         self.attention, self.policy_settings = attention, policy_settings
-        if getattr(self, "whole_graphs", None) is not None:
-            self.whole_graphs.clear()
+        if getattr(self, "runner", None) is not None:
+            self.runner.clear()
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
         # one instance per distinct per-request settings, least recently used first; () is the engine's own
         self._policies: OrderedDict[tuple, AttentionPolicy] = OrderedDict({(): self.policy})
@@ -219,7 +218,7 @@ class LLM:
         ids = self.encode(prompt)
         self.check_request(ids, params.max_tokens)
         key, policy = self.policy_for(policy_settings)
-        seq = Sequence(ids, params, self.device, policy, self.tokenizer)
+        seq = Sequence(next(self._seq_ids), ids, params, self.device, policy, self.tokenizer)
         seq.policy_key = key
         self._policy_users.setdefault(key, set()).add(seq.id)
         self.scheduler.add(seq)
@@ -293,17 +292,7 @@ class LLM:
                       else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                       for ch in chunks]
             logit_rows = to_device(sum(wanted, []), self.device)
-            if self.whole_graphs is not None and self.whole_graphs.usable(chunks):
-                logits = self.model.logits(self.whole_graphs.run(chunks, ids, step_slots)[logit_rows])
-            else:
-                ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, step_slots,
-                                     (self.config.n_heads, self.config.head_dim), self.dtype)
-                input_ids = to_device(ids, self.device)
-                if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
-                    logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
-                else:
-                    logits = self.model(input_ids, ctx, logit_rows)
-            logits = logits.split([len(w) for w in wanted])
+            logits = self.runner.logits(chunks, ids, step_slots, logit_rows).split([len(w) for w in wanted])
         except BaseException:
             for slots in new_slots:  # the sequences' n_cached did not move: these slots are nobody's
                 self.cache.free(slots)

@@ -754,13 +754,10 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 # ---- the command --------------------------------------------------------------------------------
 
 
-def serve(args: argparse.Namespace) -> int:
-    """``tokenselect serve``: load the model and serve it until interrupted."""
+def serve(llm, args: argparse.Namespace) -> int:
+    """``tokenselect serve``: serve ``llm`` (built by the CLI from ``args``) until interrupted."""
     import uvicorn
 
-    from .cli import build_llm
-
-    llm = build_llm(args)
     if llm.tokenizer is None:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     options = ServerOptions.from_args(args)

@@ -39,6 +39,7 @@ import weakref
 import torch
 
 from .attention import attend
+from .cuda_graphs import GraphPool, capture, warm_up
 from .policies import AttentionPolicy, SeqStep
 from .transfer import to_device
 
@@ -56,7 +57,7 @@ class WholeGraphs:
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
         self.chunk_size = chunk_size
         self.capture = device.type == "cuda" if capture is None else capture
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = GraphPool() if self.capture else None
         self._steps: dict[tuple[bool, int, int, int], _GraphStep] = {}  # (decode, batch, capacity, id(policy))
         self.failure: str | None = None  # why whole-step graphs were turned off, if they were
         self.steps_run = 0  # steps that ran here (as one graph each, when capturing)
@@ -111,12 +112,9 @@ class WholeGraphs:
         return out
 
     def clear(self) -> None:
-        """Drop every recorded graph (their policies are being replaced). Later graphs record into a memory pool
-        of their own: capturing into the pool of graphs that all died failed under the profiler (PyTorch 2.11's
-        caching allocator: "use_count > 0 INTERNAL ASSERT FAILED", seen in ``bench e2e --profile-steps``)."""
+        """Drop every recorded graph (their policies are being replaced; later graphs record into a new pool,
+        ``GraphPool``)."""
         self._steps.clear()
-        if self.capture:
-            self.pool = torch.cuda.graph_pool_handle()
 
 
 class GraphCheckFailed(RuntimeError):
@@ -204,22 +202,14 @@ class _GraphStep:
             return self.replay()
         state = self.policy.graph_state()
         before = [t.clone() for t in state]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            want = self.forward().clone()
-        torch.cuda.current_stream().wait_stream(stream)
+        want = warm_up(lambda: self.forward().clone())
         after = [t.clone() for t in state]
         cache = self.owner.cache  # the step's keys and values, as the eager step wrote them
         pools = [pool.view(torch.uint8) for pool in cache.pools]  # (the V pool may be on the host)
         written = [pool[:, self.new_slots.to(pool.device)].clone() for pool in pools]
         _restore(state, before)
         try:
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls (the server's /health reading the Selection Cache's
-            # counters) neither fail nor spoil the capture
-            with torch.cuda.graph(self.graph, pool=self.owner.pool, capture_error_mode="thread_local"):
-                self.out = self.forward()
+            self.graph, self.out = capture(self.forward, self.owner.pool)
             self.graph.replay()
             failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
             if failure is None and not _same_change(state, before, after):

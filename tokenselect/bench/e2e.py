@@ -119,7 +119,7 @@ def warm_up(llm, ids: list[int]) -> None:
 def whole_steps(llm, since: int | None = 0) -> int | None:
     """Steps the engine ran as one whole-step graph (``whole_graphs.py``) after ``since`` of them; None
     without CUDA graphs."""
-    return None if llm.whole_graphs is None else llm.whole_graphs.steps_run - since
+    return None if llm.runner.whole is None else llm.runner.whole.steps_run - since
 
 
 def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "") -> dict:
