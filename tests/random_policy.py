@@ -1,6 +1,7 @@
 """A toy policy, as a newcomer would add one: attend the sinks, k random middle tokens and the local window.
 
-Adding it takes this file and one line in the registry (``policies.POLICIES``; the test adds it there).
+Adding it takes this file (the policy and its settings) and one line in the registry (``policies.POLICIES``;
+the test adds it there).
 ``choose`` is tensor operations on the device with shapes fixed by the step, so the same code runs eagerly
 and inside a CUDA graph. The randomness is a hash of (token, length, layer) rather than a generator's draw,
 so that the run a graph is checked against and its replay choose alike.
@@ -8,18 +9,31 @@ so that the run a graph is checked against and its replay choose alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenselect.policies import SelectivePolicy, SeqStep
+from tokenselect.policies.base import n_init_setting, n_local_setting
+from tokenselect.settings import Validated, setting
+
+
+@dataclass(frozen=True)
+class RandomKSettings(Validated):
+    k: int = setting(8, "random middle tokens attended", unit="tokens", low=0)
+    n_init: int = n_init_setting(4)
+    n_local: int = n_local_setting(16)
 from tokenselect.transfer import arange
 
 
 class RandomK(SelectivePolicy):
     name = "random"
+    Settings = RandomKSettings
 
-    def __init__(self, cache, kernels, k: int = 8, n_init: int = 4, n_local: int = 16):
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k)
-        self.k = k
+    def __init__(self, cache, kernels, **settings):
+        s = self.Settings(**settings)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k)
+        self.k = s.k
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
         middle, live = self.middle(step)  # candidates: middle[:live]

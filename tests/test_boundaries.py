@@ -93,10 +93,10 @@ def test_tokenselect_reuses_its_selection_at_cos_equal_theta():
     assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 1)
     step(policy, slots, decode=True, seq_id=3, q=torch.tensor([[[1.0, 1.0, 1.0, 1.5]]]))  # cos(first, .) < 0.5
     assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 2)
-    assert policy.stats() == {"selection_cache_hits": 1, "selection_cache_misses": 2,
+    assert policy.stats().as_dict() == {"selection_cache_hits": 1, "selection_cache_misses": 2,
                               "selection_cache_hit_rate": pytest.approx(1 / 3)}
     fresh = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=0.5)
-    assert fresh.stats()["selection_cache_hit_rate"] == 0.0  # no decision yet: 0, not a division by zero
+    assert fresh.stats().selection_cache_hit_rate == 0.0  # no decision yet: 0, not a division by zero
 
 
 # ---- top-k ------------------------------------------------------------------------------------------------------

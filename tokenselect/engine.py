@@ -7,6 +7,7 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,11 +25,12 @@ from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
 from .models.registry import resolve_model
-from .policies import AttentionPolicy, default_chunk, make_policy
+from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
+from .settings import EngineSettings, scaled
 from .transfer import to_device
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
@@ -73,7 +75,7 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer()
         self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
         self.model = checkpoint.load(self.dtype, self.device)
-        self._start(attention, **settings)
+        self._start(attention, dtype=dtype, device=device, **settings)
 
     @classmethod
     def random(cls, config: dict, attention: str = "full", *, dtype: str = "auto", device: str | None = None,
@@ -86,14 +88,16 @@ class LLM:
         llm.config = ModelConfig.from_dict(config)
         llm.dtype = resolve_dtype(dtype, llm.device)
         llm.model = random_model(llm.config, llm.dtype, llm.device, seed)
-        llm._start(attention, **settings)
+        llm._start(attention, dtype=dtype, device=device, **settings)
         return llm
 
-    def _start(self, attention: str, kernels: str | None = None, chunk_size: int | None = None,
-               kv_cache_tokens: int | None = None, kv_dtype: str = "auto", kv_offload: str = "none",
-               select_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
-               rope_scaling: str | None = None,
-               cuda_graphs: bool | None = None, **policy_settings) -> None:
+    def _start(self, attention: str, **settings) -> None:
+        """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
+        engine = {f.name for f in dataclasses.fields(EngineSettings)}
+        self.settings = s = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
+        policy_settings = {key: value for key, value in settings.items() if key not in engine}
+        kernels, chunk_size, rope_scaling, kv_dtype, select_dtype = (s.kernels, s.chunk_size, s.rope_scaling,
+                                                                     s.kv_dtype, s.select_dtype)
         cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
@@ -108,18 +112,15 @@ class LLM:
         self.kernels = get_kernels(kernels)
         self.chunk_size = chunk_size or default_chunk(self.window)
         self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
-        if select_dtype not in SELECT_DTYPES:
-            raise ValueError(f"select_dtype must be one of {', '.join(SELECT_DTYPES)}, not {select_dtype!r}")
         self.select_dtype = SELECT_DTYPES[select_dtype] or self.kv_dtype  # the keys a selection reads
-        n_slots = kv_cache_tokens or self._default_pool_tokens(kv_offload)
+        n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload)
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
-                             kv_offload, self.select_dtype)
-        self.max_model_len = min(max_model_len or n_slots, n_slots)
+                             s.kv_offload, self.select_dtype)
+        self.max_model_len = min(s.max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
-        self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs)
+        self.scheduler = Scheduler(self.cache, self.chunk_size, s.max_num_seqs)
         self._seq_ids = itertools.count()  # Sequence ids, unique among this engine's
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+        cuda_graphs = self.device.type == "cuda" if s.cuda_graphs is None else s.cuda_graphs
         self.runner = ModelRunner(self.model, self.cache, self.kernels, self.rope, self.device, self.chunk_size,
                                   cuda_graphs)
         eos = set(cfg.eos_token_ids)
@@ -133,6 +134,10 @@ class LLM:
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
         self.attention, self.policy_settings = attention, policy_settings
+        # every setting as the policy runs with it (defaults fitted to the window), for results files
+        self.policy_config = {"attention": attention, "window": self.window,
+                              **fitted_settings(attention, policy_settings, self.window),
+                              "fitted_to_window": scaled(POLICIES[attention].Settings, policy_settings, self.window)}
         if getattr(self, "runner", None) is not None:
             self.runner.clear()
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
@@ -378,13 +383,8 @@ class LLM:
     def stats(self) -> dict:
         """Policy counters (e.g. the Selection Cache's hits and misses, summed over the per-request
         settings' instances still kept) and pool occupancy."""
-        counters: dict = {}
-        for policy in list(self._policies.values()):  # a copy: the server reads stats beside the engine thread
-            for key, value in policy.stats().items():
-                if isinstance(value, int):
-                    counters[key] = counters.get(key, 0) + value
-        if "selection_cache_hits" in counters:
-            looked_up = counters["selection_cache_hits"] + counters["selection_cache_misses"]
-            counters["selection_cache_hit_rate"] = counters["selection_cache_hits"] / looked_up if looked_up else 0.0
-        return {"attention": self.attention, "kv_slots_free": self.cache.num_free,
-                "kv_slots": self.cache.n_slots, **counters}
+        # a copy of the instances: the server reads stats beside the engine thread
+        counted = [s for s in (policy.stats() for policy in list(self._policies.values())) if s is not None]
+        total = sum(counted[1:], counted[0]).as_dict() if counted else {}
+        return {"attention": self.attention, "kv_slots_free": self.cache.num_free, "kv_slots": self.cache.n_slots,
+                **total}

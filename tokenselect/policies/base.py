@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
+from ..settings import NoSettings, setting
 from ..transfer import arange, to_device
 
 ALL, SELECT = "all", "select"  # the modes of a selective policy's step (``SelectivePolicy.mode``)
@@ -75,11 +76,38 @@ class Attended:
     n_valid: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class PolicyStats:
+    """A policy's counters (TokenSelect's Selection Cache decisions), summed over policies with ``+``."""
+
+    selection_cache_hits: int = 0
+    selection_cache_misses: int = 0
+
+    def __add__(self, other: "PolicyStats") -> "PolicyStats":
+        return PolicyStats(self.selection_cache_hits + other.selection_cache_hits,
+                           self.selection_cache_misses + other.selection_cache_misses)
+
+    def __sub__(self, other: "PolicyStats") -> "PolicyStats":
+        return PolicyStats(self.selection_cache_hits - other.selection_cache_hits,
+                           self.selection_cache_misses - other.selection_cache_misses)
+
+    @property
+    def selection_cache_hit_rate(self) -> float:
+        """Hits over decisions; 0 before any decision."""
+        looked_up = self.selection_cache_hits + self.selection_cache_misses
+        return self.selection_cache_hits / looked_up if looked_up else 0.0
+
+    def as_dict(self) -> dict:
+        return {"selection_cache_hits": self.selection_cache_hits, "selection_cache_misses": self.selection_cache_misses,
+                "selection_cache_hit_rate": self.selection_cache_hit_rate}
+
+
 class AttentionPolicy:
     """Base class. Subclasses set ``name`` and implement ``attend``; those with per-sequence state give
     sequences rows of it in ``prepare`` and drop them in ``release``."""
 
     name = "base"
+    Settings = NoSettings  # the settings dataclass of the policy (``settings.py``)
 
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels
@@ -107,8 +135,9 @@ class AttentionPolicy:
     def release(self, seq_id: int) -> None:
         """Forget the per-sequence state of a finished sequence."""
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> PolicyStats | None:
+        """The policy's counters; None for a policy that keeps none."""
+        return None
 
     # ---- steps captured as CUDA graphs ---------------------------------------------------------
 
@@ -223,6 +252,23 @@ class SelectivePolicy(AttentionPolicy):
         key_pos = key_pos.index_select(0, source)
         return Attended(frame.index_select(0, source), key_pos, key_pos.index_select(0, n_valid - w + arange(w, dev)),
                         n_valid)
+
+
+# ---- the settings the selective policies share (each policy's Settings dataclass declares its own defaults) ----
+
+def n_init_setting(default: int):
+    return setting(default, "sink tokens kept at the start", unit="tokens", low=0, scales=True)
+
+
+def n_local_setting(default: int, low: int = 0):
+    return setting(default, "most recent tokens always attended", unit="tokens", low=low, scales=True,
+                   per_request=True)
+
+
+def positions_setting(default: str = "reindex", choices: tuple = SelectivePolicy.POSITIONS):
+    return setting(default, "RoPE positions: by index within the attended list (reindex), the tokens' own "
+                            "(original), or InfLLM's fixed: the memory at distance n_local from the chunk",
+                   choices=choices)
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,9 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import arange, to_device
-from .base import ALL, SELECT, Attended, SelectivePolicy, SeqStep, selection_query, whole_table
+from ..settings import Validated, setting
+from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
+                   selection_query, whole_table)
 from .rows import Rows, grown
 
 POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
@@ -77,21 +79,31 @@ class SequenceMemory:
     saved: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class InfLLMSettings(Validated):
+    k: int = setting(4096, "tokens of memory blocks attended", unit="tokens", low=0, scales=True, per_request=True)
+    n_init: int = n_init_setting(128)
+    # >= 1: the representatives come from the attention tokens receive inside the local window
+    n_local: int = n_local_setting(4096, low=1)
+    block_size: int = setting(128, "tokens per memory block", unit="tokens", low=1, scales=True)
+    repr_keys: int = setting(4, "representative keys per block", low=1)
+    positions: str = positions_setting("fixed", ("fixed", "reindex", "original"))
+
+
 class InfLLM(SelectivePolicy):
     name = "infllm"
     POSITIONS = ("fixed", "reindex", "original")
+    Settings = InfLLMSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, k: int = 4096,
-                 n_init: int = 128, n_local: int = 4096, block_size: int = 128, repr_keys: int = 4,
-                 positions: str = "fixed"):
-        if block_size < 1 or repr_keys < 1 or n_local < 1:
-            raise ValueError("InfLLM's block_size, repr_keys and n_local must be >= 1 (its representatives come from "
-                             "the attention tokens receive inside the local window)")
-        self.n_blocks = k // block_size
+    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, **settings):
+        """window: the model's; chunk: the engine's prefill chunk (the local-score ring is sized for it)."""
+        s = self.Settings(**settings)
+        block_size, n_local = s.block_size, s.n_local
+        self.n_blocks = s.k // block_size
         # at most n_blocks blocks + a remainder shorter than a block
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local,
-                         budget=self.n_blocks * block_size + block_size - 1, positions=positions)
-        self.k, self.block_size, self.repr_keys = k, block_size, min(repr_keys, block_size)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=n_local,
+                         budget=self.n_blocks * block_size + block_size - 1, positions=s.positions)
+        self.k, self.block_size, self.repr_keys = s.k, block_size, min(s.repr_keys, block_size)
         self.window = window
         self.n_layers = cache.k.shape[0]
         # the ring holds every token not yet in a closed block: before the first selection the whole context past

@@ -19,24 +19,36 @@ in a row per sequence; a selection then reads two vectors per page, plus the key
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import arange
-from .base import SELECT, SelectivePolicy, SeqStep, selection_query
+from ..settings import Validated, setting
+from .base import SELECT, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting, selection_query
 from .rows import Rows, grown
+
+
+@dataclass(frozen=True)
+class QuestSettings(Validated):
+    k: int = setting(4096, "tokens selected from the middle of the cache, in whole pages", unit="tokens", low=0,
+                     scales=True, per_request=True)
+    page_size: int = setting(16, "tokens per page", unit="tokens", low=1)
+    n_init: int = n_init_setting(0)
+    n_local: int = n_local_setting(16)
+    positions: str = positions_setting()
 
 
 class Quest(SelectivePolicy):
     name = "quest"
+    Settings = QuestSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, k: int = 4096, page_size: int = 16, n_init: int = 0,
-                 n_local: int = 16, positions: str = "reindex"):
-        if page_size < 1:
-            raise ValueError("page_size must be >= 1")
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k, positions=positions)
-        self.k, self.page_size = k, page_size
+    def __init__(self, cache: KVCache, kernels: Kernels, **settings):
+        s = self.Settings(**settings)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions)
+        self.k, self.page_size = s.k, s.page_size
         self.rows = Rows()
         self.pages: dict[int, int] = {}  # sequence id -> its full pages with bounds
         _, _, n_kv, d = cache.k.shape

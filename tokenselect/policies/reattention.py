@@ -16,28 +16,45 @@ up the rest).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import arange
-from .base import SelectivePolicy, SeqStep
+from ..settings import Validated, setting
+from .base import SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting
 
 SCORE_ELEMENTS = 1 << 24  # scores computed per block of chunk queries, at most this many floats
 
 
+@dataclass(frozen=True)
+class ReAttentionSettings(Validated):
+    n_init: int = n_init_setting(32)
+    n_local: int = n_local_setting(4096)
+    span: int = setting(32, "neighbours attended around each selected token", unit="tokens", low=1, scales=True)
+    n_spans: int = setting(127, "selected spans (k'); at most what fits the window beside n_init + n_local + chunk",
+                           low=0)
+    top: int = setting(1, "best middle tokens each (chunk query, head) pair votes for", low=1)
+    positions: str = positions_setting()
+
+
 class ReAttention(SelectivePolicy):
     name = "reattention"
+    Settings = ReAttentionSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, window: int, n_init: int = 32, n_local: int = 4096,
-                 span: int = 32, n_spans: int = 127, top: int = 1, chunk: int = 512, positions: str = "reindex"):
-        room = window - n_init - n_local - chunk
+    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, **settings):
+        """window: the model's; chunk: the engine's prefill chunk (the list must fit the window beside it)."""
+        s = self.Settings(**settings)
+        room = window - s.n_init - s.n_local - chunk
         if room < 0:
-            raise ValueError(f"reattention: n_init {n_init} + n_local {n_local} + chunk {chunk} exceed the "
+            raise ValueError(f"reattention: n_init {s.n_init} + n_local {s.n_local} + chunk {chunk} exceed the "
                              f"model window {window}; lower n_local")
-        n_spans = min(n_spans, room // max(span, 1))
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=n_spans * span, positions=positions)
-        self.span, self.n_spans, self.top = span, n_spans, top
+        n_spans = min(s.n_spans, room // s.span)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=n_spans * s.span,
+                         positions=s.positions)
+        self.span, self.n_spans, self.top = s.span, n_spans, s.top
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         middle, live = self.middle(step)

@@ -15,34 +15,49 @@ Selectors (paper eqs. 5-7), over scores s[h, t] = scale * <q_h, K[t, h // group]
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import arange
-from .base import SelectivePolicy, SeqStep, selection_query
+from ..settings import Validated, setting
+from .base import PolicyStats, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting, selection_query
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
 
 
+@dataclass(frozen=True)
+class TokenSelectSettings(Validated):
+    k: int = setting(2048, "tokens selected from the middle of the cache", unit="tokens", low=0, scales=True,
+                     per_request=True)
+    n_init: int = n_init_setting(128)
+    n_local: int = n_local_setting(512)
+    theta: float | None = setting(0.9, "Selection Cache threshold on cos(q, q_cached); 1.0 never reuses",
+                                  low=-1.0, high=1.0, per_request=True, none="off: every decode step selects")
+    selector: str = setting("soft_vote", "head vote", choices=SELECTORS)
+    score_scale: str = setting("raw", "per-head softmax scale for the vote: raw, sqrt_d or a number")
+    positions: str = positions_setting()
+    dense_until: int | None = setting(None, "attend every token (as full attention) while the context is at most "
+                                            "this many tokens; 0: select as soon as the context exceeds n_init + k + "
+                                            "n_local (the paper)", unit="tokens", low=0, kind=int,
+                                      none="the model's window, so the model is unchanged at lengths it handles")
+
+
 class TokenSelect(SelectivePolicy):
     name = "tokenselect"
+    Settings = TokenSelectSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, k: int = 2048, n_init: int = 128, n_local: int = 512,
-                 theta: float | None = 0.9, selector: str = "soft_vote", score_scale: str | float = "raw",
-                 positions: str = "reindex", dense_until: int = 0):
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k, positions=positions)
-        if dense_until < 0:
-            raise ValueError("dense_until must be >= 0")
-        self.dense_until = dense_until
-        if selector not in SELECTORS:
-            raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
-        self.k, self.selector = k, selector
-        self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
+    def __init__(self, cache: KVCache, kernels: Kernels, **settings):
+        s = self.Settings(**settings)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions)
+        self.dense_until = s.dense_until or 0
+        self.k, self.selector = s.k, s.selector
+        self.scale = resolve_score_scale(s.score_scale, cache.k.shape[-1])
         # an entry: a miss's choice, [k] indices into the middle
-        self.selection_cache = SelectionCache(theta, cache.k.shape[0], k, kernels.selection_check,
+        self.selection_cache = SelectionCache(s.theta, cache.k.shape[0], s.k, kernels.selection_check,
                                               kernels.selection_update)
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -95,10 +110,8 @@ class TokenSelect(SelectivePolicy):
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
 
-    def stats(self) -> dict:
-        hits, misses = self.selection_cache.counts()
-        return {"selection_cache_hits": hits, "selection_cache_misses": misses,
-                "selection_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0}
+    def stats(self) -> PolicyStats:
+        return PolicyStats(*self.selection_cache.counts())
 
 
 def resolve_score_scale(score_scale: str | float, head_dim: int) -> float:
