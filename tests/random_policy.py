@@ -23,7 +23,6 @@ class RandomKSettings(Validated):
     k: int = setting(8, "random middle tokens attended", unit="tokens", low=0)
     n_init: int = n_init_setting(4)
     n_local: int = n_local_setting(16)
-from tokenselect.transfer import arange
 
 
 class RandomK(SelectivePolicy):
@@ -37,6 +36,6 @@ class RandomK(SelectivePolicy):
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
         middle, live = self.middle(step)  # candidates: middle[:live]
-        noise = torch.sin((arange(middle.numel(), middle.device) + 1) * 12.9898 + step.length * 78.233 + layer)
+        noise = torch.sin((self.cache.arange(middle.numel()) + 1) * 12.9898 + step.length * 78.233 + layer)
         scores = (noise * 43758.5453).frac().abs().float()
         return self.kernels.topk(scores, self.k, live), None  # k indices into the middle, ascending

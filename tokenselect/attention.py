@@ -16,7 +16,7 @@ import torch
 
 from .kernels import Kernels
 from .kv_cache import KVCache
-from .policies import AttentionPolicy, SeqStep, start_step
+from .policies.base import AttentionPolicy, EagerStep, SeqStep, start_steps
 from .rope import RopeSpec
 from .sequence import Sequence
 
@@ -64,8 +64,8 @@ class BatchAttention:
         """q_shape: (n_heads, head_dim) of the model's queries, q_dtype their dtype."""
         self.cache, self.kernels, self.rope = cache, kernels, rope
         self.chunks, self.new_slots = chunks, new_slots
-        self.steps = [start_step(ch.seq.policy, ch.seq.id, ch.seq.slots, ch.past, ch.length, ch.decode,
-                                 (ch.length, *q_shape), q_dtype) for ch in chunks]
+        self.steps = start_steps([EagerStep(ch.seq.policy, ch.seq.id, ch.seq.slots, ch.past, ch.length, ch.decode,
+                                            (ch.length, *q_shape), q_dtype) for ch in chunks])
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [n, n_heads, d], k, v: [n, n_kv_heads, d], un-rotated -> [n, n_heads, d]."""

@@ -126,20 +126,23 @@ def scaled(settings_type, values: dict, window: int) -> list[str]:
     return [spec.name for spec in specs(settings_type) if spec.scales and spec.default and spec.name not in values]
 
 
+def add_flag(group, spec: Spec, text: str, choices: list | None = None) -> None:
+    """The setting's flag (``--k``, ``--n-local``, ...), unset by default (so that a config file or the declared
+    default applies). choices: those of the flag (default: the setting's)."""
+    if spec.kind is bool:
+        group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif spec.choices is not None:
+        group.add_argument(spec.flag, choices=choices or list(spec.choices), help=text)
+    else:
+        group.add_argument(spec.flag, type=spec.kind, help=text)
+
+
 def add_flags(group, settings_type, skip: tuple = ()) -> None:
-    """One flag per setting (``--k``, ``--n-local``, ...), each unset by default (so that a config file or the
-    declared default applies), with the setting's help, default, unit and range in its help text."""
+    """A flag per setting, with the setting's help, default, unit and range in its help text."""
     for spec in specs(settings_type):
-        if spec.name in skip:
-            continue
-        text = f"{spec.help} (default {spec.describe_default()}" + (
-            f"; {spec.describe_range()})" if spec.describe_range() else ")")
-        if spec.kind is bool:
-            group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif spec.choices is not None:
-            group.add_argument(spec.flag, choices=list(spec.choices), help=text)
-        else:
-            group.add_argument(spec.flag, type=spec.kind, help=text)
+        if spec.name not in skip:
+            add_flag(group, spec, f"{spec.help} (default {spec.describe_default()}" + (
+                f"; {spec.describe_range()})" if spec.describe_range() else ")"))
 
 
 def markdown_table(settings_type) -> str:

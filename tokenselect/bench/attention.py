@@ -38,6 +38,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
+from ..transfer import Aranges
 from .e2e import parse_length
 
 DEFAULT_LENGTHS = "32k,128k,512k,1m"
@@ -143,7 +144,7 @@ class Layer:
         """The engine's TokenSelect policy over this layer's keys (the fp8 copy for fp8 selection)."""
         a = self.args
         pool = (self.k_select if fp8 else self.k_pool)[None]
-        keys = SimpleNamespace(k=pool, k_select=pool)  # the policy reads only the cache's keys
+        keys = SimpleNamespace(k=pool, k_select=pool, arange=Aranges(pool.device))  # the cache's keys and index runs
         return TokenSelect(keys, kern, k=a.k, n_init=a.n_init, n_local=a.n_local, theta=theta)
 
     def step(self, kern, policy: TokenSelect, c: int, q: torch.Tensor | None = None):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..settings import PAPER_WINDOW, EngineSettings, add_flags, check, fitted, markdown_table, specs
+from ..settings import PAPER_WINDOW, EngineSettings, add_flag, add_flags, check, fitted, markdown_table, specs
 from .base import Attended, AttentionPolicy, PolicyStats, SelectivePolicy, SeqStep, start_step
 from .full import FullAttention
 from .infllm import InfLLM
@@ -98,12 +98,8 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     for name, uses in _policy_specs().items():
         spec = uses[0][1]
         defaults = "; ".join(f"{policy} {s.describe_default()}" for policy, s in uses)
-        text = f"{spec.help} (default: {defaults})"
-        if spec.choices is not None:
-            choices = list(dict.fromkeys(c for _, s in uses for c in s.choices))
-            g.add_argument(spec.flag, choices=choices, help=text)
-        else:
-            g.add_argument(spec.flag, type=spec.kind, help=text)
+        choices = list(dict.fromkeys(c for _, s in uses for c in s.choices)) if spec.choices else None
+        add_flag(g, spec, f"{spec.help} (default: {defaults})", choices)
     g.add_argument("--config", type=Path, help="JSON or YAML file of settings (flags override it)")
     add_flags(parser.add_argument_group("engine settings"), EngineSettings, skip=("max_model_len",))
 
@@ -157,6 +153,7 @@ def settings_markdown() -> str:
     return "\n".join(parts) + "\n"
 
 
-__all__ = ["Attended", "AttentionPolicy", "PolicyStats", "SelectivePolicy", "SeqStep", "start_step", "POLICIES", "make_policy",
+__all__ = ["Attended", "AttentionPolicy", "PolicyStats", "SelectivePolicy", "SeqStep", "start_step", "POLICIES",
+           "make_policy",
            "policy_settings", "fitted_settings", "default_chunk", "add_policy_args", "policy_kwargs",
            "settings_markdown"]

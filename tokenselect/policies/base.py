@@ -22,7 +22,7 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import NoSettings, setting
-from ..transfer import arange, to_device
+from ..transfer import to_device
 
 ALL, SELECT = "all", "select"  # the modes of a selective policy's step (``SelectivePolicy.mode``)
 
@@ -98,7 +98,8 @@ class PolicyStats:
         return self.selection_cache_hits / looked_up if looked_up else 0.0
 
     def as_dict(self) -> dict:
-        return {"selection_cache_hits": self.selection_cache_hits, "selection_cache_misses": self.selection_cache_misses,
+        return {"selection_cache_hits": self.selection_cache_hits,
+                "selection_cache_misses": self.selection_cache_misses,
                 "selection_cache_hit_rate": self.selection_cache_hit_rate}
 
 
@@ -139,6 +140,13 @@ class AttentionPolicy:
         """The policy's counters; None for a policy that keeps none."""
         return None
 
+    def whole_table(self, step: SeqStep, w: int) -> Attended:
+        """Every token at its original position: the table's first length + w entries (the cached tokens, then
+        the step's own), the rest of its span not read. What depends on the step alone is computed once."""
+        positions = self.cache.arange(step.table.numel())
+        q_pos = step.once(f"length + first {w}", lambda: step.length + positions[:w])
+        return Attended(step.table, positions, q_pos, step.once(f"length + {w}", lambda: step.length + w))
+
     # ---- steps captured as CUDA graphs ---------------------------------------------------------
 
     def graph_ready(self, t: int, w: int = 1) -> bool:
@@ -156,21 +164,34 @@ class AttentionPolicy:
         return ()
 
 
+@dataclass
+class EagerStep:
+    """One sequence in an eager step: its policy, id, slot table (the step's own filled in), t cached tokens and
+    w new ones (their queries: q_shape [w, n_heads, head_dim], q_dtype)."""
+
+    policy: AttentionPolicy
+    seq_id: int
+    slots: torch.Tensor
+    t: int
+    w: int
+    decode: bool
+    q_shape: tuple[int, int, int]
+    q_dtype: torch.dtype
+
+
+def start_steps(seqs: list[EagerStep]) -> list[SeqStep]:
+    """The SeqSteps of an eager step: each policy prepares its sequence, whose table is exactly its t + w slots;
+    the lengths and rows reach the device in one copy."""
+    rows = [s.policy.prepare(s.seq_id, s.slots, s.t, s.t + s.w, s.decode, s.q_shape, s.q_dtype) for s in seqs]
+    scalars = to_device([s.t for s in seqs] + rows, seqs[0].slots.device).view(2, len(seqs))
+    return [SeqStep(s.slots[:s.t + s.w], scalars[0, i], scalars[1, i], s.decode, s.policy.mode(s.t, s.w),
+                    s.policy.step_buffers(s.seq_id)) for i, s in enumerate(seqs)]
+
+
 def start_step(policy: AttentionPolicy, seq_id: int, slots: torch.Tensor, t: int, w: int, decode: bool,
                q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> SeqStep:
-    """An eager step of one sequence: ``policy.prepare``, then the SeqStep over its table of exactly t + w
-    slots (``slots``: the sequence's slot table, the step's own filled in)."""
-    row = policy.prepare(seq_id, slots, t, t + w, decode, q_shape, q_dtype)
-    scalars = to_device([t, row], slots.device)
-    return SeqStep(slots[:t + w], scalars[0], scalars[1], decode, policy.mode(t, w), policy.step_buffers(seq_id))
-
-
-def whole_table(step: SeqStep, w: int) -> Attended:
-    """Every token at its original position: the table's first length + w entries (the cached tokens, then
-    the step's own), the rest of its span not read. What depends on the step alone is computed once."""
-    positions = arange(step.table.numel(), step.table.device)
-    q_pos = step.once(f"length + first {w}", lambda: step.length + positions[:w])
-    return Attended(step.table, positions, q_pos, step.once(f"length + {w}", lambda: step.length + w))
+    """An eager step of one sequence (``start_steps``)."""
+    return start_steps([EagerStep(policy, seq_id, slots, t, w, decode, q_shape, q_dtype)])[0]
 
 
 class SelectivePolicy(AttentionPolicy):
@@ -223,7 +244,7 @@ class SelectivePolicy(AttentionPolicy):
 
     def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
         if step.mode == ALL:
-            return whole_table(step, own.numel())
+            return self.whole_table(step, own.numel())
         chosen, count = self.choose(layer, step, q)
         return self.assemble(step, chosen, count, own)
 
@@ -232,26 +253,27 @@ class SelectivePolicy(AttentionPolicy):
         window, own) is gathered once a step; every layer writes its choice into its middle (the layers run in
         order, so a layer's list holds its choice until the next layer's ``attend``). A partial choice (``count``)
         is closed up, so that the live entries come first."""
-        n_init, n_local, b, w, dev = self.n_init, self.n_local, chosen.numel(), own.numel(), own.device
+        n_init, n_local, b, w = self.n_init, self.n_local, chosen.numel(), own.numel()
         n = n_init + b + n_local + w
-        window = step.once(f"last {n_local} tokens", lambda: step.length - n_local + arange(n_local, dev))
+        window = step.once(f"last {n_local} tokens", lambda: step.length - n_local + self.cache.arange(n_local))
         frame = step.once(f"{n_init} sinks + {b} chosen + last {n_local} + own", lambda: torch.cat([
             step.table[:n_init], step.table.new_zeros(b), step.table.index_select(0, window), own]))
         middle, _ = self.middle(step)
         torch.index_select(middle, 0, chosen, out=frame[n_init:n_init + b])
         if self.positions == "original":
-            key_pos = torch.cat([arange(n_init, dev), chosen + n_init, window, step.length + arange(w, dev)])
+            arange = self.cache.arange
+            key_pos = torch.cat([arange(n_init), chosen + n_init, window, step.length + arange(w)])
         else:
-            key_pos = arange(n, dev)
+            key_pos = self.cache.arange(n)
         if count is None:
             return Attended(frame, key_pos, key_pos[n - w:], None)
-        index = arange(n, dev)  # entry j of the closed-up list: j, or past the b - count unchosen
+        index = self.cache.arange(n)  # entry j of the closed-up list: j, or past the b - count unchosen
         gap = b - count
         source = torch.where(index < n_init + count, index, (index + gap).clamp(max=n - 1))
         n_valid = n - gap
         key_pos = key_pos.index_select(0, source)
-        return Attended(frame.index_select(0, source), key_pos, key_pos.index_select(0, n_valid - w + arange(w, dev)),
-                        n_valid)
+        q_pos = key_pos.index_select(0, n_valid - w + self.cache.arange(w))
+        return Attended(frame.index_select(0, source), key_pos, q_pos, n_valid)
 
 
 # ---- the settings the selective policies share (each policy's Settings dataclass declares its own defaults) ----

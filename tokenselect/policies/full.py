@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import Attended, AttentionPolicy, SeqStep, whole_table
+from .base import Attended, AttentionPolicy, SeqStep
 
 
 class FullAttention(AttentionPolicy):
     name = "full"
 
     def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
-        return whole_table(step, own.numel())
+        return self.whole_table(step, own.numel())
 
     def graph_ready(self, t: int, w: int = 1) -> bool:
         """From the first token on; not with the values on the host, where a graph would stage the table's

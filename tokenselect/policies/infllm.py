@@ -40,10 +40,10 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange, to_device
+from ..transfer import to_device
 from ..settings import Validated, setting
 from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
-                   selection_query, whole_table)
+                   selection_query)
 from .rows import Rows, grown
 
 POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
@@ -309,16 +309,16 @@ class InfLLM(SelectivePolicy):
         """The step's list (``memory_list`` once it selects, else the whole table, with the fixed scheme's
         positions past the window). A decode step counts its query's attention on the window into its ring;
         a prefill chunk leaves its queries and the layer's list for ``prepare`` to count."""
-        dev, w = q.device, q.shape[0]
+        w = q.shape[0]
         if step.mode == SELECT:
             attended, tokens, own_col = self.memory_list(layer, step, q, own)
         else:
-            attended = whole_table(step, w)
+            attended = self.whole_table(step, w)
             n = step.table.numel()
-            tokens, own_col = arange(n, dev), step.length.view(1)
+            tokens, own_col = self.cache.arange(n), step.length.view(1)
             if step.mode == FIXED:  # the memory at 0, the window at 0..n_local-1, the queries from n_local on
                 key_pos = step.once("infllm fixed", lambda: (tokens - (step.length - self.n_local)).clamp(min=0))
-                attended = Attended(attended.slots, key_pos, self.n_local + arange(w, dev), attended.n_valid)
+                attended = Attended(attended.slots, key_pos, self.n_local + self.cache.arange(w), attended.n_valid)
         if step.decode:
             self.count_own_query(layer, step, q, attended, tokens, own_col)
         else:
@@ -336,10 +336,10 @@ class InfLLM(SelectivePolicy):
         chunk's own tokens), read at its longest. Every layer writes its choice of blocks into one list.
         Returns (the list, the token indices of its entries from the tail on, the own token's entry)."""
         n_init, n_local, bs, nb = self.n_init, self.n_local, self.block_size, self.n_blocks
-        dev, w = q.device, q.shape[0]
+        w = q.shape[0]
         first = 1 if step.decode else 0  # the own token's entry
         chosen = slice(first + n_init, first + n_init + nb * bs)
-        tail = arange(self.list_length(w) - first - n_init - nb * bs, dev)
+        tail = self.cache.arange(self.list_length(w) - first - n_init - nb * bs)
         # what the layers share: the list and its positions, the tail's tokens
         n_full = step.once("infllm closed blocks", lambda: (step.length - (n_init + n_local)) // bs)
         tail_tokens = step.once("infllm tail tokens", lambda: n_init + n_full * bs + tail)
@@ -349,7 +349,7 @@ class InfLLM(SelectivePolicy):
         n_valid = step.once("infllm live", lambda: step.length + w - n_full * bs + nb * bs)
         key_pos = step.once("infllm positions", lambda: self.list_positions(step, n_full, tail))
         q_pos = key_pos[:1] if step.decode else step.once("infllm query positions", lambda: key_pos.index_select(
-            0, n_valid - w + arange(w, dev)))
+            0, n_valid - w + self.cache.arange(w)))
         # the sequence's row of the block table (index_select: indexing by a device scalar would read it on the host)
         pool_blocks = step.once("infllm pool blocks", lambda: self.table[:, :step.table.numel() // bs].index_select(
             0, step.row.view(1))[0])
@@ -358,21 +358,21 @@ class InfLLM(SelectivePolicy):
         query = q[0].float() if step.decode else selection_query(q)
         scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, query.flatten(), n_full)
         blocks = self.kernels.topk(scores, nb, n_full)
-        tokens = (blocks[:, None] * bs + arange(bs, dev)[None, :]).flatten() + n_init
+        tokens = (blocks[:, None] * bs + self.cache.arange(bs)[None, :]).flatten() + n_init
         torch.index_select(step.table, 0, tokens, out=slots[chosen])
         if self.positions == "original":
             key_pos[chosen].copy_(tokens)
-        return Attended(slots, key_pos, q_pos, n_valid), tail_tokens, arange(1, dev)
+        return Attended(slots, key_pos, q_pos, n_valid), tail_tokens, self.cache.arange(1)
 
     def count_own_query(self, layer: int, step: SeqStep, q: torch.Tensor, attended: Attended, tokens: torch.Tensor,
                         own_col: torch.Tensor) -> None:
         """A decode step's attention on its window, counted into the ring (q: [1, H, d]; tokens: the token indices
         of the list's last entries, those that may be in the window; own_col: [1], the own token's entry): the own
         token's entry written, the window's others added to."""
-        n_local, ring, dev = self.n_local, self.ring, q.device
+        n_local, ring = self.n_local, self.ring
         slots, n_valid = attended.slots, attended.n_valid
         tail_from = slots.numel() - tokens.numel()
-        dead = step.once("infllm dead", lambda: arange(slots.numel(), dev) >= n_valid)
+        dead = step.once("infllm dead", lambda: self.cache.arange(slots.numel()) >= n_valid)
         windowed = step.once("infllm windowed", lambda: (
             (step.length - tokens >= 1) & (step.length - tokens < n_local) & (tokens >= self.n_init)).float()[:, None])
         tail_ring = step.once("infllm tail ring", lambda: tokens % ring)
@@ -392,10 +392,10 @@ class InfLLM(SelectivePolicy):
         memory = n_init + self.n_blocks * bs
         tail_len = step.length - n_init - n_full * bs  # the remainder and the window
         if self.positions == "fixed":
-            own, rest = arange(n_local + 1, dev)[n_local:], [torch.zeros(memory, dtype=torch.int64, device=dev),
+            own, rest = self.cache.arange(n_local + 1)[n_local:], [torch.zeros(memory, dtype=torch.int64, device=dev),
                                                                (tail - (tail_len - n_local)).clamp(min=0)]
         elif self.positions == "reindex":
-            own, rest = (memory + tail_len).view(1), [arange(memory, dev), memory + tail]
+            own, rest = (memory + tail_len).view(1), [self.cache.arange(memory), memory + tail]
         else:
-            own, rest = step.length.view(1), [arange(memory, dev), n_init + n_full * bs + tail]
+            own, rest = step.length.view(1), [self.cache.arange(memory), n_init + n_full * bs + tail]
         return torch.cat([own, *rest] if step.decode else rest)

@@ -25,7 +25,6 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
 from ..settings import Validated, setting
 from .base import SELECT, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting, selection_query
 from .rows import Rows, grown
@@ -79,11 +78,11 @@ class Quest(SelectivePolicy):
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         middle, live = self.middle(step)
-        ps, m, dev = self.page_size, middle.numel(), middle.device
+        ps, m = self.page_size, middle.numel()
         n_full = live // ps
         lo, hi = (b[:, layer].index_select(0, step.row.view(1))[0] for b in (self.lo, self.hi))  # [P, n_kv, d]
         # the partial last page's bounds, from its live keys, in the entry after the full pages
-        tail = n_full * ps + arange(ps, dev)
+        tail = n_full * ps + self.cache.arange(ps)
         live_tail = (tail < live)[:, None, None]
         keys = self.cache.k[layer][middle.index_select(0, tail.clamp(max=m - 1))].float()  # [ps, n_kv, d]
         at = n_full.view(1)
@@ -92,9 +91,17 @@ class Quest(SelectivePolicy):
         n_pages = (live + ps - 1) // ps
         scores = self.page_scores(selection_query(q), lo, hi)
         pages = self.kernels.topk(scores, self.k // ps, n_pages)
-        tokens = (pages[:, None] * ps + arange(ps, dev)[None, :]).flatten()
+        tokens = (pages[:, None] * ps + self.cache.arange(ps)[None, :]).flatten()
         # ascending: the live tokens first (the partial page's dead end and pages past the live ones after them)
         return tokens.clamp(max=m - 1), (tokens < live).sum()
+
+    def graph_ready(self, t: int, w: int = 1) -> bool:
+        """Not recorded as whole-step graphs yet: ``attend`` reads nothing on the host, but no GPU run has checked
+        QUEST's graphs (its bounds grow with the context, ``graph_reads``)."""
+        return False
+
+    def graph_reads(self) -> tuple[torch.Tensor, ...]:
+        return self.lo, self.hi
 
     @staticmethod
     def page_scores(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

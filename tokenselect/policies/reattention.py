@@ -22,7 +22,6 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
 from ..settings import Validated, setting
 from .base import SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting
 
@@ -61,7 +60,7 @@ class ReAttention(SelectivePolicy):
         m, dev = middle.numel(), middle.device
         if self.n_spans == 0 or m == 0:
             return middle.new_zeros(0), live.new_zeros(())
-        dead = step.once(f"reattention dead {m}", lambda: arange(m, dev) >= live)
+        dead = step.once(f"reattention dead {m}", lambda: self.cache.arange(m) >= live)
         k_pool = self.cache.k_select[layer]
         n_heads = q.shape[1]
         block = max(1, SCORE_ELEMENTS // (n_heads * m))
@@ -75,7 +74,7 @@ class ReAttention(SelectivePolicy):
             votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
         # the n_spans most-voted tokens among those with a vote, of equal votes the earliest (so that the choice
         # does not depend on the table's padding)
-        winners = torch.topk(votes * (m + 1) - arange(m, dev), min(self.n_spans, m)).indices
+        winners = torch.topk(votes * (m + 1) - self.cache.arange(m), min(self.n_spans, m)).indices
         won = votes.index_select(0, winners) > 0
         # each winner covers [w - span // 2, w + (span + 1) // 2), clipped to the live middle: +1 where a span
         # starts, -1 past its end, and a running sum marks the covered tokens
@@ -87,5 +86,5 @@ class ReAttention(SelectivePolicy):
         # pack the covered tokens' indices, in order, to the front of a [budget] choice (the rest: a dump entry)
         rank = covered.cumsum(0) - 1
         chosen = middle.new_zeros(self.budget + 1)
-        chosen.scatter_(0, torch.where(covered, rank, self.budget), arange(m, dev))
+        chosen.scatter_(0, torch.where(covered, rank, self.budget), self.cache.arange(m))
         return chosen[:self.budget], covered.sum()

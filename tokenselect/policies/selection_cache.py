@@ -20,7 +20,6 @@ import torch
 
 from ..kernels.selection_check import EPS, selection_check_ref
 from ..kernels.selection_update import selection_update_ref
-from ..transfer import arange
 from .rows import Rows, grown
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
@@ -77,7 +76,7 @@ class SelectionCache:
         if self.theta is None:
             return None
         row = self.row(seq_id, q.numel(), q.device)
-        if self.miss(arange(row + 1, q.device)[row], layer, q).item():  # the row as a device scalar
+        if self.miss(torch.tensor(row, device=q.device), layer, q).item():
             return None
         return self.selection[row, layer]
 

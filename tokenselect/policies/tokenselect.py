@@ -21,9 +21,9 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
 from ..settings import Validated, setting
-from .base import PolicyStats, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting, selection_query
+from .base import (PolicyStats, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
+                   selection_query)
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -91,7 +91,7 @@ class TokenSelect(SelectivePolicy):
         if self.selector == "soft_vote":
             return kern.head_soft_vote(query, k_pool, middle, self.scale, live)
         scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
-        dead = None if live is None else arange(middle.numel(), middle.device) >= live
+        dead = None if live is None else self.cache.arange(middle.numel()) >= live
         if dead is not None:
             scores = scores.masked_fill(dead, float("-inf"))
         if self.selector == "topk":
