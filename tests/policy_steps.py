@@ -44,7 +44,7 @@ def step(policy, past: torch.Tensor, q: torch.Tensor, decode: bool, seq_id: int 
     """One step of ``q: [w, H, d]`` after the tokens at slots ``past`` (their own at the free slots 0..w-1), in
     ``layers`` layers (the policy's per-sequence state is kept for all of them) -> what layer ``layer`` attends."""
     w = q.shape[0]
-    own = torch.arange(w)
+    own = torch.arange(w, device=past.device)
     table = torch.cat([past, own])
     seq = start_step(policy, seq_id, table, past.numel(), w, decode, tuple(q.shape), q.dtype)
     for each in range(layers):

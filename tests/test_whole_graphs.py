@@ -356,6 +356,20 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         assert (graphed["selection_cache_hits"] > 0) is True
 
 
+def test_the_next_prompt_replays_infllm_prefill_graph(tiny_llama, monkeypatch):
+    """A prefill graph writes the chunk's queries and lists into its sequence's buffers; a finished prompt's buffers
+    pass to the next prompt, so that its chunks replay the graph recorded for the first (no recording per prompt)."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    llm = LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=True, dtype="float32",
+              **dict(small_sizes("infllm"), k=16, block_size=4))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    recorded = []
+    for seed in (1, 2):
+        llm.generate([ids(200, seed)], params)
+        recorded.append({key: step for key, step in llm.runner.whole._steps.items() if not key[0]})
+    assert recorded[0] and all(recorded[1][key] is step for key, step in recorded[0].items())
+
+
 def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
     """theta = -1 hits whenever an entry exists: one miss per layer for the whole request, however its
     decode steps alternate between the graph and the eager path."""

@@ -47,6 +47,7 @@ from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, n_init_setti
 from .rows import Rows, grown
 
 POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
+SPARE_SHAPES = 4  # saved buffers kept for later prompts, of this many shapes at most
 FIXED = "all, fixed"  # every token, with InfLLM's fixed positions (the window past the model's)
 
 
@@ -115,6 +116,9 @@ class InfLLM(SelectivePolicy):
         self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32: the local scores
         self.rows = Rows()
         self._memory: dict[int, SequenceMemory] = {}  # sequence id -> its memory
+        # saved buffers no sequence holds, by shape, for the next prompt (a prefill graph recorded with them replays
+        # for it); a few shapes at most: a prompt's full chunks and its last, partial one
+        self._spare: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def mode(self, t: int, w: int) -> str:
         """SELECT past the budget; before it every token, at InfLLM's fixed positions once the step reaches past
@@ -219,15 +223,18 @@ class InfLLM(SelectivePolicy):
                 mem.tracked = t + 1
         self._reserve_table(capacity // self.block_size)
         if decode:
-            memory.saved = None
+            self._give_back(memory)
             return memory.row
         if mode == SELECT:
             self._reserve_blocks(memory, self.closed_before(capacity))
         n = self.list_length(w) if mode == SELECT else capacity
+        shape = (tuple(q_shape), q_dtype, n)
+        if memory.saved is None or _shape(memory.saved) != shape:
+            self._give_back(memory)
+            memory.saved = self._spare.pop(shape, None) or (
+                torch.zeros(self.n_layers, *q_shape, dtype=q_dtype, device=slots.device),
+                torch.zeros(self.n_layers, n, dtype=torch.int64, device=slots.device))
         saved = memory.saved
-        if saved is None or saved[0].shape[1:] != q_shape or saved[0].dtype != q_dtype or saved[1].shape[1] != n:
-            saved = memory.saved = (torch.zeros(self.n_layers, *q_shape, dtype=q_dtype, device=slots.device),
-                                    torch.zeros(self.n_layers, n, dtype=torch.int64, device=slots.device))
         # the list's live part before the chunk's own tokens: sinks, blocks, remainder, window; or the whole context
         context = self.n_blocks * self.block_size + t - self.closed_before(t) * self.block_size if mode == SELECT else t
         for layer, mem in enumerate(memory.layers):
@@ -278,11 +285,21 @@ class InfLLM(SelectivePolicy):
         memory = self._memory[seq_id]
         return self.reprs[layer, memory.blocks[:memory.layers[layer].closed]]
 
+    def _give_back(self, memory: SequenceMemory) -> None:
+        """Drop the sequence's saved buffers (their chunk counted, or not needed any more); those of a selecting
+        chunk, the shape a prefill graph writes, become the spare set."""
+        saved, memory.saved = memory.saved, None
+        if saved is not None and saved[1].shape[1] == self.list_length(saved[0].shape[1]):
+            self._spare[_shape(saved)] = saved
+            while len(self._spare) > SPARE_SHAPES:
+                del self._spare[next(iter(self._spare))]
+
     def release(self, seq_id: int) -> None:
         memory = self._memory.pop(seq_id, None)
         self.rows.release(seq_id)
         if memory is not None:
             self.free.extend(reversed(memory.blocks))
+            self._give_back(memory)
 
     def closed_before(self, t: int) -> int:
         """The blocks a step after ``t`` cached tokens finds closed (the middle's full blocks)."""
@@ -399,3 +416,8 @@ class InfLLM(SelectivePolicy):
         else:
             own, rest = step.length.view(1), [self.cache.arange(memory), n_init + n_full * bs + tail]
         return torch.cat([own, *rest] if step.decode else rest)
+
+
+def _shape(saved: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """(the queries' [w, H, d], their dtype, the lists' length) of a set of saved buffers."""
+    return tuple(saved[0].shape[1:]), saved[0].dtype, saved[1].shape[1]
