@@ -173,7 +173,9 @@ class Layer:
     def ours_decode(self, kern, hit: bool, fp8: bool = False):
         """fn() of a decode step whose Selection-Cache check hits (the cache holds a query at cosine ~0.99)
         or misses (theta 2: the same check, never met; every miss selects and stores), and its policy."""
-        policy = self.policy(kern, theta=0.9 if hit else 2.0, fp8=fp8)
+        policy = self.policy(kern, theta=0.9, fp8=fp8)
+        if not hit:  # a threshold no cosine reaches (no setting takes it): the same check, always a miss
+            policy.selection_cache.theta = 2.0
         q = self.q[1]
         self.step(kern, policy, 1, q + 0.1 * torch.randn_like(q))()  # a miss: stores the previous step's query
         return self.step(kern, policy, 1), policy
