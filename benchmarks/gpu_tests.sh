@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every test that needs a GPU, and every Triton kernel compiled for CUDA against its PyTorch reference, in one
 # device command of at most 10 minutes (issue #34). Re-run it, and commit its summary, after any change that
-# touches tokenselect/kernels/, whole_graphs.py, step_graphs.py or the attention path.
+# touches tokenselect/kernels/, runner.py, cuda_graphs.py, whole_graphs.py, step_graphs.py or the attention path.
 #
 # Usage: benchmarks/gpu_tests.sh OUTDIR [SHARDS]
 #   OUTDIR/gpu_tests.md    the summary (commit it as benchmarks/results/gpu_tests_<gpu>.md)
@@ -15,7 +15,8 @@
 #            on the device (test_selection_cache.py, test_boundaries.py), the engine's CUDA copies
 #            (test_engine.py), the CLI settings (test_cli_settings.py), the models against transformers and over a
 #            scrambled pool (test_models.py, test_precision.py), InfLLM and the baselines (test_baselines.py), prefix
-#            reuse with CUDA graphs (test_prefix_cache.py)
+#            reuse with CUDA graphs (test_prefix_cache.py), a toy policy recorded into whole-step graphs
+#            (test_toy_policy.py)
 #   kernels-i  tests/test_kernels.py dealt round-robin into SHARDS parts: every kernel compiled by Triton for the
 #            GPU against its reference on random ragged inputs, which on CUDA takes the paths that the CPU
 #            interpreter never runs: the fast-math RoPE (angles reduced by fma, then the hardware's sin/cos, at
@@ -49,7 +50,8 @@ select=(); [[ -n ${GPU_TESTS_SELECT:-} ]] && select=(-k "$GPU_TESTS_SELECT")
 
 graphs=(tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_bench_dense.py tests/test_offload.py
         tests/test_selection_cache.py tests/test_boundaries.py tests/test_engine.py tests/test_cli_settings.py
-        tests/test_models.py tests/test_precision.py tests/test_baselines.py tests/test_prefix_cache.py)
+        tests/test_models.py tests/test_precision.py tests/test_baselines.py tests/test_prefix_cache.py
+        tests/test_toy_policy.py)
 python3 -m pytest -q --collect-only tests/test_kernels.py 2>/dev/null | grep '::' > "$out/kernel_ids.txt"
 pids=()
 timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" "${graphs[@]}" > "$out/graphs.log" 2>&1 &

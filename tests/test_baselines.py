@@ -17,29 +17,19 @@ from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters, _c
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
-from tokenselect.kv_cache import KVCache
-from tokenselect.policies import SeqView, add_policy_args, policy_kwargs
+from tokenselect.policies import add_policy_args, policy_kwargs
 from tokenselect.policies.infllm import InfLLM
 from tokenselect.policies.quest import Quest
 from tokenselect.policies.streaming import StreamingLLM
 
+from policy_steps import cache_with_keys, step
+
 TORCH = get_kernels("torch")
 
 
-def cache_with_keys(keys: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
-    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T])."""
-    t, n_kv, d = keys.shape
-    cache = KVCache(1, t + 8, n_kv, d, torch.float32, torch.device("cpu"))
-    cache.allocate(8)  # so slots and token indices differ
-    slots = cache.allocate(t)[torch.randperm(t)]
-    cache.write(0, slots, keys, torch.randn_like(keys))
-    return cache, slots
-
-
 def token_order(plan, slots: torch.Tensor) -> list[int]:
-    """Token indices of the plan's context slots, in attention order."""
-    index = {int(s): i for i, s in enumerate(slots)}
-    return [index[int(s)] for s in plan.slots]
+    """Token indices of the step's context slots, in attention order."""
+    return plan.order(slots)
 
 
 # ---- agreement with full attention ----------------------------------------------------------------
@@ -62,11 +52,11 @@ def test_streaming_attends_exactly_sinks_and_window():
     torch.manual_seed(0)
     cache, slots = cache_with_keys(torch.randn(300, 2, 8))
     policy = StreamingLLM(cache, TORCH, n_init=4, n_local=20)
-    plan = policy.plan(0, SeqView(0, slots, decode=False), torch.randn(3, 4, 8))
+    plan = step(policy, slots, decode=False, seq_id=0, q=torch.randn(3, 4, 8))
     assert token_order(plan, slots) == list(range(4)) + list(range(280, 300))
     assert plan.positions.tolist() == list(range(24))
     assert plan.q_positions.tolist() == [24, 25, 26]
-    short = policy.plan(0, SeqView(0, slots[:24], decode=True), torch.randn(1, 4, 8))
+    short = step(policy, slots[:24], decode=True, seq_id=0, q=torch.randn(1, 4, 8))
     assert token_order(short, slots) == list(range(24)) and short.q_positions.tolist() == [24]
 
 
@@ -98,7 +88,7 @@ def test_quest_selects_the_pages_with_the_highest_bound():
     cache, slots = cache_with_keys(keys)
     q = torch.randn(3, 4, 8)
     policy = Quest(cache, TORCH, k=3 * ps, page_size=ps, n_init=n_init, n_local=n_local)
-    plan = policy.plan(0, SeqView(0, slots, decode=False), q)
+    plan = step(policy, slots, decode=False, seq_id=0, q=q)
     chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 3)
     assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t))
     assert plan.positions.tolist() == list(range(plan.slots.numel()))
@@ -116,7 +106,7 @@ def test_quest_one_loud_head_is_enough_for_a_page():
     q[0, :3, 0] = 1.0
     q[0, 3, 1] = 1.0
     policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=0, n_local=0)
-    plan = policy.plan(0, SeqView(0, slots, decode=True), q)
+    plan = step(policy, slots, decode=True, seq_id=0, q=q)
     assert token_order(plan, slots) == [8, 9, 10, 11]
 
 
@@ -126,14 +116,14 @@ def test_quest_bounds_are_kept_and_extended():
     keys = torch.randn(400, 2, 8)
     cache, slots = cache_with_keys(keys)
     kept = Quest(cache, TORCH, k=64, page_size=16, n_init=4, n_local=8)
-    kept.plan(0, SeqView(3, slots[:250], decode=False), torch.randn(4, 4, 8))
+    step(kept, slots[:250], decode=False, seq_id=3, q=torch.randn(4, 4, 8))
     q = torch.randn(1, 4, 8)
-    later = kept.plan(0, SeqView(3, slots[:399], decode=True), q)
+    later = step(kept, slots[:399], decode=True, seq_id=3, q=q)
     fresh = Quest(cache, TORCH, k=64, page_size=16, n_init=4, n_local=8)
-    assert torch.equal(later.slots, fresh.plan(0, SeqView(3, slots[:399], decode=True), q).slots)
-    assert kept._bounds[3][0][0].shape == ((399 - 8 - 4) // 16, 2, 8)
+    assert torch.equal(later.slots, step(fresh, slots[:399], decode=True, seq_id=3, q=q).slots)
+    assert kept.pages[3] == (399 - 8 - 4) // 16  # the full pages whose bounds are kept
     kept.release(3)
-    assert 3 not in kept._bounds
+    assert 3 not in kept.pages and 3 not in kept.rows
 
 
 # ---- InfLLM ------------------------------------------------------------------------------------------
@@ -174,9 +164,9 @@ def test_infllm_representatives_and_block_choice(one_buffer):
     for t0 in range(0, t, 5):
         q = torch.randn(5, n_heads, d)
         seen = buffer.copy_(q) if one_buffer else q
-        chunks.append((t0, q, policy.plan(0, SeqView(0, slots[:t0], decode=False), seen)))
+        chunks.append((t0, q, step(policy, slots[:t0], decode=False, seq_id=0, q=seen)))
     query = torch.randn(1, n_heads, d)
-    plan = policy.plan(0, SeqView(0, slots, decode=True), query)  # counts the last chunk, closes blocks
+    plan = step(policy, slots, decode=True, seq_id=0, q=query)  # counts the last chunk, closes blocks
 
     received = local_attention_received(chunks, keys, slots, n_local, t)
     n_blocks = (t - n_local - n_init) // bs
@@ -206,19 +196,19 @@ def test_infllm_refuses_chunks_its_ring_cannot_hold():
     longer chunk is an error that says so, not scores silently overwritten."""
     cache, slots = cache_with_keys(torch.randn(300, 2, 8))
     policy = InfLLM(cache, TORCH, window=1000, chunk=8, k=16, n_init=4, n_local=16, block_size=8)
-    policy.plan(0, SeqView(0, slots[:0], decode=False), torch.randn(8, 4, 8))
-    policy.plan(0, SeqView(0, slots[:8], decode=False), torch.randn(100, 4, 8))  # counted at the next call
+    step(policy, slots[:0], decode=False, seq_id=0, q=torch.randn(8, 4, 8))
+    step(policy, slots[:8], decode=False, seq_id=0, q=torch.randn(100, 4, 8))  # counted at the next call
     with pytest.raises(RuntimeError, match="ring of 71 tokens cannot hold tokens 4..107"):  # 23 + 16 + 2 * (8 + 8)
-        policy.plan(0, SeqView(0, slots[:108], decode=False), torch.randn(8, 4, 8))
+        step(policy, slots[:108], decode=False, seq_id=0, q=torch.randn(8, 4, 8))
 
 
 def test_infllm_whole_context_is_full_attention_inside_the_window_only():
     torch.manual_seed(5)
     cache, slots = cache_with_keys(torch.randn(100, 2, 8))
     policy = InfLLM(cache, TORCH, window=64, k=4096, n_init=4, n_local=16, block_size=8)
-    inside = policy.plan(0, SeqView(0, slots[:60], decode=False), torch.randn(4, 4, 8))
+    inside = step(policy, slots[:60], decode=False, seq_id=0, q=torch.randn(4, 4, 8))
     assert token_order(inside, slots) == list(range(60)) and inside.positions.tolist() == list(range(60))
-    past = policy.plan(0, SeqView(0, slots, decode=False), torch.randn(4, 4, 8))
+    past = step(policy, slots, decode=False, seq_id=0, q=torch.randn(4, 4, 8))
     assert token_order(past, slots) == list(range(100))
     assert past.positions.tolist() == [0] * 84 + list(range(16))
     assert past.q_positions.tolist() == [16, 17, 18, 19]
@@ -229,7 +219,7 @@ def test_infllm_other_position_schemes(positions):
     torch.manual_seed(4)
     cache, slots = cache_with_keys(torch.randn(200, 2, 8))
     policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, positions=positions)
-    plan = policy.plan(0, SeqView(0, slots, decode=False), torch.randn(2, 4, 8))
+    plan = step(policy, slots, decode=False, seq_id=0, q=torch.randn(2, 4, 8))
     order = token_order(plan, slots)
     if positions == "reindex":
         assert plan.positions.tolist() == list(range(len(order)))
@@ -294,8 +284,8 @@ def test_prompts_four_times_the_window_generate(tiny_llama, attention):
     their own state (same tokens as run alone); everything is released at the end."""
     llm = LLM(tiny_llama, attention, chunk_size=64)
     seen = []
-    plan = llm.policy.plan
-    llm.policy.plan = lambda *a: seen.append(plan(*a)) or seen[-1]
+    attend = llm.policy.attend
+    llm.policy.attend = lambda *a: seen.append(attend(*a)) or seen[-1]
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (1024, 700)]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -303,6 +293,8 @@ def test_prompts_four_times_the_window_generate(tiny_llama, attention):
     assert all(len(out.token_ids) == 5 and out.finish_reason == "length" for out in together)
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [out.token_ids for out in together] == alone
-    assert max(int(torch.cat([p.positions, p.q_positions]).max()) for p in seen) < llm.window
+    live = [a.key_pos[:a.slots.numel() if a.n_valid is None else int(a.n_valid)] for a in seen]
+    assert max(int(torch.cat([pos, a.q_pos]).max()) for pos, a in zip(live, seen)) < llm.window
     assert llm.scheduler.available == llm.cache.n_slots
-    assert not getattr(llm.policy, "_memory", None) and not getattr(llm.policy, "_bounds", None)
+    assert not getattr(llm.policy, "_memory", None) and not getattr(llm.policy, "pages", None)
+    assert len(getattr(llm.policy, "rows", ())) == 0

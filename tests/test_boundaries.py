@@ -14,13 +14,14 @@ from tokenselect.kernels import get_kernels
 from tokenselect.kernels.selection_check import selection_check, selection_check_ref
 from tokenselect.kernels.selection_update import selection_update, selection_update_ref
 from tokenselect.kv_cache import KVCache
-from tokenselect.policies import SeqView
 from tokenselect.policies.infllm import InfLLM
 from tokenselect.policies.quest import Quest
 from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.selection_cache import SelectionCache
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
+
+from policy_steps import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
@@ -69,11 +70,10 @@ def test_selection_update_keeps_the_cached_choice_on_a_hit_at_theta(kernel):
     cache.store(row, 0, cached.to(DEVICE), torch.tensor([1, 2, 3], device=DEVICE))
     row_t = torch.tensor(row, device=DEVICE)
     miss = cache.miss(row_t, 0, q.to(DEVICE))
-    out = torch.empty(3, dtype=torch.int64, device=DEVICE)
-    cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE), miss, out)
+    out = cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE), miss)
     assert out.tolist() == [1, 2, 3] and cache.selection[row, 0].tolist() == [1, 2, 3]
-    cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE), torch.tensor(True, device=DEVICE),
-                 out)  # a miss stores the new choice and the new query
+    out = cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE),
+                       torch.tensor(True, device=DEVICE))  # a miss stores the new choice and the new query
     assert out.tolist() == [7, 8, 9] and cache.selection[row, 0].tolist() == [7, 8, 9]
     assert bool(cache.miss(row_t, 0, q.to(DEVICE))) is False  # now cos(q, q) = 1 >= theta
 
@@ -88,15 +88,15 @@ def test_tokenselect_reuses_its_selection_at_cos_equal_theta():
     policy = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=0.5)
     first = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
     second = torch.tensor([[[1.0, 1.0, 1.0, 1.0]]])  # cos(first, second) = 1 / 2 exactly
-    policy.plan(0, SeqView(3, slots, decode=True), first)
-    policy.plan(0, SeqView(3, slots, decode=True), second)
+    step(policy, slots, decode=True, seq_id=3, q=first)
+    step(policy, slots, decode=True, seq_id=3, q=second)
     assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 1)
-    policy.plan(0, SeqView(3, slots, decode=True), torch.tensor([[[1.0, 1.0, 1.0, 1.5]]]))  # cos(first, .) < 0.5
+    step(policy, slots, decode=True, seq_id=3, q=torch.tensor([[[1.0, 1.0, 1.0, 1.5]]]))  # cos(first, .) < 0.5
     assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 2)
-    assert policy.stats() == {"selection_cache_hits": 1, "selection_cache_misses": 2,
+    assert policy.stats().as_dict() == {"selection_cache_hits": 1, "selection_cache_misses": 2,
                               "selection_cache_hit_rate": pytest.approx(1 / 3)}
     fresh = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=0.5)
-    assert fresh.stats()["selection_cache_hit_rate"] == 0.0  # no decision yet: 0, not a division by zero
+    assert fresh.stats().selection_cache_hit_rate == 0.0  # no decision yet: 0, not a division by zero
 
 
 # ---- top-k ------------------------------------------------------------------------------------------------------
@@ -174,12 +174,12 @@ def test_a_context_equal_to_the_budget_is_attended_whole(name, decode):
     cache, slots = _pool(budget + 1)
     policy = POLICIES[name](cache)
     q = torch.randn(1 if decode else 3, 4, 8)
-    whole = policy.plan(0, SeqView(1, slots[:budget], decode=decode), q)
+    whole = step(policy, slots[:budget], decode=decode, seq_id=1, q=q)
     assert torch.equal(whole.slots, slots[:budget])
     assert whole.positions.tolist() == list(range(budget)) and whole.q_positions.tolist() == list(
         range(budget, budget + q.shape[0]))
     assert not policy.graph_ready(budget) or name == "quest"
-    picked = policy.plan(0, SeqView(1, slots, decode=decode), q)
+    picked = step(policy, slots, decode=decode, seq_id=1, q=q)
     if name == "quest":  # whole pages: at most the budget
         assert policy.budget - policy.page_size < picked.slots.numel() - policy.n_init - policy.n_local <= policy.budget
     else:
@@ -194,15 +194,15 @@ def test_streaming_attends_everything_up_to_its_window_and_then_drops_the_middle
     cache, slots = _pool(13)
     policy = StreamingLLM(cache, TORCH, n_init=3, n_local=9)
     q = torch.randn(1, 4, 8)
-    assert torch.equal(policy.plan(0, SeqView(1, slots[:12], decode=True), q).slots, slots[:12])
-    cut = policy.plan(0, SeqView(1, slots, decode=True), q).slots
+    assert torch.equal(step(policy, slots[:12], decode=True, seq_id=1, q=q).slots, slots[:12])
+    cut = step(policy, slots, decode=True, seq_id=1, q=q).slots
     assert cut.tolist() == slots[:3].tolist() + slots[4:].tolist()
 
 
 def test_tokenselect_with_k_zero_attends_the_sinks_and_the_window_only():
     cache, slots = _pool(30)
     policy = TokenSelect(cache, TORCH, k=0, n_init=2, n_local=4, theta=None)
-    plan = policy.plan(0, SeqView(1, slots, decode=True), torch.randn(1, 4, 8))
+    plan = step(policy, slots, decode=True, seq_id=1, q=torch.randn(1, 4, 8))
     assert plan.slots.tolist() == slots[:2].tolist() + slots[-4:].tolist()
     assert plan.positions.tolist() == list(range(6)) and plan.q_positions.tolist() == [6]
 
@@ -210,7 +210,7 @@ def test_tokenselect_with_k_zero_attends_the_sinks_and_the_window_only():
 def test_infllm_attends_everything_within_its_budget():
     cache, slots = _pool(40)
     policy = InfLLM(cache, TORCH, window=256, chunk=8, k=16, n_init=4, n_local=16, block_size=4, repr_keys=1)
-    plan = policy.plan(0, SeqView(1, slots[:36], decode=True), torch.randn(1, 4, 8))
+    plan = step(policy, slots[:36], decode=True, seq_id=1, q=torch.randn(1, 4, 8))
     assert torch.equal(plan.slots, slots[:36]) and plan.positions.tolist() == list(range(36))
 
 
@@ -234,8 +234,7 @@ def test_a_graph_store_into_an_empty_entry_makes_it_valid(kernel):
     q = torch.arange(1.0, 9.0).view(2, 4).to(DEVICE)
     miss = cache.miss(row_t, 1, q)
     assert bool(miss) and not bool(cache.valid[row, 1])
-    out = torch.full((2,), -1, dtype=torch.int64, device=DEVICE)
-    cache.update(row_t, 1, q, torch.tensor([4, 6], device=DEVICE), miss, out)
+    out = cache.update(row_t, 1, q, torch.tensor([4, 6], device=DEVICE), miss)
     assert out.tolist() == [4, 6] and bool(cache.valid[row, 1]) and not bool(cache.valid[row, 0])
     torch.testing.assert_close(cache.unit[row, 1], (q.flatten() / q.norm()).float(), atol=1e-7, rtol=0)
     assert not bool(cache.miss(row_t, 1, 2 * q)) and cache.counts() == (1, 1)
@@ -363,7 +362,7 @@ def test_soft_vote_and_hard_vote_choose_differently_where_they_should():
     slots = cache.allocate(3)
     cache.write(0, slots, keys, torch.zeros_like(keys))
     q = torch.eye(2)
-    pick = {s: TokenSelect(cache, TORCH, k=1, selector=s).choose(q, cache.k[0], slots).tolist()
+    pick = {s: TokenSelect(cache, TORCH, k=1, selector=s).top(q, cache.k[0], slots).tolist()
             for s in ("soft_vote", "hard_vote", "topk")}
     assert pick["soft_vote"] == [1] and pick["hard_vote"] in ([0], [2]) and pick["topk"] == [1]
 

@@ -103,16 +103,52 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
         with pytest.raises(SystemExit):
             parser.parse_args([choice, "nope"])
     defaults = parser.parse_args([])
-    assert policy_kwargs(defaults) == {"dtype": "auto"} and defaults.cuda_graphs is None
+    assert policy_kwargs(defaults) == {} and defaults.cuda_graphs is None  # unset: the declared defaults apply
     cfg = tmp_path / "s.json"
     cfg.write_text('{"n-local": 3, "k": 7}')  # dashes or underscores
-    assert policy_kwargs(parser.parse_args(["--config", str(cfg), "--k", "9"])) == {"n_local": 3, "k": 9,
-                                                                                     "dtype": "auto"}
+    assert policy_kwargs(parser.parse_args(["--config", str(cfg), "--k", "9"])) == {"n_local": 3, "k": 9}
     yml = tmp_path / "s.yml"
     yml.write_text("n_local: 5\nselector: hard_vote\n")  # .yml is YAML too
-    assert policy_kwargs(parser.parse_args(["--config", str(yml)])) == {"n_local": 5, "selector": "hard_vote",
-                                                                        "dtype": "auto"}
+    assert policy_kwargs(parser.parse_args(["--config", str(yml)])) == {"n_local": 5, "selector": "hard_vote"}
     assert policy_kwargs(argparse.Namespace(k=3, theta=None)) == {"k": 3}  # flags a command does not have: left out
     cfg.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a mapping of settings"):
         policy_kwargs(parser.parse_args(["--config", str(cfg)]))
+
+
+def test_the_settings_describe_themselves(capsys):
+    """Flags, help, the settings document and the per-request settings come from the settings dataclasses: the help
+    says which defaults shrink with the window, docs/settings.md is what the dataclasses generate, and a setting's
+    range is checked where it is given."""
+    from pathlib import Path
+
+    from tokenselect.policies import POLICIES, fitted_settings, settings_markdown
+    from tokenselect.settings import EngineSettings, specs
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--k K tokens selected from the middle of the cache (default: tokenselect 2048 tokens x min(1, " \
+           "window/8192);" in text
+    assert "--top TOP" in text and "--max-num-seqs" in text  # every declared setting has its flag
+    docs = Path(__file__).parent.parent / "docs" / "settings.md"
+    assert docs.read_text() == settings_markdown(), "regenerate: python -m tokenselect.policies > docs/settings.md"
+    assert {spec.name for spec in specs(POLICIES["tokenselect"].Settings) if spec.per_request} == {"k", "n_local",
+                                                                                                  "theta"}
+    fitted = fitted_settings("tokenselect", {"k": 100}, 256)  # a given value stays; defaults shrink by 256/8192
+    assert (fitted["k"], fitted["n_init"], fitted["n_local"], fitted["dense_until"]) == (100, 4, 16, 256)
+    assert fitted_settings("tokenselect", {}, 16384)["k"] == 2048  # never grown past the paper's
+    for bad, match in (({"theta": 1.5}, "theta must be in"), ({"k": -1}, "k must be >= 0"),
+                       ({"selector": "x"}, "selector must be one of"), ({"span": 3}, "takes no setting span")):
+        with pytest.raises(ValueError, match=match):
+            fitted_settings("tokenselect", bad, 256)
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        EngineSettings(max_num_seqs=0)
+
+
+def test_results_record_the_settings_fitted_to_the_window(tiny_llama):
+    from tokenselect import LLM
+
+    llm = LLM(tiny_llama, "tokenselect", k=40)
+    assert llm.policy_config["fitted_to_window"] == ["n_init", "n_local"] and llm.policy_config["window"] == 256
+    assert (llm.policy_config["k"], llm.policy_config["n_init"]) == (40, 4)

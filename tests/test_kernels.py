@@ -22,10 +22,12 @@ from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
 from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from tokenselect.kv_cache import KVCache
-from tokenselect.policies import SeqView
+from tokenselect.policies.base import selection_query
 from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.tokenselect import TokenSelect
 from tokenselect.rope import RopeSpec
+
+from policy_steps import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
@@ -141,8 +143,8 @@ def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
     torch.testing.assert_close(fp8.votes(mean, cache.k[0], middle), want, atol=1e-6, rtol=1e-5)
     quantized = bf16.votes(mean.to(torch.float8_e4m3fn).to(torch.bfloat16), same_keys.k[0], middle)
     assert (quantized - want).abs().max() > 100 * 1e-6 + 1e-5 * want.abs().max()
-    seq = SeqView(0, middle, decode=False)  # select: the chunk's mean query goes in the queries' dtype
-    assert torch.equal(fp8.select(0, seq, q, middle), bf16.select(0, seq, q, middle))
+    chunk = selection_query(q).to(q.dtype)  # a chunk selects with its mean query, in the queries' dtype
+    assert torch.equal(fp8.top(chunk, cache.k_select[0], middle), bf16.top(chunk, same_keys.k_select[0], middle))
 
 
 @pytest.mark.parametrize("kernels", [TRITON, TORCH], ids=lambda k: k.name)
@@ -156,8 +158,8 @@ def test_reattention_selects_over_an_fp8_pool_with_unquantized_queries(kernels):
     middle = slot_list(500, n, gen)
     fp8, bf16 = (ReAttention(c, kernels, window=4096, n_init=4, n_local=16, span=4, n_spans=30, chunk=6)
                  for c in (cache, same_keys))
-    seq = SeqView(0, middle, decode=False)
-    assert torch.equal(fp8.select(0, seq, q, middle), bf16.select(0, seq, q, middle))
+    chosen = [step(policy, middle, q, decode=False) for policy in (fp8, bf16)]
+    assert torch.equal(chosen[0].slots, chosen[1].slots) and chosen[0].slots.numel() > 4 + 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -598,12 +600,12 @@ def test_infllm_counts_the_same_with_either_kernel_set():
                 for kern in (TRITON, TORCH)]
     for t0 in range(0, t, 30):
         q = query((30, n_heads, d), torch.float32, gen)
-        plans = [p.plan(0, SeqView(0, slots[:t0], decode=False), q) for p in policies]
+        plans = [step(p, slots[:t0], q, decode=False) for p in policies]
         assert torch.equal(plans[0].slots, plans[1].slots)
     for p in policies:
-        p.plan(0, SeqView(0, slots, decode=True), q[:1])  # counts the last chunk
+        step(p, slots, q[:1], decode=True)  # counts the last chunk (and the decode token's own attention)
     ours, ref = (p._memory[0].layers[0] for p in policies)
-    assert ours.closed == ref.closed > 0 and ours.tracked == ref.tracked == t
+    assert ours.closed == ref.closed > 0 and ours.tracked == ref.tracked == t + 1  # the decode token's entry too
     torch.testing.assert_close(ours.ring, ref.ring, atol=1e-5, rtol=1e-4)  # the local scores, as the ring holds them
     torch.testing.assert_close(*(p.representatives(0, 0) for p in policies), atol=1e-5, rtol=1e-4)
 

@@ -150,8 +150,8 @@ def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_ll
     plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **sizes)
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
     assert graphed.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids
-    assert graphed.whole_graphs.failure is None
-    assert {key[0] for key in graphed.whole_graphs._steps} == {False, True}  # prefill and decode graphs
+    assert graphed.runner.whole.failure is None
+    assert {key[0] for key in graphed.runner.whole._steps} == {False, True}  # prefill and decode graphs
     torch.testing.assert_close(graphed.prompt_logits(ids), plain.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 
 
@@ -164,7 +164,7 @@ def test_full_attention_with_offloaded_values_runs_eagerly(tiny_llama, monkeypat
     on_device = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     offloaded = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True, kv_offload="values")
     assert offloaded.generate([ids], GREEDY)[0].token_ids == on_device.generate([ids], GREEDY)[0].token_ids
-    assert offloaded.whole_graphs.steps_run == 0 and on_device.whole_graphs.steps_run > 0
+    assert offloaded.runner.whole.steps_run == 0 and on_device.runner.whole.steps_run > 0
 
 
 def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, monkeypatch):

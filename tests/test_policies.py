@@ -8,21 +8,13 @@ import torch
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
-from tokenselect.policies import SeqView, make_policy
+from tokenselect.policies import make_policy
 from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.tokenselect import TokenSelect
 
+from policy_steps import cache_with_keys, step
+
 TORCH = get_kernels("torch")
-
-
-def cache_with_keys(keys: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
-    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T])."""
-    t, n_kv, d = keys.shape
-    cache = KVCache(1, t + 8, n_kv, d, torch.float32, torch.device("cpu"))
-    cache.allocate(8)  # so slots and token indices differ
-    slots = cache.allocate(t)[torch.randperm(t)]
-    cache.write(0, slots, keys, torch.randn_like(keys))
-    return cache, slots
 
 
 # ---- agreement with full attention ----------------------------------------------------------------
@@ -58,14 +50,14 @@ def test_soft_vote_gives_each_head_one_vote():
     q, keys = loud_head_cache()
     cache, slots = cache_with_keys(keys)
     soft = TokenSelect(cache, TORCH, k=2, selector="soft_vote")
-    assert soft.choose(q, cache.k[0], slots).tolist() == [3, 7]
+    assert soft.top(q, cache.k[0], slots).tolist() == [3, 7]
 
 
 def test_plain_topk_is_dominated_by_the_loud_head():
     q, keys = loud_head_cache()
     cache, slots = cache_with_keys(keys)
     plain = TokenSelect(cache, TORCH, k=1, selector="topk")
-    assert plain.choose(q, cache.k[0], slots).tolist() == [12]
+    assert plain.top(q, cache.k[0], slots).tolist() == [12]
 
 
 @pytest.mark.parametrize("n_kv", [1, 2, 4])
@@ -75,7 +67,7 @@ def test_hard_vote_matches_brute_force_count(n_kv):
     q, keys = torch.randn(n_heads, d), torch.randn(t, n_kv, d)
     cache, slots = cache_with_keys(keys)
     policy = TokenSelect(cache, TORCH, k=k, selector="hard_vote")
-    chosen = policy.choose(q, cache.k[0], slots)
+    chosen = policy.top(q, cache.k[0], slots)
     counts = torch.zeros(t)
     for h in range(n_heads):
         kv = h // (n_heads // n_kv)
@@ -101,15 +93,13 @@ def test_selection_ranks_by_the_fp8_selection_keys(attention):
     keys[25, 0] = torch.tensor([0.53, 0.57])
     q = torch.ones(1, 1, 2)  # a decode step's query, one head
     for select_dtype, want in ((None, 25), (torch.float8_e4m3fn, 10)):
-        cache = KVCache(1, t, 1, 2, torch.float32, torch.device("cpu"), select_dtype=select_dtype)
-        slots = cache.allocate(t)[torch.randperm(t)]
-        cache.write(0, slots, keys, torch.randn_like(keys))
+        cache, slots = cache_with_keys(keys, select_dtype)
         if attention == "tokenselect":
             policy = TokenSelect(cache, TORCH, k=1, n_init=2, n_local=4, theta=None)
         else:
             policy = ReAttention(cache, TORCH, window=16, n_init=2, n_local=4, span=1, n_spans=1, chunk=1)
-        plan = policy.plan(0, SeqView(0, slots, decode=True), q)
-        assert plan.slots.tolist() == slots[[0, 1, want, 36, 37, 38, 39]].tolist()
+        seen = step(policy, slots, q, decode=True)
+        assert seen.slots.tolist() == slots[[0, 1, want, 36, 37, 38, 39]].tolist()
 
 
 def test_chunk_selects_with_its_mean_query():
@@ -124,8 +114,7 @@ def test_chunk_selects_with_its_mean_query():
     cache, slots = cache_with_keys(keys)
     q = torch.tensor([[[1.0, 0.0, 0.0, 0.0]], [[0.0, 1.0, 0.0, 0.0]]])  # [c=2, H=1, d]
     policy = TokenSelect(cache, TORCH, k=1, n_init=0, n_local=0, selector="topk")
-    plan = policy.plan(0, SeqView(0, slots, decode=False), q)
-    assert plan.slots.tolist() == [slots[10].item()]
+    assert step(policy, slots, q, decode=False).slots.tolist() == [slots[10].item()]
 
 
 # ---- placement -------------------------------------------------------------------------------------
@@ -134,7 +123,7 @@ def plan_for(positions: str, t: int = 500, c: int = 3):
     torch.manual_seed(0)
     cache, slots = cache_with_keys(torch.randn(t, 2, 16))
     policy = TokenSelect(cache, TORCH, k=40, n_init=8, n_local=16, positions=positions)
-    return policy.plan(0, SeqView(1, slots, decode=False), torch.randn(c, 4, 16)), slots, policy
+    return step(policy, slots, torch.randn(c, 4, 16), decode=False, seq_id=1), slots, policy
 
 
 def test_reindexed_positions_stay_inside_the_window():
@@ -144,28 +133,27 @@ def test_reindexed_positions_stay_inside_the_window():
     assert plan.positions.tolist() == list(range(n))
     assert plan.q_positions.tolist() == [n, n + 1, n + 2]
     # sinks first, then the selection in original order, then the local window
-    order = [int((slots == s).nonzero()) for s in plan.slots]
+    order = plan.order(slots)
     assert order[:8] == list(range(8)) and order[-16:] == list(range(484, 500))
     assert order == sorted(order) and len(set(order)) == n
 
 
 def test_original_positions_are_cache_positions():
     plan, slots, _ = plan_for("original")
-    order = torch.tensor([int((slots == s).nonzero()) for s in plan.slots])
-    assert torch.equal(plan.positions, order)
+    assert plan.positions.tolist() == plan.order(slots)
     assert plan.q_positions.tolist() == [500, 501, 502]
 
 
 def test_positions_never_exceed_the_window_during_generation(tiny_llama):
-    """A prompt 4x the model window (256): every plan of every layer stays inside the window."""
+    """A prompt 4x the model window (256): every list of every layer stays inside the window."""
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=64, n_init=4, n_local=32)
     seen = []
-    plan = llm.policy.plan
-    llm.policy.plan = lambda *a: seen.append(plan(*a)) or seen[-1]
+    attend = llm.policy.attend
+    llm.policy.attend = lambda *a: seen.append(attend(*a)) or seen[-1]
     ids = torch.randint(2, 300, (1024,), generator=torch.Generator().manual_seed(1)).tolist()
     llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert max(int(torch.cat([p.positions, p.q_positions]).max()) for p in seen) < llm.window
-    assert min(p.slots.numel() for p in seen[-4:]) == 4 + 64 + 32
+    assert max(int(torch.cat([a.key_pos, a.q_pos]).max()) for a in seen) < llm.window
+    assert min(a.slots.numel() for a in seen[-4:]) == 4 + 64 + 32 + 1  # the decode token's own slot last
 
 
 # ---- Selection Cache --------------------------------------------------------------------------------
@@ -200,14 +188,14 @@ def test_selection_cache_reuses_the_stored_selection():
     cache, slots = cache_with_keys(torch.randn(300, 2, 16))
     policy = TokenSelect(cache, TORCH, k=16, n_init=4, n_local=8, theta=0.5)
     q = torch.randn(1, 4, 16)
-    first = policy.plan(0, SeqView(7, slots, decode=True), q)
-    near = policy.plan(0, SeqView(7, slots, decode=True), q + 0.01 * torch.randn_like(q))
-    far = policy.plan(0, SeqView(7, slots, decode=True), -q)
+    first = step(policy, slots, q, decode=True, seq_id=7)
+    near = step(policy, slots, q + 0.01 * torch.randn_like(q), decode=True, seq_id=7)
+    far = step(policy, slots, -q, decode=True, seq_id=7)
     assert torch.equal(first.slots, near.slots)
     assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 2)
     assert not torch.equal(first.slots, far.slots)
     policy.release(7)
-    policy.plan(0, SeqView(7, slots, decode=True), q)
+    step(policy, slots, q, decode=True, seq_id=7)
     assert policy.selection_cache.misses == 3
 
 
@@ -222,10 +210,11 @@ def test_reattention_widens_winners_into_spans():
     keys[300] = 5 * q[1].view(2, 2, d).mean(1)  # ... and of query 1 for token 300
     cache, slots = cache_with_keys(keys)
     policy = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=8, n_spans=2, chunk=2)
-    plan = policy.plan(0, SeqView(0, slots, decode=False), q)
-    order = [int((slots == s).nonzero()) for s in plan.slots]
+    plan = step(policy, slots, q, decode=False)
+    order = plan.order(slots)
     assert order == list(range(4)) + list(range(146, 154)) + list(range(296, 304)) + list(range(380, 400))
     assert plan.positions.tolist() == list(range(len(order)))
+    assert plan.q_positions.tolist() == [len(order), len(order) + 1]
 
 
 def test_reattention_caps_spans_to_the_window():

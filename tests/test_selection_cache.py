@@ -1,5 +1,5 @@
 """The Selection Cache's similarity check and TokenSelect's decode hit path: a hit reuses the cached choice
-(the chosen middle tokens) and must give exactly the plan a fresh assembly of that choice gives."""
+(the chosen middle tokens) between the sinks and the current local window."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from tokenselect.kernels import get_kernels
-from tokenselect.kv_cache import KVCache
-from tokenselect.policies import SeqView
 from tokenselect.policies.selection_cache import SelectionCache
 from tokenselect.policies.tokenselect import TokenSelect
+
+from policy_steps import cache_with_keys, step
 
 TORCH = get_kernels("torch")
 
@@ -60,23 +60,21 @@ def test_rows_are_reused_and_start_empty_and_every_decision_is_counted():
 
 
 @pytest.mark.parametrize("positions", ["reindex", "original"])
-def test_hit_plan_equals_a_fresh_assembly_of_the_cached_choice(positions):
+def test_a_hit_attends_the_cached_choice_between_the_sinks_and_the_current_window(positions):
     torch.manual_seed(1)
     t0, n_init, n_local, k = 200, 4, 8, 16
     keys = torch.randn(t0 + 8, 2, 16)
-    cache = KVCache(1, t0 + 16, 2, 16, torch.float32, torch.device("cpu"))
-    cache.allocate(5)  # so slots and token indices differ
-    slots = cache.allocate(t0 + 8)[torch.randperm(t0 + 8)]
-    cache.write(0, slots, keys, torch.randn_like(keys))
+    cache, slots = cache_with_keys(keys)
     policy = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=-1.0, positions=positions)
-    q = torch.randn(1, 4, 16)
-    miss = policy.plan(0, SeqView(9, slots[:t0], decode=True), q)
-    index_of = {s: i for i, s in enumerate(slots.tolist())}
-    chosen = torch.tensor([index_of[s] - n_init for s in miss.slots[n_init:n_init + k].tolist()])
+    miss = step(policy, slots[:t0], torch.randn(1, 4, 16), decode=True, seq_id=9)
+    chosen = miss.order(slots)[n_init:n_init + k]
+    assert chosen == sorted(chosen) and n_init <= chosen[0] and chosen[-1] < t0 - n_local
     for t in (t0, t0 + 1, t0 + 5):  # the window moves on; the cached choice stays
-        seq = SeqView(9, slots[:t], decode=True)
-        hit = policy.plan(0, seq, torch.randn(1, 4, 16))
-        want = policy.assemble(seq, chosen, 1)
-        assert torch.equal(hit.slots, want.slots)
-        assert torch.equal(hit.positions, want.positions) and torch.equal(hit.q_positions, want.q_positions)
+        hit = step(policy, slots[:t], torch.randn(1, 4, 16), decode=True, seq_id=9)
+        want = list(range(n_init)) + chosen + list(range(t - n_local, t))
+        assert hit.order(slots) == want
+        if positions == "reindex":
+            assert hit.positions.tolist() == list(range(len(want))) and hit.q_positions.tolist() == [len(want)]
+        else:
+            assert hit.positions.tolist() == want and hit.q_positions.tolist() == [t]
     assert (policy.selection_cache.hits, policy.selection_cache.misses) == (3, 1)

@@ -162,7 +162,7 @@ def test_a_sequence_whose_step_fails_ends_alone_and_returns_its_slots(strict_che
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = llm.generate([PROMPTS[2]], params)[0].text
     good = llm.add_request(PROMPTS[2], params)
-    bad = Sequence([1, 2, VOCAB + 5], params, llm.device, llm.policy, llm.tokenizer)
+    bad = Sequence(10**6, [1, 2, VOCAB + 5], params, llm.device, llm.policy, llm.tokenizer)
     llm.scheduler.add(bad)
     for _ in range(100):
         if good.finished and bad.finished:

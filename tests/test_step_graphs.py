@@ -61,11 +61,11 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, **settings)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert 32 in graphed.graphs._buckets
+    assert 32 in graphed.runner.pieces._buckets
     if attention == "quest":
-        assert 4 in graphed.graphs._buckets and not graphed.whole_graphs._steps
+        assert 4 in graphed.runner.pieces._buckets and not graphed.runner.whole._steps
     else:
-        assert 3 in [key[1] for key in graphed.whole_graphs._steps]
+        assert 3 in [key[1] for key in graphed.runner.whole._steps]
         assert graphed.stats()["selection_cache_hits"] > 0 and graphed.stats()["selection_cache_misses"] > 0
         assert graphed.stats()["selection_cache_hits"] == plain.stats()["selection_cache_hits"]
 
@@ -77,7 +77,7 @@ def test_prompt_logits_through_the_graph_pieces_equal_the_plain_path(tiny_llama)
     plain = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings)
     graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, **settings)
     torch.testing.assert_close(graphed.prompt_logits(prompt), plain.prompt_logits(prompt), rtol=1e-4, atol=1e-4)
-    assert 32 in graphed.graphs._buckets
+    assert 32 in graphed.runner.pieces._buckets
 
 
 def test_dense_baseline_runs_through_the_same_pieces(tiny_llama):
@@ -85,7 +85,7 @@ def test_dense_baseline_runs_through_the_same_pieces(tiny_llama):
     prompt = ids(90, 2)
     want = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
     runner = DenseRunner(llm, 120)
-    assert runner.graphs is llm.graphs
+    assert runner.runner is llm.runner
     assert runner.generate(prompt, 32, 10) == want
 
 

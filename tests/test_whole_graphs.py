@@ -1,7 +1,8 @@
-"""Steps captured whole (``WholeGraphs``): decode steps and a long prompt's full prefill chunks. The
-policy plans on the device from a slot table of fixed size, and in decode the Selection Cache's decision
-gates the selection work. On a CPU the step function runs eagerly; on a GPU the same tests record and
-replay CUDA graphs. Either way it must choose what the eager path chooses and generate its tokens."""
+"""Steps captured whole (``WholeGraphs``): decode steps and a long prompt's full prefill chunks. A policy
+chooses on the device from a slot table of fixed size (the sequence's tokens, then padding), and in decode
+the Selection Cache's decision gates the selection work. On a CPU the step function runs eagerly; on a GPU
+the same tests record and replay CUDA graphs. Either way it must choose what the exact table gives and
+generate the plain path's tokens."""
 
 from __future__ import annotations
 
@@ -13,271 +14,115 @@ from tokenselect import whole_graphs
 from tokenselect.attention import Chunk
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
-from tokenselect.policies import SeqView
-from tokenselect.policies.base import GraphSeq
+from tokenselect.policies import SeqStep, start_step
 from tokenselect.policies.full import FullAttention
 from tokenselect.policies.infllm import InfLLM
+from tokenselect.policies.quest import Quest
+from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
-from tokenselect.transfer import _ARANGES, arange
 
 from checkpoints import distinct_tokens, small_sizes
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TORCH = get_kernels("torch")
+SIZES = dict(n_init=4, n_local=12)
+POLICIES = {
+    "tokenselect": lambda cache: TokenSelect(cache, TORCH, k=16, theta=0.5, **SIZES),
+    "tokenselect:topk": lambda cache: TokenSelect(cache, TORCH, k=16, theta=0.5, selector="topk", **SIZES),
+    "tokenselect:theta=None": lambda cache: TokenSelect(cache, TORCH, k=16, theta=None, **SIZES),
+    "tokenselect:original": lambda cache: TokenSelect(cache, TORCH, k=16, theta=0.5, positions="original", **SIZES),
+    "streaming": lambda cache: StreamingLLM(cache, TORCH, **SIZES),
+    "full": lambda cache: FullAttention(cache, TORCH),
+    "reattention": lambda cache: ReAttention(cache, TORCH, window=1000, chunk=10, span=3, n_spans=4, top=2, **SIZES),
+    "quest": lambda cache: Quest(cache, TORCH, k=16, page_size=4, **SIZES),
+    "infllm": lambda cache: InfLLM(cache, TORCH, window=1000, chunk=10, k=8, block_size=4, **SIZES),
+    "infllm:reindex": lambda cache: InfLLM(cache, TORCH, window=1000, chunk=10, k=8, block_size=4,
+                                           positions="reindex", **SIZES),
+    "infllm:original": lambda cache: InfLLM(cache, TORCH, window=1000, chunk=10, k=8, block_size=4,
+                                            positions="original", **SIZES),
+}
 
 
 def ids(n: int, seed: int) -> list[int]:
     return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def graph_context(policy, layer: int, seq: GraphSeq, q: torch.Tensor) -> torch.Tensor:
-    """The context of a selective policy's graph list: the list is it, then the step's own tokens (the table's
-    next w slots) at the positions after it, every entry attended."""
-    own = seq.table[int(seq.length):int(seq.length) + q.shape[0]]
-    got = policy.graph_list(layer, seq, q, own)
-    n = got.slots.numel() - own.numel()
-    assert torch.equal(got.slots[n:], own) and got.n_valid is None
-    assert torch.equal(got.key_pos, torch.arange(n + own.numel())) and torch.equal(got.q_pos, got.key_pos[n:])
-    return got.slots[:n]
+def padded_step(policy, seq_id: int, table: torch.Tensor, t: int, w: int, decode: bool, capacity: int) -> SeqStep:
+    """A step as ``WholeGraphs`` feeds it: the table's first ``capacity`` slots (the sequence's t + w tokens, then
+    slots that are not the sequence's), the length and the row as device scalars."""
+    q_shape = (w, 4, 16)
+    row = policy.prepare(seq_id, table, t, capacity, decode, q_shape, torch.float32)
+    return SeqStep(table[:capacity], torch.tensor(t, device=table.device), torch.tensor(row, device=table.device),
+                   decode, policy.mode(t, w), policy.step_buffers(seq_id))
 
 
-@pytest.mark.parametrize("selector", ["soft_vote", "topk"])  # hard_vote's integer counts tie: any of the tied may go
-def test_graph_plan_equals_the_eager_plan(selector):
-    """From a table padded with other slots past the sequence's length, graph_list chooses the eager
-    plan's list (miss, hit after the window moved, miss); the Selection Cache counts the same."""
-    torch.manual_seed(3)
-    t0, n_init, n_local, k = 200, 4, 8, 16
-    cache = KVCache(1, 600, 2, 16, torch.float32, torch.device("cpu"))
-    slots = cache.allocate(t0 + 2)[torch.randperm(t0 + 2)]
-    others = cache.allocate(100)
-    cache.write(0, torch.cat([slots, others]), torch.randn(t0 + 102, 2, 16), torch.randn(t0 + 102, 2, 16))
-    settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
-    eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
-    table = torch.cat([slots, others])  # capacity t0 + 102: everything from the length on is not the sequence's
-    row = torch.tensor(graph.graph_row(SeqView(5, slots[:t0], decode=True), table.numel(), (1, 4, 16), torch.float32))
-    q = torch.randn(1, 4, 16)
-    for t, query in ((t0, q), (t0 + 1, q + 0.01 * torch.randn_like(q)), (t0 + 2, -q)):
-        assert graph.graph_ready(t)
-        want = eager.plan(0, SeqView(5, slots[:t], decode=True), query)
-        got = graph_context(graph, 0, GraphSeq(table, torch.tensor(t), row, decode=True), query)
-        assert torch.equal(got, want.slots)
-        assert torch.equal(want.positions, torch.arange(got.numel()))  # the graph's fixed positions
-    assert graph.selection_cache.counts() == eager.selection_cache.counts() == (1, 2)
+def live(got) -> tuple[list, list]:
+    n = got.slots.numel() if got.n_valid is None else int(got.n_valid)
+    return got.slots[:n].tolist(), got.key_pos[:n].tolist()
 
 
-@pytest.mark.parametrize("selector", ["soft_vote", "topk"])
-def test_prefill_chunk_graph_plan_equals_the_eager_plan(selector):
-    """A prefill chunk (8 queries) planned on the device from the padded table selects what the eager plan
-    selects, with its mean query, and leaves the Selection Cache alone: no lookup, nothing stored."""
-    torch.manual_seed(4)
-    t0, n_init, n_local, k = 150, 4, 8, 16
-    cache = KVCache(1, 400, 2, 16, torch.float32, torch.device("cpu"))
-    slots = cache.allocate(300)[torch.randperm(300)]
-    cache.write(0, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
-    settings = dict(k=k, n_init=n_init, n_local=n_local, theta=0.5, selector=selector)
-    eager, graph = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
-    row = torch.tensor(graph.graph_row(SeqView(7, slots[:t0], decode=False), slots.numel(), (8, 4, 16), torch.float32))
-    for t in (t0, t0 + 8, t0 + 16):
-        q = torch.randn(8, 4, 16)
-        want = eager.plan(0, SeqView(7, slots[:t], decode=False), q)
-        got = graph_context(graph, 0, GraphSeq(slots, torch.tensor(t), row, decode=False), q)
-        assert torch.equal(got, want.slots)
-        assert torch.equal(want.positions, torch.arange(got.numel()))
-        assert torch.equal(want.q_positions, torch.arange(got.numel(), got.numel() + 8))
-    assert graph.selection_cache.counts() == eager.selection_cache.counts() == (0, 0)
-    assert not graph.selection_cache.valid.any()
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_padded_table_gives_what_the_exact_table_gives(name):
+    """What a policy attends does not depend on the table's length past the sequence's tokens: a graph's table is
+    padded to its capacity, an eager step's is exact. Two layers, a prompt in chunks and then decode steps (Selection
+    Cache hits and misses, InfLLM's blocks closing), each step run by two instances of the policy on the two tables."""
+    torch.manual_seed(7)
+    layers, n = 2, 160
+    cache = KVCache(layers, 300, 2, 16, torch.float32, torch.device("cpu"))
+    table = cache.allocate(300)[torch.randperm(300)]
+    for layer in range(layers):
+        cache.write(layer, table, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
+    exact, padded = POLICIES[name](cache), POLICIES[name](cache)
+    steps = [(t, 10, False) for t in range(0, 100, 10)] + [(t, 1, True) for t in range(100, 130)]
+    selected = 0
+    for t, w, decode in steps:
+        qs = [torch.randn(w, 4, 16) for _ in range(layers)]
+        if decode and t % 3:  # near the last query: a Selection Cache hit where theta allows
+            qs = [q + 0.01 * torch.randn_like(q) for q in qs]
+        own = table[t:t + w]
+        a = start_step(exact, 0, table, t, w, decode, (w, 4, 16), torch.float32)
+        b = padded_step(padded, 0, table, t, w, decode, capacity=n)
+        assert a.mode == b.mode
+        selected += a.mode == "select"
+        for layer in range(layers):
+            got_a, got_b = exact.attend(layer, a, qs[layer], own), padded.attend(layer, b, qs[layer], own)
+            assert live(got_a) == live(got_b), (t, layer)
+            assert got_a.q_pos.tolist() == got_b.q_pos.tolist()
+            assert set(own.tolist()) <= set(live(got_a)[0])  # the step's own tokens are attended
+    assert selected >= 30 or name == "full"
+    assert exact.stats() == padded.stats()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_steps_read_nothing_on_the_host(name):
+    """What a step runs (``attend``, with the PyTorch reference kernels) never reads a device value on the host,
+    which a CUDA graph capture refuses: on the meta device, where a tensor has no values, any such read raises.
+    (Indexing with a device scalar does read it: InfLLM's first pool layout failed to record on the H100 that way.)
+    Prefill chunks before and past the selection threshold, then decode steps, of every graph-ready policy."""
+    meta, layers, n_heads, d = torch.device("meta"), 2, 4, 16
+    cache = KVCache(layers, 400, 2, d, torch.float32, meta)
+    slots = cache.allocate(300)
+    policy = POLICIES[name](cache)
+    for t, w, decode in [(t, 10, False) for t in range(0, 80, 10)] + [(80, 1, True), (81, 1, True)]:
+        step = start_step(policy, 0, slots, t, w, decode, (w, n_heads, d), torch.float32)
+        for layer in range(layers):
+            got = policy.attend(layer, step, torch.randn(w, n_heads, d, device=meta), slots[t:t + w])
+            assert got.slots.device == meta and got.q_pos.shape == (w,)
+    assert policy.graph_ready(80) or name == "quest"
 
 
 def test_a_grown_arange_keeps_the_one_graphs_read():
-    """Plans and graphs take index runs from one arange per device. When a longer one is needed the
-    shorter must stay allocated: a recorded CUDA graph reads it by address, and freed memory would be
+    """Steps and graphs take index runs from one arange of the cache (``KVCache.arange``). When a longer one is
+    needed the shorter must stay allocated: a recorded CUDA graph reads it by address, and freed memory would be
     handed to the next allocation of its size."""
-    dev = torch.device("cpu")
-    address = arange(1, dev).data_ptr()
-    size = _ARANGES[dev][-1].numel()  # the longest so far (an earlier test may have grown it)
-    grown = arange(size + 1, dev)
+    aranges = KVCache(1, 8, 1, 4, torch.float32, torch.device("cpu")).arange
+    address = aranges(1).data_ptr()
+    size = aranges.kept[-1].numel()
+    grown = aranges(size + 1)
     assert torch.equal(grown, torch.arange(size + 1)) and grown.data_ptr() != address
-    assert address in [kept.data_ptr() for kept in _ARANGES[dev]]  # still allocated: nothing can reuse it
-
-
-def test_streaming_graph_plan_equals_the_eager_plan():
-    cache = KVCache(1, 300, 2, 16, torch.float32, torch.device("cpu"))
-    slots = cache.allocate(300)[torch.randperm(300)]
-    policy = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
-    want = policy.plan(0, SeqView(0, slots[:250], decode=True), torch.randn(1, 4, 16))
-    got = graph_context(policy, 0, GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True),
-                        torch.randn(1, 4, 16))
-    assert torch.equal(got, want.slots)
-
-
-def assert_attends_as(got, want, own: torch.Tensor) -> None:
-    """InfLLM's graph list (a GraphList: [own | sinks | blocks | tail], a live prefix) attends what the eager plan
-    (``want``) attends with the step's own token: the same slots at the same positions, the own token first."""
-    n = int(got.n_valid)
-    assert got.slots[0] == own and got.q_pos.tolist() == want.q_positions.tolist()
-    assert sorted(zip(got.slots[:n].tolist(), got.key_pos[:n].tolist())) == sorted(
-        zip(torch.cat([want.slots, own]).tolist(), torch.cat([want.positions, want.q_positions]).tolist()))
-
-
-@pytest.mark.parametrize("positions", ["fixed", "reindex", "original"])
-def test_infllm_graph_decode_equals_the_eager_plan(positions):
-    """After an eager prefill, InfLLM's decode steps planned on the device (two layers, a padded table, blocks
-    closing every 4 steps) attend the eager plans' tokens at their positions, the step's own token among them;
-    the attention its window receives, counted inside the step, gives the blocks the eager representatives."""
-    torch.manual_seed(6)
-    layers, t0, steps, n_heads, d = 2, 70, 14, 4, 16
-    cache = KVCache(layers, 400, 2, d, torch.float32, torch.device("cpu"))
-    slots = cache.allocate(t0 + steps)[torch.randperm(t0 + steps)]
-    others = cache.allocate(50)
-    table = torch.cat([slots, others])
-    for layer in range(layers):
-        cache.write(layer, table, torch.randn(table.numel(), 2, d), torch.randn(table.numel(), 2, d))
-    settings = dict(window=1000, chunk=10, k=8, n_init=4, n_local=12, block_size=4, repr_keys=2, positions=positions)
-    eager, graph = InfLLM(cache, TORCH, **settings), InfLLM(cache, TORCH, **settings)
-    for t in range(0, t0, 10):  # the prompt, eagerly on both
-        q = torch.randn(10, n_heads, d)
-        for policy in (eager, graph):
-            for layer in range(layers):
-                policy.plan(layer, SeqView(3, slots[:t], decode=False), q)
-    for t in range(t0, t0 + steps):
-        assert graph.graph_ready(t)
-        row = torch.tensor(graph.graph_row(SeqView(3, slots[:t], decode=True), table.numel(), (1, n_heads, d),
-                                            torch.float32))
-        seq, own = GraphSeq(table, torch.tensor(t), row, decode=True), table[t:t + 1]
-        for layer in range(layers):
-            q = torch.randn(1, n_heads, d)
-            want = eager.plan(layer, SeqView(3, slots[:t], decode=True), q)
-            assert_attends_as(graph.graph_list(layer, seq, q, own), want, own)
-    for layer in range(layers):  # the eager side counts its last step's attention one call later
-        eager.plan(layer, SeqView(3, slots[:t0 + steps], decode=True), torch.randn(1, n_heads, d))
-    graph.graph_row(SeqView(3, slots[:t0 + steps], decode=True), table.numel(), (1, n_heads, d), torch.float32)
-    for layer in range(layers):
-        closed = graph.representatives(3, layer)
-        assert closed.shape[0] == (t0 + steps - 4 - 12) // 4 > (t0 - 4 - 12) // 4 + 2  # blocks closed in decode
-        torch.testing.assert_close(closed, eager.representatives(3, layer), atol=1e-5, rtol=1e-5)
-        # both have counted every query before t0 + steps: the tokens after the closed blocks received the same
-        tracked = torch.arange(graph.tracked_from(graph._memory[3].layers[layer]), t0 + steps) % graph.ring
-        torch.testing.assert_close(graph.mass[0, layer, tracked], eager.mass[0, layer, tracked])
-        assert tracked.numel() >= 12 and (graph.mass[0, layer, tracked].sum(dim=1) > 0).all()
-
-
-def assert_chunk_attends_as(got, want, own: torch.Tensor) -> None:
-    """InfLLM's graph list of a prefill chunk ([sinks | blocks | tail], a live prefix) attends what the eager plan
-    (``want``) attends, at the same positions, then the chunk's own tokens, last among the live entries."""
-    n, w = int(got.n_valid), own.numel()
-    assert torch.equal(got.slots[n - w:n], own) and torch.equal(got.key_pos[n - w:n], got.q_pos)
-    assert got.q_pos.tolist() == want.q_positions.tolist()
-    assert sorted(zip(got.slots[:n - w].tolist(), got.key_pos[:n - w].tolist())) == sorted(
-        zip(want.slots.tolist(), want.positions.tolist()))
-
-
-@pytest.mark.parametrize("positions", ["fixed", "reindex", "original"])
-def test_infllm_graph_prefill_equals_the_eager_plan(positions):
-    """Two prompts prefilled in alternation, their chunks past the selection threshold planned on the device: each
-    chunk attends the eager plan's tokens at its positions, its own tokens last. A chunk's attention is counted
-    from what its graph saved at the sequence's next step, after the other sequence's chunk has overwritten the
-    saved queries: the blocks get the eager representatives, the ring the eager scores."""
-    torch.manual_seed(9)
-    layers, n_heads, d, c, length, capacity = 2, 4, 16, 10, 150, 160
-    cache = KVCache(layers, 800, 2, d, torch.float32, torch.device("cpu"))
-    settings = dict(window=1000, chunk=c, k=8, n_init=4, n_local=12, block_size=4, repr_keys=2, positions=positions)
-    eager, graph = InfLLM(cache, TORCH, **settings), InfLLM(cache, TORCH, **settings)
-    prompts = {}
-    for seq_id in (4, 7):
-        slots = prompts[seq_id] = cache.allocate(length)[torch.randperm(length)]
-        for layer in range(layers):
-            cache.write(layer, slots, torch.randn(length, 2, d), torch.randn(length, 2, d))
-    graph_chunks = 0
-    for t in range(0, length, c):
-        for seq_id, slots in prompts.items():
-            qs, seq = [torch.randn(c, n_heads, d) for _ in range(layers)], SeqView(seq_id, slots[:t], decode=False)
-            if not graph.graph_ready(t):
-                for policy in (eager, graph):
-                    for layer in range(layers):
-                        policy.plan(layer, seq, qs[layer])
-                continue
-            row = graph.graph_row(seq, capacity, (c, n_heads, d), torch.float32)
-            table = torch.cat([slots, slots[:1].repeat(capacity - length)])
-            on_device = GraphSeq(table, torch.tensor(t), torch.tensor(row), decode=False)
-            for layer in range(layers):
-                want = eager.plan(layer, seq, qs[layer])
-                assert_chunk_attends_as(graph.graph_list(layer, on_device, qs[layer], slots[t:t + c]), want,
-                                        slots[t:t + c])
-            graph_chunks += 1
-    assert graph_chunks == 2 * 12  # from t = 30, past 4 + (2 * 4 + 3) + 12
-    for seq_id, slots in prompts.items():  # a decode step counts each prompt's last chunk
-        for layer in range(layers):
-            q = torch.randn(1, n_heads, d)
-            for policy in (eager, graph):
-                policy.plan(layer, SeqView(seq_id, slots[:length], decode=True), q)
-        for layer in range(layers):
-            closed = graph.representatives(seq_id, layer)
-            assert closed.shape[0] == (length - 4 - 12) // 4
-            torch.testing.assert_close(closed, eager.representatives(seq_id, layer), atol=1e-5, rtol=1e-5)
-            mem, row = graph._memory[seq_id].layers[layer], graph._memory[seq_id].row
-            tracked = torch.arange(graph.tracked_from(mem), length) % graph.ring
-            torch.testing.assert_close(graph.mass[row, layer, tracked], eager.mass[row, layer, tracked])
-            assert tracked.numel() >= 12 and (graph.mass[row, layer, tracked].sum(dim=1) > 0).all()
-
-
-def test_infllm_sequences_share_the_pool_through_graph_and_eager_steps():
-    """Sequences come and go while others decode, steps alternate between graphs and the eager path: every step
-    attends what the eager policy attends; a new sequence takes the rows and the pool blocks a finished one gave
-    back; a decoding sequence holds the blocks it has closed (not the batch's capacity), none shared."""
-    torch.manual_seed(8)
-    layers, n_heads, d, capacity = 2, 4, 16, 200
-    cache = KVCache(layers, 1000, 2, d, torch.float32, torch.device("cpu"))
-    settings = dict(window=1000, chunk=10, k=8, n_init=4, n_local=12, block_size=4, repr_keys=2)
-    eager, graph = InfLLM(cache, TORCH, **settings), InfLLM(cache, TORCH, **settings)
-
-    def sequence(seq_id: int, prompt: int) -> list:
-        slots = cache.allocate(150)[torch.randperm(150)]
-        for layer in range(layers):
-            cache.write(layer, slots, torch.randn(150, 2, d), torch.randn(150, 2, d))
-        for t in range(0, prompt, 10):
-            q = torch.randn(10, n_heads, d)
-            for policy in (eager, graph):
-                for layer in range(layers):
-                    policy.plan(layer, SeqView(seq_id, slots[:t], decode=False), q)
-        return [seq_id, slots, prompt]
-
-    def step(live: list, as_graph: bool) -> None:
-        table = {seq_id: torch.cat([slots, slots[:1].repeat(capacity - 150)]) for seq_id, slots, _ in live}
-        seqs = [GraphSeq(table[seq_id], torch.tensor(t), torch.tensor(graph.graph_row(
-            SeqView(seq_id, slots[:t], decode=True), capacity, (1, n_heads, d), torch.float32)), decode=True)
-            for seq_id, slots, t in live] if as_graph else None
-        for layer in range(layers):
-            for i, (seq_id, slots, t) in enumerate(live):
-                q = torch.randn(1, n_heads, d)
-                want = eager.plan(layer, SeqView(seq_id, slots[:t], decode=True), q)
-                if as_graph:
-                    assert_attends_as(graph.graph_list(layer, seqs[i], q, slots[t:t + 1]), want, slots[t:t + 1])
-                else:
-                    assert torch.equal(graph.plan(layer, SeqView(seq_id, slots[:t], decode=True), q).slots,
-                                       want.slots)
-        for entry in live:
-            entry[2] += 1
-
-    a = sequence(0, 70)
-    for _ in range(6):
-        step([a], as_graph=True)
-    b = sequence(1, 60)  # a second row
-    for i in range(10):
-        step([a, b], as_graph=i % 3 > 0)
-    a_blocks = list(graph._memory[0].blocks)
-    for policy in (eager, graph):
-        policy.release(0)
-    c = sequence(2, 80)
-    assert graph._memory[2].row == 0 and set(graph._memory[2].blocks) <= set(a_blocks)  # what A gave back
-    for i in range(30):
-        step([c, b], as_graph=i % 4 > 0)
-    for seq_id in (1, 2):
-        for layer in range(layers):
-            torch.testing.assert_close(graph.representatives(seq_id, layer), eager.representatives(seq_id, layer))
-    held = sum(len(m.blocks) for m in graph._memory.values())
-    assert held == sum((t - 1 - 4 - 12) // 4 for _, _, t in (b, c))  # the blocks closed by each one's last step
-    assert len({block for m in graph._memory.values() for block in m.blocks}) == held  # none shared
+    assert address in [kept.data_ptr() for kept in aranges.kept]  # still allocated: nothing can reuse it
+    assert KVCache(1, 8, 1, 4, torch.float32, torch.device("cpu")).arange is not aranges  # no state shared
 
 
 def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
@@ -296,80 +141,46 @@ def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
     assert not whole_graphs._same_change([eager[0].clone(), before[1].clone()], before, eager)  # a count missed
 
 
-@pytest.mark.parametrize("name", ["tokenselect", "tokenselect:theta=None", "streaming", "full", "infllm"])
-def test_graph_steps_read_nothing_on_the_host(name):
-    """What a graph step runs (``graph_list``, with the PyTorch reference kernels) never reads a device value on the
-    host, which a CUDA graph capture refuses: on the meta device, where a tensor has no values, any such read
-    raises. (Indexing with a device scalar does read it: InfLLM's first pool layout failed to record on the H100
-    that way.) Decode steps and prefill chunks of every graph-ready policy."""
-    meta, layers, n_heads, d = torch.device("meta"), 2, 4, 16
-    cache = KVCache(layers, 400, 2, d, torch.float32, meta)
-    slots = cache.allocate(300)
-    sizes = dict(n_init=4, n_local=12)
-    policy = {"tokenselect": lambda: TokenSelect(cache, TORCH, k=16, theta=0.5, **sizes),
-              "tokenselect:theta=None": lambda: TokenSelect(cache, TORCH, k=16, theta=None, **sizes),
-              "streaming": lambda: StreamingLLM(cache, TORCH, **sizes),
-              "full": lambda: FullAttention(cache, TORCH),
-              "infllm": lambda: InfLLM(cache, TORCH, window=1000, chunk=10, k=8, block_size=4, **sizes)}[name]()
-    for t in range(0, 70, 10):  # an eager prompt first (InfLLM's memory, TokenSelect's cache row)
-        for layer in range(layers):
-            policy.plan(layer, SeqView(0, slots[:t], decode=False), torch.randn(10, n_heads, d, device=meta))
-    assert policy.graph_ready(70)
-    for w, decode in ((1, True), (8, False)):
-        row = policy.graph_row(SeqView(0, slots[:70], decode=decode), slots.numel(), (w, n_heads, d), torch.float32)
-        seq = GraphSeq(slots, torch.tensor(70, device=meta), torch.tensor(row, device=meta), decode=decode)
-        for layer in range(layers):
-            got = policy.graph_list(layer, seq, torch.randn(w, n_heads, d, device=meta), slots[70:70 + w])
-            assert got.slots.device == meta and got.q_pos.shape == (w,)
-
-
 def test_every_layer_of_a_step_shares_one_list_assembled_once():
-    """A step's GraphSeq serves all its layers: the sinks, the local window and the step's own slots are put in
-    one list by the first layer's graph list (graph nodes once a step, not once a layer), and each layer
-    writes only its own choice into that list's middle, which its attention then reads."""
+    """A step's SeqStep serves all its layers: the sinks, the local window and the step's own slots are put in
+    one list by the first layer (graph nodes once a step, not once a layer), and each layer writes only its own
+    choice into that list's middle, which its attention then reads."""
     torch.manual_seed(5)
     cache = KVCache(2, 300, 2, 16, torch.float32, torch.device("cpu"))
     slots = cache.allocate(300)[torch.randperm(300)]
     cache.write(0, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
     cache.write(1, slots, torch.randn(300, 2, 16), torch.randn(300, 2, 16))
-    settings = dict(k=16, n_init=4, n_local=32, theta=None)
-    graph, eager = TokenSelect(cache, TORCH, **settings), TokenSelect(cache, TORCH, **settings)
-    seq = GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True)
+    policy = TokenSelect(cache, TORCH, k=16, n_init=4, n_local=32, theta=None)
+    step = start_step(policy, 0, slots, 250, 1, True, (1, 4, 16), torch.float32)
     q = torch.randn(1, 4, 16)
-    frames = []
+    frames, chosen = [], []
     for layer in (0, 1):
-        got = graph.graph_list(layer, seq, q, slots[250:251])
-        want = eager.plan(layer, SeqView(0, slots[:250], decode=True), q)
-        assert torch.equal(got.slots, torch.cat([want.slots, slots[250:251]]))
+        got = policy.attend(layer, step, q, slots[250:251])
+        middle = slots[4:251 - 32]
+        chosen.append(policy.top(q[0], cache.k[layer], middle[:250 - 36]))  # the layer's own choice
+        assert got.slots.tolist() == slots[:4].tolist() + middle[chosen[-1]].tolist() + slots[218:251].tolist()
         frames.append(got.slots)
     assert frames[0].data_ptr() == frames[1].data_ptr()  # one list, its middle rewritten by layer 1
-    key, = [key for key, value in seq._derived.items() if value is frames[0]]  # kept by the step's GraphSeq
+    assert not torch.equal(chosen[0], chosen[1])
+    key, = [key for key, value in step._derived.items() if value is frames[0]]  # kept by the step's SeqStep
     made = []
-    assert seq.once(key, lambda: made.append(1)) is frames[0] and not made
-
-    streaming = StreamingLLM(cache, TORCH, n_init=4, n_local=32)
-    seq = GraphSeq(slots, torch.tensor(250), torch.tensor(0), decode=True)
-    lists = [streaming.graph_list(layer, seq, torch.randn(1, 4, 16), slots[250:251]) for layer in (0, 1)]
-    assert lists[0].slots is lists[1].slots
-    assert torch.equal(lists[0].slots, torch.cat([slots[:4], slots[250 - 32:251]]))
+    assert step.once(key, lambda: made.append(1)) is frames[0] and not made
 
 
 @pytest.mark.parametrize("w", [1, 8])  # a decode token, a prefill chunk
-def test_full_attention_graph_list_is_the_table_live_up_to_the_steps_own_tokens(w):
-    """Full attention's graph list is the whole fixed table; its live prefix (the cached tokens, then the
-    step's own) holds the eager plan's slots and the step's, at the plan's positions."""
+def test_full_attention_is_the_table_live_up_to_the_steps_own_tokens(w):
+    """Full attention's list is the whole fixed table; its live prefix (the cached tokens, then the step's own)
+    holds them at their own positions, the queries at theirs."""
     cache = KVCache(1, 300, 2, 16, torch.float32, torch.device("cpu"))
     table = cache.allocate(300)[torch.randperm(300)]
     t = 250
     policy = FullAttention(cache, TORCH)
     assert policy.graph_ready(0) and policy.graph_ready(t)
-    q = torch.randn(w, 4, 16)
-    want = policy.plan(0, SeqView(0, table[:t], decode=w == 1), q)
-    got = policy.graph_list(0, GraphSeq(table, torch.tensor(t), torch.tensor(0), decode=w == 1), q, table[t:t + w])
+    step = padded_step(policy, 0, table, t, w, w == 1, capacity=300)
+    got = policy.attend(0, step, torch.randn(w, 4, 16), table[t:t + w])
     assert got.slots.numel() == got.key_pos.numel() == 300 and int(got.n_valid) == t + w
-    assert torch.equal(got.slots[:t], want.slots) and torch.equal(got.key_pos[:t], want.positions)
-    assert torch.equal(got.q_pos, want.q_positions) and torch.equal(got.key_pos[t:t + w], want.q_positions)
-    assert torch.equal(got.slots[t:t + w], table[t:t + w])  # the step's own tokens, as the table holds them
+    assert torch.equal(got.slots, table) and got.key_pos.tolist() == list(range(300))
+    assert got.q_pos.tolist() == list(range(t, t + w))
 
 
 def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
@@ -384,16 +195,16 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
         while any(s.prefilling for s in seqs):
             llm.step()
         decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
-        assert llm.whole_graphs.usable(decode) is works, policy
-        assert not llm.whole_graphs.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
-        assert not llm.whole_graphs.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
+        assert llm.runner.whole.usable(decode) is works, policy
+        assert not llm.runner.whole.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
+        assert not llm.runner.whole.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
         for s in seqs:
             llm.abort(s)
     llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16)
     seq = llm.add_request(ids(80, 9), SamplingParams(max_tokens=3, ignore_eos=True))
     while seq.prefilling:
         llm.step()
-    assert not llm.whole_graphs.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
+    assert not llm.runner.whole.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
     llm.abort(seq)
 
 
@@ -404,7 +215,7 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
     monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0,
               cuda_graphs=True)
-    graphs = llm.whole_graphs
+    graphs = llm.runner.whole
     seq = llm.add_request(ids(150, 1), SamplingParams(max_tokens=2, ignore_eos=True))
     usable = []
     while seq.prefilling:
@@ -437,10 +248,10 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
     # the full chunks past the threshold (4 + 16 + 16 tokens, InfLLM's 4 + (4 * 4 + 3) + 16, streaming's 4 + 16,
     # full attention's 0): from 64 (32, 0), 96, 128, 160; not the last 8 tokens
-    assert engines[1].whole_graphs.steps_run == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
+    assert engines[1].runner.whole.steps_run == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
-    assert len([key for key in engines[1].whole_graphs._steps if not key[0]]) == 1
+    assert len([key for key in engines[1].runner.whole._steps if not key[0]]) == 1
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
@@ -462,7 +273,7 @@ def test_infllm_prefill_through_whole_graphs_keeps_the_eager_memory(tiny_llama, 
         seqs.append(llm.add_request(distinct_tokens(200, 11), SamplingParams(max_tokens=3, ignore_eos=True)))
         while seqs[-1].prefilling:
             llm.step()
-    assert engines[1].whole_graphs.steps_run == 4  # the chunks from 64 to 160; the last 8 tokens take StepGraphs
+    assert engines[1].runner.whole.steps_run == 4  # the chunks from 64 to 160; the last 8 tokens take StepGraphs
     (plain, graphed), last = [llm.policy for llm in engines], 192  # the last chunk's attention is still pending
     for layer in range(engines[0].model.config.n_layers):
         want = plain.representatives(seqs[0].id, layer)
@@ -484,10 +295,10 @@ def test_full_attention_through_whole_graphs_with_the_triton_kernels(tiny_llama,
     torch.testing.assert_close(engines[1].prompt_logits(prompt), engines[0].prompt_logits(prompt),
                                rtol=1e-4, atol=1e-4)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    before = engines[1].whole_graphs.steps_run
+    before = engines[1].runner.whole.steps_run
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
-    assert engines[1].whole_graphs.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
+    assert engines[1].runner.whole.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
 
 
 def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
@@ -500,7 +311,7 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
     stats = [llm.stats() for llm in engines]
-    assert engines[1].whole_graphs.steps_run >= 9  # every decode step after the first
+    assert engines[1].runner.whole.steps_run >= 9  # every decode step after the first
     for key in ("selection_cache_hits", "selection_cache_misses"):
         assert stats[1][key] == stats[0][key] > 0
 
@@ -535,14 +346,28 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         outputs.append(([s.output_ids for s in first + [late]], llm.stats()))
     (want, plain), (got, graphed) = outputs
     assert got == want
-    assert engines[1].whole_graphs.failure is None  # on a GPU: every recorded graph passed its check
-    steps = engines[1].whole_graphs._steps
-    assert steps and all(capacity % 16 == 0 for _, _, capacity, _ in steps)
+    assert engines[1].runner.whole.failure is None  # on a GPU: every recorded graph passed its check
+    steps = engines[1].runner.whole._steps
+    assert steps and all(key[2] % 16 == 0 for key in steps)
     if attention == "tokenselect" and settings["theta"] is not None:
         assert graphed["selection_cache_hits"] == plain["selection_cache_hits"]
         assert graphed["selection_cache_misses"] == plain["selection_cache_misses"]
         assert graphed["selection_cache_misses"] > 0
         assert (graphed["selection_cache_hits"] > 0) is True
+
+
+def test_the_next_prompt_replays_infllm_prefill_graph(tiny_llama, monkeypatch):
+    """A prefill graph writes the chunk's queries and lists into its sequence's buffers; a finished prompt's buffers
+    pass to the next prompt, so that its chunks replay the graph recorded for the first (no recording per prompt)."""
+    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    llm = LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=True, dtype="float32",
+              **dict(small_sizes("infllm"), k=16, block_size=4))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    recorded = []
+    for seed in (1, 2):
+        llm.generate([ids(200, seed)], params)
+        recorded.append({key: step for key, step in llm.runner.whole._steps.items() if not key[0]})
+    assert recorded[0] and all(recorded[1][key] is step for key, step in recorded[0].items())
 
 
 def test_a_sequence_keeps_its_selection_cache_entry_across_paths(tiny_llama):
@@ -588,7 +413,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     with pytest.warns(UserWarning, match="whole-step CUDA graphs turned off"):
         got = graphed.generate([ids(70, 1)], params)
     assert got[0].token_ids == want[0].token_ids
-    assert graphed.whole_graphs.failure.startswith("the replay") and not graphed.whole_graphs._steps
+    assert graphed.runner.whole.failure.startswith("the replay") and not graphed.runner.whole._steps
 
 
 def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, batch_invariant_matmuls):
@@ -605,5 +430,5 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
             llm.step()
         outputs.append([s.output_ids for s in seqs])
         if graphs:
-            assert [key[1] for key in llm.whole_graphs._steps] == [1]  # the longer request alone
+            assert [key[1] for key in llm.runner.whole._steps] == [1]  # the longer request alone
     assert outputs[0] == outputs[1]

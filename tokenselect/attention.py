@@ -2,8 +2,8 @@
 
 The model hands each layer's un-rotated q, k, v here. The new k, v go into the paged cache; then,
 per sequence, its policy (``seq.policy``: the engine's, or one built for the request's own settings)
-plans what the chunk attends and the sparse attention kernel runs over
-``[planned context slots..., the chunk's own slots...]`` with RoPE at the planned positions. With
+says what the chunk attends (``AttentionPolicy.attend``) and the sparse attention kernel runs over that
+list, the chunk's own slots among it, with RoPE at the positions the policy gave. With
 value offload the kernel reads those slots' K and V rows staged on the device
 (``KVCache.attention_pools``) instead of the pools.
 """
@@ -16,7 +16,7 @@ import torch
 
 from .kernels import Kernels
 from .kv_cache import KVCache
-from .policies import SeqView
+from .policies.base import AttentionPolicy, EagerStep, SeqStep, start_steps
 from .rope import RopeSpec
 from .sequence import Sequence
 
@@ -56,25 +56,35 @@ class RopeFrequencies:
 
 
 class BatchAttention:
-    """The attention context the model calls: ``attention(layer, q, k, v)``."""
+    """The attention context the model calls: ``attention(layer, q, k, v)``. Built for one step: every chunk's
+    policy prepares its sequence (``AttentionPolicy.prepare``) before the first layer runs."""
 
     def __init__(self, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, chunks: list[Chunk],
-                 new_slots: torch.Tensor):
+                 new_slots: torch.Tensor, q_shape: tuple[int, int], q_dtype: torch.dtype):
+        """q_shape: (n_heads, head_dim) of the model's queries, q_dtype their dtype."""
         self.cache, self.kernels, self.rope = cache, kernels, rope
         self.chunks, self.new_slots = chunks, new_slots
+        self.steps = start_steps([EagerStep(ch.seq.policy, ch.seq.id, ch.seq.slots, ch.past, ch.length, ch.decode,
+                                            (ch.length, *q_shape), q_dtype) for ch in chunks])
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [n, n_heads, d], k, v: [n, n_kv_heads, d], un-rotated -> [n, n_heads, d]."""
         self.cache.write(layer, self.new_slots, k, v)
         out = torch.empty_like(q)
-        for ch in self.chunks:
+        for ch, step in zip(self.chunks, self.steps):
             rows = slice(ch.start, ch.start + ch.length)
-            seq_slots = ch.seq.slots
-            plan = ch.seq.policy.plan(layer, SeqView(ch.seq.id, seq_slots[:ch.past], ch.decode), q[rows])
-            slots = torch.cat([plan.slots, seq_slots[ch.past:ch.past + ch.length]])
-            positions = torch.cat([plan.positions, plan.q_positions])
-            inv_freq, scale = self.rope(plan.q_positions)
-            k_pool, v_pool, slots = self.cache.attention_pools(layer, slots)
-            out[rows] = self.kernels.sparse_attention(
-                q[rows], k_pool, v_pool, slots, positions, plan.q_positions, inv_freq, scale)
+            own = ch.seq.slots[ch.past:ch.past + ch.length]
+            out[rows] = attend(ch.seq.policy, self.cache, self.kernels, self.rope, layer, step, q[rows], own)
         return out
+
+
+def attend(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, layer: int,
+           step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """One sequence's queries q: [w, n_heads, d] (un-rotated; their keys already cached at slots ``own``) over
+    what its policy chooses, with RoPE at the chosen positions -> [w, n_heads, d]. The same eagerly and in a
+    CUDA graph."""
+    attended = policy.attend(layer, step, q, own)
+    inv_freq, scale = rope(attended.q_pos)
+    k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)
+    return kernels.sparse_attention(q, k_pool, v_pool, slots, attended.key_pos, attended.q_pos, inv_freq, scale,
+                                    n_valid=attended.n_valid)

@@ -42,8 +42,7 @@ REAL_DEMO_MULTIPLE = 2  # SmolLM2's is 8192: 16K tokens, a couple of minutes on 
 def build_llm(args: argparse.Namespace):
     from .engine import LLM
 
-    reuse = {} if getattr(args, "prefix_cache", True) else {"prefix_cache": False}  # serve --no-prefix-cache
-    return LLM(args.model, args.attention, **policy_kwargs(args), **reuse)
+    return LLM(args.model, args.attention, **policy_kwargs(args))
 
 
 def print_stats(llm, n_prompt: int, n_new: int, seconds: float) -> None:
@@ -137,7 +136,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve  # the web stack is imported only to serve
 
-    return serve(args)
+    return serve(build_llm(args), args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,10 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model folder's name)")
     add_model_args(serve, attention_default="tokenselect")
-    serve.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                       help="compute every prompt in full; by default the KV of computed prompts is kept (as long as "
-                            "the pool has room) and a request that starts with the same tokens, e.g. another question "
-                            "about the same document or a chat's next turn, starts after them")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -7,6 +7,8 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -16,21 +18,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .attention import BatchAttention, Chunk, RopeFrequencies
+from .attention import Chunk, RopeFrequencies
 from .config import ModelConfig
 from .errors import ContextTooLong, TokenSelectError
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
 from .models.registry import resolve_model
-from .policies import AttentionPolicy, default_chunk, make_policy
+from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
 from .prefix_cache import PrefixCache, reuse_rule
+from .runner import ModelRunner
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
-from .step_graphs import StepGraphs
+from .settings import EngineSettings, scaled
 from .transfer import to_device
-from .whole_graphs import WholeGraphs
 
 CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
@@ -57,11 +59,10 @@ class LLM:
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
         that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
-        cuda_graphs (each step's layers as CUDA graphs around attention, ``StepGraphs``, and decode
-        steps and a long prompt's full prefill chunks of TokenSelect, StreamingLLM, full attention and InfLLM as
-        one graph each, attention included, ``WholeGraphs``; default on CUDA; on a CPU the same code runs
-        eagerly), prefix_cache (default True: keep the KV of computed prompts and start a request that shares a
-        prefix with one after it, ``prefix_cache.py``)
+        cuda_graphs (run steps through CUDA graphs, ``runner.ModelRunner``: decode steps and a long prompt's
+        full prefill chunks as one graph each once the policy selects, other steps' layers as graphs around
+        attention; default on CUDA; on a CPU the same code runs eagerly), prefix_cache (default True: keep the KV
+        of computed prompts and start a request that shares a prefix with one after it, ``prefix_cache.py``)
         (engine) and the policy's own settings."""
         if model is None:
             from .data import default_model_path
@@ -76,7 +77,7 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer()
         self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
         self.model = checkpoint.load(self.dtype, self.device)
-        self._start(attention, **settings)
+        self._start(attention, dtype=dtype, device=device, **settings)
 
     @classmethod
     def random(cls, config: dict, attention: str = "full", *, dtype: str = "auto", device: str | None = None,
@@ -89,14 +90,16 @@ class LLM:
         llm.config = ModelConfig.from_dict(config)
         llm.dtype = resolve_dtype(dtype, llm.device)
         llm.model = random_model(llm.config, llm.dtype, llm.device, seed)
-        llm._start(attention, **settings)
+        llm._start(attention, dtype=dtype, device=device, **settings)
         return llm
 
-    def _start(self, attention: str, kernels: str | None = None, chunk_size: int | None = None,
-               kv_cache_tokens: int | None = None, kv_dtype: str = "auto", kv_offload: str = "none",
-               select_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
-               rope_scaling: str | None = None,
-               cuda_graphs: bool | None = None, prefix_cache: bool = True, **policy_settings) -> None:
+    def _start(self, attention: str, **settings) -> None:
+        """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
+        engine = {f.name for f in dataclasses.fields(EngineSettings)}
+        self.settings = s = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
+        policy_settings = {key: value for key, value in settings.items() if key not in engine}
+        kernels, chunk_size, rope_scaling, kv_dtype, select_dtype = (s.kernels, s.chunk_size, s.rope_scaling,
+                                                                     s.kv_dtype, s.select_dtype)
         cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
@@ -111,21 +114,18 @@ class LLM:
         self.kernels = get_kernels(kernels)
         self.chunk_size = chunk_size or default_chunk(self.window)
         self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
-        if select_dtype not in SELECT_DTYPES:
-            raise ValueError(f"select_dtype must be one of {', '.join(SELECT_DTYPES)}, not {select_dtype!r}")
         self.select_dtype = SELECT_DTYPES[select_dtype] or self.kv_dtype  # the keys a selection reads
-        n_slots = kv_cache_tokens or self._default_pool_tokens(kv_offload)
+        n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload)
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
-                             kv_offload, self.select_dtype)
-        self.max_model_len = min(max_model_len or n_slots, n_slots)
+                             s.kv_offload, self.select_dtype)
+        self.max_model_len = min(s.max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
-        self.scheduler = Scheduler(self.cache, self.chunk_size, max_num_seqs,
-                                   PrefixCache(self.cache) if prefix_cache else None)
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        self.graphs = StepGraphs(self.model, self.device, self.chunk_size) if cuda_graphs else None
-        self.whole_graphs = (WholeGraphs(self.model, self.cache, self.kernels, self.rope, self.device,
-                                         self.chunk_size) if cuda_graphs else None)
+        self.scheduler = Scheduler(self.cache, self.chunk_size, s.max_num_seqs,
+                                   PrefixCache(self.cache) if s.prefix_cache else None)
+        self._seq_ids = itertools.count()  # Sequence ids, unique among this engine's
+        cuda_graphs = self.device.type == "cuda" if s.cuda_graphs is None else s.cuda_graphs
+        self.runner = ModelRunner(self.model, self.cache, self.kernels, self.rope, self.device, self.chunk_size,
+                                  cuda_graphs)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -137,8 +137,12 @@ class LLM:
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
         self.attention, self.policy_settings = attention, policy_settings
-        if getattr(self, "whole_graphs", None) is not None:
-            self.whole_graphs.clear()
+        # every setting as the policy runs with it (defaults fitted to the window), for results files
+        self.policy_config = {"attention": attention, "window": self.window,
+                              **fitted_settings(attention, policy_settings, self.window),
+                              "fitted_to_window": scaled(POLICIES[attention].Settings, policy_settings, self.window)}
+        if getattr(self, "runner", None) is not None:
+            self.runner.clear()
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
         # one instance per distinct per-request settings, least recently used first; () is the engine's own
         self._policies: OrderedDict[tuple, AttentionPolicy] = OrderedDict({(): self.policy})
@@ -222,7 +226,7 @@ class LLM:
         ids = self.encode(prompt)
         self.check_request(ids, params.max_tokens)
         key, policy = self.policy_for(policy_settings)
-        seq = Sequence(ids, params, self.device, policy, self.tokenizer)
+        seq = Sequence(next(self._seq_ids), ids, params, self.device, policy, self.tokenizer)
         seq.policy_key = key
         if self.scheduler.prefix is not None:
             seq.reuse = reuse_rule(self.attention, {**self.policy_settings, **dict(key)}, self.rope.spec.kind,
@@ -299,16 +303,7 @@ class LLM:
                       else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                       for ch in chunks]
             logit_rows = to_device(sum(wanted, []), self.device)
-            if self.whole_graphs is not None and self.whole_graphs.usable(chunks):
-                logits = self.model.logits(self.whole_graphs.run(chunks, ids, step_slots)[logit_rows])
-            else:
-                ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, step_slots)
-                input_ids = to_device(ids, self.device)
-                if self.graphs is not None and self.graphs.bucket(len(ids)) is not None:
-                    logits = self.model.logits(self.graphs.run(input_ids, ctx)[logit_rows])
-                else:
-                    logits = self.model(input_ids, ctx, logit_rows)
-            logits = logits.split([len(w) for w in wanted])
+            logits = self.runner.logits(chunks, ids, step_slots, logit_rows).split([len(w) for w in wanted])
         except BaseException:
             for slots in new_slots:  # the sequences' n_cached did not move: these slots are nobody's
                 self.cache.free(slots)
@@ -399,17 +394,12 @@ class LLM:
         settings' instances still kept), pool occupancy, and with the prefix cache its tokens held now
         (``prefix_cache_tokens``), reused instead of computed (``prefix_cache_hit_tokens``) and evicted
         (``prefix_cache_evicted_tokens``) so far."""
-        counters: dict = {}
-        for policy in list(self._policies.values()):  # a copy: the server reads stats beside the engine thread
-            for key, value in policy.stats().items():
-                if isinstance(value, int):
-                    counters[key] = counters.get(key, 0) + value
-        if "selection_cache_hits" in counters:
-            looked_up = counters["selection_cache_hits"] + counters["selection_cache_misses"]
-            counters["selection_cache_hit_rate"] = counters["selection_cache_hits"] / looked_up if looked_up else 0.0
+        # a copy of the instances: the server reads stats beside the engine thread
+        counted = [s for s in (policy.stats() for policy in list(self._policies.values())) if s is not None]
+        total = sum(counted[1:], counted[0]).as_dict() if counted else {}
         prefix = self.scheduler.prefix
-        return {"attention": self.attention, "kv_slots_free": self.cache.num_free,
-                "kv_slots": self.cache.n_slots, **(prefix.stats() if prefix is not None else {}), **counters}
+        return {"attention": self.attention, "kv_slots_free": self.cache.num_free, "kv_slots": self.cache.n_slots,
+                **(prefix.stats() if prefix is not None else {}), **total}
 
     def set_prefix_cache(self, enabled: bool) -> None:
         """Turn prefix reuse on or off (e.g. to time the same requests both ways on one loaded model). Only

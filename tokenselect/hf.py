@@ -13,7 +13,8 @@ cache, through transformers' own extension points (``AttentionInterface.register
 Policies: ``tokenselect``, ``streaming``, ``quest``, ``infllm``, ``reattention`` (and ``full``: SDPA). Their
 selection is the engine's own code: the cache builds the engine's policy object
 (``tokenselect.policies.make_policy``) over the un-rotated keys and asks it, for each layer's step, the engine's
-one question (``AttentionPolicy.plan(layer, SeqView, q) -> Plan``: which cached tokens, at which positions).
+one question (``AttentionPolicy.attend(layer, SeqStep, q, own) -> Attended``: which cached tokens, at which
+positions).
 Settings a user leaves out take the engine's defaults, fitted to the model's window
 (``config.max_position_embeddings``) as the engine fits them. Without a cache object, the attention
 implementation's policy runs with those defaults: ``"tokenselect"`` is TokenSelect, ``"tokenselect_streaming"``,
@@ -63,8 +64,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernels import get_kernels
-from .policies import POLICIES, SeqView, default_chunk, make_policy, policy_settings
+from .policies import POLICIES, default_chunk, make_policy, policy_settings
+from .policies.base import SeqStep, start_step
 from .rope import RopeSpec, rotate
+from .transfer import Aranges
 
 NAME = "tokenselect"
 SUPPORTED_ROPE = ("default", "linear", "llama3")
@@ -79,7 +82,7 @@ class UnsupportedModel(ValueError):
 class KeyPools:
     """What the engine's policies read of the engine's ``KVCache``, over the un-rotated keys: ``k[layer]`` and
     ``k_select[layer]`` -> [T * B, H_kv, d] (slot ``column * B + row``: a column's slots never move as the cache
-    grows), ``shape`` (n_layers, -, H_kv, d) and ``offload``. Grown by doubling, so an append copies only the
+    grows), ``shape`` (n_layers, -, H_kv, d), ``offload`` and ``arange``. Grown by doubling, so an append copies only the
     new columns."""
 
     offload = "none"
@@ -87,8 +90,10 @@ class KeyPools:
     def __init__(self, n_layers: int, batch: int, n_kv: int, d: int, dtype: torch.dtype, device: torch.device):
         self.shape = (n_layers, 0, n_kv, d)
         self.batch, self.dtype, self.device = batch, dtype, device
+        self.arange = Aranges(device)
         self._store: dict[int, torch.Tensor] = {}  # layer -> [capacity, B, H_kv, d]
         self._length: dict[int, int] = {}
+        self._zeros: torch.Tensor | None = None  # what layers never appended read (``__getitem__``)
 
     @property
     def k(self) -> KeyPools:
@@ -113,9 +118,15 @@ class KeyPools:
         self._length[layer] = have + n
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        n, (_, _, n_kv, d) = self.length(layer), self.shape
+        _, _, n_kv, d = self.shape
         if layer not in self._store:
-            return torch.empty(0, n_kv, d, dtype=self.dtype, device=self.device)
+            # a layer left to transformers (sliding window): the policy never attends it, but one that keeps state
+            # for every layer (InfLLM's blocks) reads it; zeros as long as the other layers' keys, read-only
+            n = max(self._length.values(), default=0)
+            if self._zeros is None or self._zeros.shape[0] < n * self.batch:
+                self._zeros = torch.zeros(max(2 * n * self.batch, 64), n_kv, d, dtype=self.dtype, device=self.device)
+            return self._zeros[:n * self.batch]
+        n = self.length(layer)
         return self._store[layer][:n].view(n * self.batch, n_kv, d)
 
 
@@ -132,6 +143,7 @@ class PolicyState:
         self.policy = None
         self.pools: KeyPools | None = None
         self.selected: dict[int, torch.Tensor | list] = {}
+        self.steps: dict[int, tuple[tuple[int, int], SeqStep]] = {}  # row -> ((t, c), the step's SeqStep)
         self._inv_freq: dict[int, torch.Tensor] = {}
 
     def build(self, module: torch.nn.Module, key: torch.Tensor) -> None:
@@ -154,8 +166,17 @@ class PolicyState:
 
     def hits_misses(self) -> tuple[int, int]:
         """Selection Cache hits and misses (TokenSelect; (0, 0) for the other policies or before a step)."""
-        stats = self.policy.stats() if self.policy is not None else {}
-        return stats.get("selection_cache_hits", 0), stats.get("selection_cache_misses", 0)
+        stats = self.policy.stats() if self.policy is not None else None
+        return (stats.selection_cache_hits, stats.selection_cache_misses) if stats is not None else (0, 0)
+
+    def step(self, row: int, table: torch.Tensor, t: int, c: int, q_row: torch.Tensor) -> SeqStep:
+        """The row's SeqStep of this forward pass (t cached tokens, c new ones; table: their t + c slots):
+        prepared by the first layer that selects, shared by the others, as the engine prepares a step once."""
+        key, entry = (t, c), self.steps.get(row)
+        if entry is None or entry[0] != key:
+            entry = self.steps[row] = (key, start_step(self.policy, row, table, t, c, c == 1, tuple(q_row.shape),
+                                                       q_row.dtype))
+        return entry[1]
 
 
 def check_settings(policy: str, settings: dict) -> dict:
@@ -293,14 +314,20 @@ def _unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
     return flat.view(x.shape).to(x.dtype)
 
 
-def _dense(plan, past: torch.Tensor, c: int) -> bool:
-    """Whether a plan attends every past token at its own position, its queries right after: full attention."""
-    t = past.numel()
-    if plan.slots.numel() != t or plan.q_positions.numel() != c:
+def _live(attended) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, key positions) of what an ``Attended`` attends: its first n_valid entries."""
+    n = attended.slots.numel() if attended.n_valid is None else int(attended.n_valid)
+    return attended.slots[:n], attended.key_pos[:n]
+
+
+def _dense(attended, table: torch.Tensor, c: int) -> bool:
+    """Whether the step attends every token of its table at its own position, its queries last: full attention."""
+    slots, key_pos = _live(attended)
+    n = table.numel()
+    if slots.numel() != n or attended.q_pos.numel() != c:
         return False
-    index = torch.arange(t + c, device=past.device)
-    return ((plan.slots is past or torch.equal(plan.slots, past)) and torch.equal(plan.positions, index[:t])
-            and torch.equal(plan.q_positions, index[t:]))
+    index = torch.arange(n, device=table.device)
+    return torch.equal(slots, table) and torch.equal(key_pos, index) and torch.equal(attended.q_pos, index[n - c:])
 
 
 def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -369,10 +396,11 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if own.numel() == 0:
             plans.append(None)
             continue
-        past = past_cols * b + row
+        own_slots = own * b + row
+        table = torch.cat([past_cols * b + row, own_slots])  # the row's tokens' slots, its own last
         q_row = q_raw[own - t, row]  # [c_row, H, d]
-        plan = policy.plan(layer, SeqView(row, past, decode=c == 1), q_row)
-        plans.append((plan, past, own, q_row))
+        step = state.step(row, table, past_cols.numel(), own.numel(), q_row)
+        plans.append((policy.attend(layer, step, q_row, own_slots), table, own, q_row))
     dense = [p is None or _dense(p[0], p[1], p[2].numel()) for p in plans]
     if all(dense):  # every row as ordinary attention: transformers' own, for the batch
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -384,22 +412,21 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     for row, (entry, is_dense) in enumerate(zip(plans, dense)):
         if entry is None:
             continue
-        plan, past, own, q_row = entry
+        attended, table, own, q_row = entry
         if is_dense:  # as this row alone: SDPA over its columns
             mask = None if attention_mask is None else attention_mask[row:row + 1]
             out[row] = sdpa_attention_forward(module, query[row:row + 1], key[row:row + 1], value[row:row + 1],
                                               mask, dropout=dropout, scaling=scaling, **kwargs)[0][0]
             continue
-        slots = torch.cat([plan.slots, own * b + row])  # [n + c_row]: the list, the row's own tokens last
+        slots, positions = _live(attended)  # [n]: the list, the row's own tokens among them
         columns = slots // b
         # gathered rows (n of them, not the whole cache): the kernels read [n, H_kv, d] contiguous pools
         k_rows = keys[slots]
         v_rows = value[row][:, columns].transpose(0, 1).contiguous()
-        positions = torch.cat([plan.positions, plan.q_positions])
         index = torch.arange(slots.numel(), device=key.device)
-        out[row, own - t] = kern.sparse_attention(q_row, k_rows, v_rows, index, positions, plan.q_positions,
+        out[row, own - t] = kern.sparse_attention(q_row, k_rows, v_rows, index, positions, attended.q_pos,
                                                   inv_freq, 1.0, sm_scale)
-        listed = columns[:plan.slots.numel()]
+        listed = columns[~torch.isin(columns, own)]  # what the row's queries attended before their own tokens
         chosen[row] = listed if rank is None else rank[row, listed]
     state.selected[layer] = chosen[0] if b == 1 else chosen
     return out, None

@@ -29,7 +29,7 @@ import torch
 
 from .errors import KVPoolFull
 from .kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
-from .transfer import arange
+from .transfer import Aranges
 
 OFFLOAD_MODES = ("none", "values")
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write the memory in place
@@ -92,6 +92,7 @@ class KVCache:
         else:
             self.v = torch.empty(shape, dtype=dtype, device=device)
         self.n_slots = n_slots
+        self.arange = Aranges(self.k.device)  # index runs on the pool's device, without a kernel launch each
         # Free list as a stack: slots [0, _top) of _stack are free; allocation pops from the top.
         self._stack = torch.arange(n_slots - 1, -1, -1, dtype=torch.int64, device=device)
         self._top = n_slots
@@ -154,7 +155,7 @@ class KVCache:
         if self.offload != "values":
             return self.k[layer], self.v[layer], slots
         k, v = self.stage(layer, slots)
-        return k, v, arange(slots.numel(), slots.device)
+        return k, v, self.arange(slots.numel())
 
     def _gather(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return (gather_rows if slots.is_cuda else gather_rows_ref)(pool, slots)

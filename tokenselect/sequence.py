@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from .detokenize import IncrementalText
 from .sampling import SamplingParams
-
-_ids = itertools.count()
 
 
 @dataclass
@@ -34,9 +31,10 @@ class RequestOutput:
 class Sequence:
     """One request: prompt and generated tokens, its slot table in the KV pool, its sampler."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, device: torch.device, policy=None,
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, device: torch.device, policy=None,
                  tokenizer=None):
-        self.id = next(_ids)
+        """seq_id: unique among the engine's sequences (it keys their policy state)."""
+        self.id = seq_id
         self.policy = policy  # the AttentionPolicy that plans this sequence's attention
         self.policy_key: tuple = ()  # the per-request settings that chose it (the engine's bookkeeping)
         self.prompt_ids = list(prompt_ids)

@@ -50,13 +50,12 @@ from starlette.exceptions import HTTPException
 
 from .errors import TokenSelectError
 from .models.loader import chat_token_ids
-from .policies import policy_settings
+from .policies import POLICIES
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .server_options import LOOPBACK_HOSTS, PROMPT_CHARS_PER_TOKEN, ServerOptions
+from .settings import problem, specs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; used for chat too
-POLICY_OVERRIDES = ("k", "n_local", "theta")  # per-request settings the ``policy`` field may name
-POLICY_SIZES = ("k", "n_local")  # of those, the ones counted in tokens: at most the reservation cap
 # OpenAI fields that would change the output, which the server does not implement, with the values that
 # change nothing (a client may send those); any other value is a 400 rather than a silently different answer
 UNSUPPORTED_FIELDS = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
@@ -492,19 +491,16 @@ def prompt_ids(llm, tokenizer, prompt: str | list[int] | list[Message], max_toke
 
 
 def check_policy_settings(attention: str, settings: dict, max_size: int) -> None:
-    """APIError 400 for a per-request policy setting the running policy does not take or a bad value;
-    sizes (k, n_local) are at most ``max_size`` tokens."""
-    accepted = policy_settings(attention)
+    """APIError 400 for a setting the running policy does not take per request (those its settings declare
+    ``per_request``: k, n_local, theta) or a value out of its range; sizes (in tokens) are at most ``max_size``."""
+    takes = {spec.name: spec for spec in specs(POLICIES[attention].Settings) if spec.per_request}
     for key, value in settings.items():
-        if key not in POLICY_OVERRIDES or key not in accepted:
-            takes = [k for k in POLICY_OVERRIDES if k in accepted]
+        if key not in takes:
             raise APIError(400, f"policy setting {key!r} is not a per-request setting of the {attention!r} policy "
                            f"(it takes: {', '.join(takes) or 'none'})", param=f"policy.{key}")
-        if key == "theta" and not -1 <= value <= 1:
-            raise APIError(400, f"policy.theta must be a cosine similarity in [-1, 1], not {value}", param="policy.theta")
-        if key in POLICY_SIZES and (not isinstance(value, int) or not 0 <= value <= max_size):
-            raise APIError(400, f"policy.{key} must be a whole number of tokens in [0, {max_size}], not {value}",
-                           param=f"policy.{key}")
+        why = problem(takes[key], value, high=max_size if takes[key].unit == "tokens" else None)
+        if why is not None:
+            raise APIError(400, f"policy.{why}", param=f"policy.{key}")
 
 
 def check_fields(body: _Request, options: ServerOptions) -> None:
@@ -756,13 +752,10 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 # ---- the command --------------------------------------------------------------------------------
 
 
-def serve(args: argparse.Namespace) -> int:
-    """``tokenselect serve``: load the model and serve it until interrupted."""
+def serve(llm, args: argparse.Namespace) -> int:
+    """``tokenselect serve``: serve ``llm`` (built by the CLI from ``args``) until interrupted."""
     import uvicorn
 
-    from .cli import build_llm
-
-    llm = build_llm(args)
     if llm.tokenizer is None:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     options = ServerOptions.from_args(args)

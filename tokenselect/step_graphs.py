@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from .cuda_graphs import GraphPool, capture, warm_up
 from .models.llama import AttentionContext, CausalLM
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -39,7 +40,7 @@ class StepGraphs:
         self.model, self.device = model, device
         self.sizes = tuple(sorted(set(DECODE_BUCKETS) | ({chunk_size} if chunk_size else set())))
         self.capture = device.type == "cuda" if capture is None else capture
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = GraphPool() if self.capture else None
         self._buckets: dict[int, _Bucket] = {}
 
     def bucket(self, n: int) -> int | None:
@@ -102,19 +103,12 @@ class _Bucket:
             self.graphs[i].replay()
         return self.outputs[i]
 
-    def capture(self, pool) -> None:
-        """Run every piece once on a side stream (lazy initialisation, cuBLAS workspaces), then record
-        each into its own graph; the outputs recorded are the static tensors each replay rewrites."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(len(self.pieces)):
-                self.play(i)
-        torch.cuda.current_stream().wait_stream(stream)
+    def capture(self, pool: GraphPool) -> None:
+        """Run every piece once (``warm_up``), then record each into its own graph; the outputs recorded are
+        the static tensors each replay rewrites."""
+        warm_up(lambda: [self.play(i) for i in range(len(self.pieces))])
         graphs = []
         for i, piece in enumerate(self.pieces):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # as whole_graphs.py
-                self.outputs[i] = piece(self.outputs[i - 1] if i else None)
+            graph, self.outputs[i] = capture(lambda: piece(self.outputs[i - 1] if i else None), pool)
             graphs.append(graph)
         self.graphs = graphs

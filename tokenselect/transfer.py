@@ -1,5 +1,5 @@
 """Small int64 index tensors on the device without making the host wait or launching a kernel:
-``to_device`` copies host values without a wait, ``arange`` hands out index runs kept per device."""
+``to_device`` copies host values without a wait, ``Aranges`` hands out index runs of one kept arange."""
 
 from __future__ import annotations
 
@@ -19,14 +19,17 @@ def to_device(values: list[int] | list[list[int]], device: torch.device) -> torc
     return host.pin_memory().to(device, non_blocking=True)
 
 
-_ARANGES: dict[torch.device, list[torch.Tensor]] = {}  # per device, every arange grown, the longest last
+class Aranges:
+    """0, 1, ..., n - 1 (int64) on one device: read-only views of one arange, so that index runs and positions
+    take no kernel launch each (``KVCache.arange``). A grown arange replaces a shorter one, which stays
+    allocated: a recorded CUDA graph holds the address of what it read."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kept: list[torch.Tensor] = []  # every arange grown, the longest last
 
-def arange(n: int, device: torch.device) -> torch.Tensor:
-    """0, 1, ..., n - 1 (int64) on ``device``: a read-only view of an arange kept per device, so that
-    plans take their index runs and positions without a kernel launch each. One that has to grow is
-    replaced by a longer one but kept: a recorded CUDA graph holds the address of what it read."""
-    grown = _ARANGES.setdefault(device, [])
-    if not grown or grown[-1].numel() < n:
-        grown.append(torch.arange(max(n, 2 * grown[-1].numel() if grown else 0, 4096), device=device))
-    return grown[-1][:n]
+    def __call__(self, n: int) -> torch.Tensor:
+        if not self.kept or self.kept[-1].numel() < n:
+            self.kept.append(torch.arange(max(n, 2 * self.kept[-1].numel() if self.kept else 0, 4096),
+                                          device=self.device))
+        return self.kept[-1][:n]

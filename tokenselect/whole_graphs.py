@@ -1,41 +1,29 @@
 """Engine steps captured whole as CUDA graphs: selection and sparse attention inside.
 
-``StepGraphs`` leaves attention out of its graphs, because what a step attends changes from step to
-step. For a policy that can plan on the device alone (``AttentionPolicy.graph_ready``: TokenSelect and
-StreamingLLM with positions by index in the list, full attention, InfLLM) nothing has to leave the GPU once a
-sequence is past the selection threshold: the attended list has a fixed length (sinks + k chosen + local
-window; InfLLM's has a live prefix) and positions computed on the device; the sequence's slot
-table goes in as a buffer of fixed size with its length as a device scalar. Full attention attends that table
-itself, at the original positions, and the attention kernel reads how much of it is live from the same scalar,
-so it runs here from the first token on (but not with value offload: it would stage the table's whole
-capacity). Two kinds of step run here, each as one graph launch with no host read per layer:
+``StepGraphs`` leaves attention out of its graphs. Once a policy's list keeps its length from step to step
+(``AttentionPolicy.graph_ready``: full attention from the first token, the selective policies once they
+select) nothing has to leave the GPU: the policy's ``attend`` is the same code the eager steps run, fed a
+slot table of fixed size with the sequence's length as a device scalar. (Not with value offload for full
+attention: it would stage the table's whole capacity.) Two kinds of step run here, each as one graph launch
+with no host read per layer:
 
 - decode steps: one token for each of up to MAX_BATCH sequences sharing one policy instance. The
   Selection Cache's decision gates the selection instead of branching: on a hit the vote and the
   top-k have no live candidate (their kernels read no score or key, and return at once but for the
-  top-k's last, which writes placeholder picks), and the store-or-reuse writes the cached choice into
-  the step's list. (CUDA graph conditional nodes would skip even the launches; torch 2.11, what the GPU
-  runs, cannot capture them.)
+  top-k's last, which writes placeholder picks), and the store-or-reuse returns the cached choice.
+  (CUDA graph conditional nodes would skip even the launches; torch 2.11, what the GPU runs, cannot
+  capture them.)
 - prefill chunks: a step that is one sequence's full chunk (``chunk_size`` tokens) of a prompt of at
-  least PREFILL_MIN_CHUNKS x ``chunk_size`` tokens. The chunk always selects (no Selection Cache), with its mean
-  query. Planned eagerly, a long prompt's chunks are bound by the host's Python, not by the GPU. (InfLLM's host
-  work between chunks, closing blocks and counting the last chunk's attention, is queued by ``graph_row`` while
-  the GPU still runs the previous chunk.)
+  least PREFILL_MIN_CHUNKS x ``chunk_size`` tokens. Run eagerly, a long prompt's chunks are bound by the
+  host's Python, not by the GPU. (InfLLM's host work between chunks, closing blocks and counting the last
+  chunk's attention, is queued by its ``prepare`` while the GPU still runs the previous chunk.)
 
-A graph is recorded per (kind, batch size, table capacity, policy). A decode graph's capacity is the
+A graph is recorded per (kind, batch size, table capacity, policy, mode). A decode graph's capacity is the
 longest sequence's length rounded up to GRAIN tokens, so one graph serves up to GRAIN steps before a
 larger one replaces it; a prefill graph's is the prompt's length rounded up likewise, so one graph serves
-the whole prompt. Every other step (mixed batches, partial chunks, other policies, dynamic NTK, a
-sequence not yet past the selection threshold) runs through ``StepGraphs``. With value offload the
-graph stages the attended values from the host pool itself (``KVCache.attention_pools``). Without CUDA
-(or with ``capture=False``) the same step function runs eagerly: that is how the tests exercise what the
-graphs run on a CPU.
-
-The graph chooses what the eager step chooses. With the PyTorch reference kernels it may differ among
-tokens whose votes tie (equal keys, as a repeated token's are in the first layer) or differ by rounding (a
-softmax over the padded span sums in another order): ``torch.topk`` over the table's fixed-length span may
-keep another of them than over the exact middle (the Triton top-k takes the first of tied tokens on both
-paths). Both are the method's choice; greedy text can differ where such a swap changes a close call.
+the whole prompt. Every other step (mixed batches, partial chunks, dynamic NTK, a sequence not yet past
+the selection threshold) runs through ``StepGraphs``. Without CUDA (or with ``capture=False``) the same
+step function runs eagerly: that is how the tests exercise what the graphs run on a CPU.
 
 Each graph checks itself when recorded: the step it records is also run eagerly, and the replay must
 reproduce that step's output and the policy's state (the Selection Cache's entries and counts). If
@@ -50,8 +38,9 @@ import weakref
 
 import torch
 
-from .policies import AttentionPolicy
-from .policies.base import GraphSeq, SeqView
+from .attention import attend
+from .cuda_graphs import GraphPool, capture, warm_up
+from .policies import AttentionPolicy, SeqStep
 from .transfer import to_device
 
 MAX_BATCH = 8  # decode sequences per graph step (each has its own selection nodes)
@@ -68,7 +57,7 @@ class WholeGraphs:
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
         self.chunk_size = chunk_size
         self.capture = device.type == "cuda" if capture is None else capture
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = GraphPool() if self.capture else None
         self._steps: dict[tuple[bool, int, int, int], _GraphStep] = {}  # (decode, batch, capacity, id(policy))
         self.failure: str | None = None  # why whole-step graphs were turned off, if they were
         self.steps_run = 0  # steps that ran here (as one graph each, when capturing)
@@ -98,14 +87,16 @@ class WholeGraphs:
         longest = max(ch.past for ch in chunks) + 1 if decode else len(chunks[0].seq.prompt_ids)
         capacity = -(-longest // GRAIN) * GRAIN
         q_shape, q_dtype = (chunks[0].length, cfg.n_heads, cfg.head_dim), self.model.model.embed_tokens.weight.dtype
-        rows = [policy.graph_row(SeqView(ch.seq.id, ch.seq.slots[:ch.past], decode), capacity, q_shape, q_dtype)
-                for ch in chunks]
-        key = (decode, batch, capacity, id(policy))
+        rows = [policy.prepare(ch.seq.id, ch.seq.slots, ch.past, capacity, decode, q_shape, q_dtype) for ch in chunks]
+        buffers = [policy.step_buffers(ch.seq.id) for ch in chunks]
+        mode = policy.mode(chunks[0].past, chunks[0].length)
+        key = (decode, batch, capacity, id(policy), mode)
         step = self._steps.get(key)
-        if step is None or step.state != _pointers(policy.graph_state() + policy.graph_reads()):
+        if step is None or step.state != _pointers(_tensors(policy, buffers)):
             for old in [k for k in self._steps if (k[0], k[1], k[3]) == (decode, batch, id(policy))]:
                 del self._steps[old]  # another capacity: free its memory
-            step = self._steps[key] = _GraphStep(self, policy, batch, chunks[0].length, capacity, decode)
+            step = self._steps[key] = _GraphStep(self, policy, batch, chunks[0].length, capacity, decode, mode,
+                                                 buffers)
             step.feed(chunks, ids, rows, new_slots)
             try:
                 out = step.record()
@@ -121,12 +112,9 @@ class WholeGraphs:
         return out
 
     def clear(self) -> None:
-        """Drop every recorded graph (their policies are being replaced). Later graphs record into a memory pool
-        of their own: capturing into the pool of graphs that all died failed under the profiler (PyTorch 2.11's
-        caching allocator: "use_count > 0 INTERNAL ASSERT FAILED", seen in ``bench e2e --profile-steps``)."""
+        """Drop every recorded graph (their policies are being replaced; later graphs record into a new pool,
+        ``GraphPool``)."""
         self._steps.clear()
-        if self.capture:
-            self.pool = torch.cuda.graph_pool_handle()
 
 
 class GraphCheckFailed(RuntimeError):
@@ -136,6 +124,11 @@ class GraphCheckFailed(RuntimeError):
     def __init__(self, reason: str, output: torch.Tensor):
         super().__init__(reason)
         self.output = output
+
+
+def _tensors(policy: AttentionPolicy, buffers: list[tuple]) -> tuple[torch.Tensor, ...]:
+    """Every tensor a graph of the policy's step reads or writes besides the cache and the step's inputs."""
+    return policy.graph_state() + policy.graph_reads() + sum(buffers, ())
 
 
 def _pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, ...]:
@@ -172,17 +165,17 @@ class _GraphStep:
     prefill), batch size, width (tokens per sequence) and capacity."""
 
     def __init__(self, owner: WholeGraphs, policy: AttentionPolicy, batch: int, width: int, capacity: int,
-                 decode: bool):
+                 decode: bool, mode: str, buffers: list[tuple]):
         dev = owner.device
         # a proxy: the owner keeps its steps, and a cycle would keep a dropped engine's KV pool until the next gc
         self.owner, self.policy, self.batch, self.width = weakref.proxy(owner), policy, batch, width
-        self.decode = decode
+        self.decode, self.mode, self.buffers = decode, mode, buffers
         self.inputs = torch.zeros((width + 2) * batch, dtype=torch.int64, device=dev)  # filled by one copy
         self.ids = self.inputs[:batch * width]
         self.meta = self.inputs[batch * width:].view(2, batch)  # lengths, state rows
         self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
         self.new_slots = torch.zeros(batch * width, dtype=torch.int64, device=dev)
-        self.state = _pointers(policy.graph_state() + policy.graph_reads())
+        self.state = _pointers(_tensors(policy, buffers))
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
@@ -209,22 +202,14 @@ class _GraphStep:
             return self.replay()
         state = self.policy.graph_state()
         before = [t.clone() for t in state]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            want = self.forward().clone()
-        torch.cuda.current_stream().wait_stream(stream)
+        want = warm_up(lambda: self.forward().clone())
         after = [t.clone() for t in state]
         cache = self.owner.cache  # the step's keys and values, as the eager step wrote them
         pools = [pool.view(torch.uint8) for pool in cache.pools]  # (the V pool may be on the host)
         written = [pool[:, self.new_slots.to(pool.device)].clone() for pool in pools]
         _restore(state, before)
         try:
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls (the server's /health reading the Selection Cache's
-            # counters) neither fail nor spoil the capture
-            with torch.cuda.graph(self.graph, pool=self.owner.pool, capture_error_mode="thread_local"):
-                self.out = self.forward()
+            self.graph, self.out = capture(self.forward, self.owner.pool)
             self.graph.replay()
             failure = None if _same(self.out, want) else "the replay's output differs from the eager step's"
             if failure is None and not _same_change(state, before, after):
@@ -247,25 +232,19 @@ class _GraphStep:
         """The model over the batch's tokens -> the last layer's output [B * w, hidden]."""
         model = self.owner.model.model
         x = model.embed_tokens(self.ids)
-        seqs = [GraphSeq(self.table[b], self.meta[0, b], self.meta[1, b], decode=self.decode)  # for every layer
-                for b in range(self.batch)]
+        seqs = [SeqStep(self.table[b], self.meta[0, b], self.meta[1, b], self.decode, self.mode, self.buffers[b])
+                for b in range(self.batch)]  # for every layer
         for i, layer in enumerate(model.layers):
             q, k, v = layer.attention_inputs(x)
             x = layer.finish(x, self.attention(i, q, k, v, seqs))
         return x
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  seqs: list[GraphSeq]) -> torch.Tensor:
+                  seqs: list[SeqStep]) -> torch.Tensor:
         """q: [B * w, n_heads, d], k, v: [B * w, n_kv_heads, d] un-rotated -> [B * w, n_heads, d]: each
-        sequence's w tokens attend its policy's ``graph_list``, their own tokens causally."""
+        sequence's w tokens attend what its policy chooses (``attention.attend``), their own tokens causally."""
         owner, cache, w = self.owner, self.owner.cache, self.width
         cache.write(layer, self.new_slots, k, v)
-        outs = []
-        for b, seq in enumerate(seqs):
-            rows = slice(b * w, (b + 1) * w)
-            attended = self.policy.graph_list(layer, seq, q[rows], self.new_slots[rows])
-            inv_freq, scale = owner.rope(attended.q_pos)
-            k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)
-            outs.append(owner.kernels.sparse_attention(q[rows], k_pool, v_pool, slots, attended.key_pos,
-                                                       attended.q_pos, inv_freq, scale, n_valid=attended.n_valid))
+        outs = [attend(self.policy, cache, owner.kernels, owner.rope, layer, seq, q[b * w:(b + 1) * w],
+                       self.new_slots[b * w:(b + 1) * w]) for b, seq in enumerate(seqs)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -6,14 +6,13 @@ KV length L, in one run on one GPU:
 - dense chunk: SDPA (flash backend, forced) of a 512-query chunk over all L RoPE'd keys, causal
   bottom-right (the chunk is the last 512 of the L tokens), GQA without copying K/V;
 - dense decode: the same for 1 query;
-- ours: one engine attention step, as ``BatchAttention.attention`` runs it: the TokenSelect policy's
-  plan, the chunk's own slots appended, sparse attention with RoPE applied on the fly (nothing
-  precomputed). The plan of
+- ours: one engine attention step, as ``attention.attend`` runs it: the TokenSelect policy's list
+  (``attend``), sparse attention with RoPE applied on the fly. The list of
   - a chunk: chunk-mean query -> head soft vote over the whole middle of the cache -> top-k ->
-    sorted selection -> slot list [n_init, k selected, n_local];
-  - a decode miss: Selection Cache check (cosine with the cached query, read back to the host) ->
-    vote -> top-k -> list, stored in the cache;
-  - a decode hit: the same check -> the cached [n_init, k selected] slots + the local window;
+    sorted selection -> slot list [n_init, k selected, n_local, own];
+  - a decode miss: Selection Cache check (cosine with the cached query, on the device) ->
+    vote -> top-k -> store -> list;
+  - a decode hit: the same check -> vote and top-k over no live candidate -> the cached choice -> list;
 - read-K floor: bytes of K the vote must read over the copy bandwidth measured in the same run.
 
 With ``--fp8-select`` the selection also runs over an fp8 (e4m3) copy of the keys, the "read fewer
@@ -36,9 +35,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from ..policies import SeqView
+from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
+from ..transfer import Aranges
 from .e2e import parse_length
 
 DEFAULT_LENGTHS = "32k,128k,512k,1m"
@@ -144,20 +144,20 @@ class Layer:
         """The engine's TokenSelect policy over this layer's keys (the fp8 copy for fp8 selection)."""
         a = self.args
         pool = (self.k_select if fp8 else self.k_pool)[None]
-        keys = SimpleNamespace(k=pool, k_select=pool)  # the policy reads only the cache's keys
+        keys = SimpleNamespace(k=pool, k_select=pool, arange=Aranges(pool.device))  # the cache's keys and index runs
         return TokenSelect(keys, kern, k=a.k, n_init=a.n_init, n_local=a.n_local, theta=theta)
 
-    def step(self, kern, policy: TokenSelect, c: int):
-        """fn() running one engine attention step for the last c tokens, as ``BatchAttention.attention``
-        does per chunk: the policy's plan, the chunk's own slots appended, sparse attention (bf16 K/V)."""
-        q, own = self.q[c], self.page_table[self.L - c:]
-        seq = SeqView(0, self.page_table[: self.L - c], decode=c == 1)
+    def step(self, kern, policy: TokenSelect, c: int, q: torch.Tensor | None = None):
+        """fn() running one engine attention step for the last c tokens, as ``attention.attend`` does per
+        sequence: the policy's list, sparse attention (bf16 K/V). q: the queries (default: the layer's)."""
+        q = self.q[c] if q is None else q
+        own = self.page_table[self.L - c:]
+        step = start_step(policy, 0, self.page_table, self.L - c, c, c == 1, tuple(q.shape), q.dtype)
 
         def run():
-            plan = policy.plan(0, seq, q)
-            slots = torch.cat([plan.slots, own])
-            positions = torch.cat([plan.positions, plan.q_positions])
-            return kern.sparse_attention(q, self.k_pool, self.v_pool, slots, positions, plan.q_positions, self.inv_freq)
+            got = policy.attend(0, step, q, own)
+            return kern.sparse_attention(q, self.k_pool, self.v_pool, got.slots, got.key_pos, got.q_pos,
+                                         self.inv_freq, n_valid=got.n_valid)
 
         return run
 
@@ -173,10 +173,11 @@ class Layer:
     def ours_decode(self, kern, hit: bool, fp8: bool = False):
         """fn() of a decode step whose Selection-Cache check hits (the cache holds a query at cosine ~0.99)
         or misses (theta 2: the same check, never met; every miss selects and stores), and its policy."""
-        policy = self.policy(kern, theta=0.9 if hit else 2.0, fp8=fp8)
+        policy = self.policy(kern, theta=0.9, fp8=fp8)
+        if not hit:  # a threshold no cosine reaches (no setting takes it): the same check, always a miss
+            policy.selection_cache.theta = 2.0
         q = self.q[1]
-        seq = SeqView(0, self.page_table[: self.L - 1], decode=True)
-        policy.plan(0, seq, q + 0.1 * torch.randn_like(q))  # a miss: stores the previous step's query
+        self.step(kern, policy, 1, q + 0.1 * torch.randn_like(q))()  # a miss: stores the previous step's query
         return self.step(kern, policy, 1), policy
 
     def parts(self, kern, fp8: bool = False) -> dict:

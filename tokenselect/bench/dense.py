@@ -3,8 +3,8 @@
 Keys are rotated once, when they are cached; each layer's cache is one contiguous tensor
 ``[n_kv_heads, max_tokens, head_dim]``; attention is PyTorch SDPA (the flash backend on CUDA) with a
 bottom-right causal mask for a prefill chunk. The same model object and weights as the engine run
-underneath, prefill chunks through the same CUDA graphs (``step_graphs.py``): only the attention context
-differs, so the benchmark's dense-vs-policy ratios measure attention and selection, nothing else. One
+underneath, prefill chunks through the same model runner and its CUDA graphs (``runner.py``): only the
+attention context differs, so the benchmark's dense-vs-policy ratios measure attention and selection, nothing else. One
 sequence at a time.
 
 On CUDA in bf16 or fp16 a decode step runs as one CUDA graph, as a serving engine runs it and as the
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..cuda_graphs import capture, warm_up
 from ..rope import rotate
 
 
@@ -36,7 +37,7 @@ class DenseRunner:
         self.k = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.v = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
-        self.graphs = llm.graphs  # the engine's CUDA graphs, as the policies run them
+        self.runner = llm.runner  # the engine's forward pass and CUDA graphs, as the policies run them
         # flash wherever it applies (bf16, fp16: what the benchmark runs); other dtypes on a GPU (fp32, in
         # the tests) fall back to the next kernel that takes them
         self.backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -44,7 +45,7 @@ class DenseRunner:
         self.length = 0  # tokens cached
         self._positions = None
         # decode steps as one graph: flash attention with the key length on the device
-        self.flash_decode = (self.device.type == "cuda" and self.graphs is not None
+        self.flash_decode = (self.device.type == "cuda" and self.runner.pieces is not None
                              and llm.dtype in (torch.bfloat16, torch.float16))
         self.decode_graph: torch.cuda.CUDAGraph | None = None
         if self.flash_decode:
@@ -88,14 +89,8 @@ class DenseRunner:
         self._token.copy_(token)
         self._position.fill_(self.length)
         if self.decode_graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.model(self._token, self)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.decode_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.decode_graph):
-                self._logits = self.model(self._token, self)
+            warm_up(lambda: self.model(self._token, self))
+            self.decode_graph, self._logits = capture(lambda: self.model(self._token, self), None)
         self.decode_graph.replay()
         self.length += 1
         return self._logits[0]
@@ -107,10 +102,7 @@ class DenseRunner:
         if self.flash_decode and c == 1:
             return self.decode(ids)
         self._positions = torch.arange(self.length, self.length + c, device=self.device)
-        if self.graphs is not None and self.graphs.bucket(c) is not None:
-            logits = self.model.logits(self.graphs.run(ids, self)[c - 1:])[0]
-        else:
-            logits = self.model(ids, self, torch.tensor([c - 1], device=self.device))[0]
+        logits = self.model.logits(self.runner.hidden(ids, self, torch.tensor([c - 1], device=self.device)))[0]
         self.length += c
         return logits
 

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..policies import policy_spec
+from ..policies import PolicyStats, policy_spec
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -119,7 +119,7 @@ def warm_up(llm, ids: list[int]) -> None:
 def whole_steps(llm, since: int | None = 0) -> int | None:
     """Steps the engine ran as one whole-step graph (``whole_graphs.py``) after ``since`` of them; None
     without CUDA graphs."""
-    return None if llm.whole_graphs is None else llm.whole_graphs.steps_run - since
+    return None if llm.runner.whole is None else llm.runner.whole.steps_run - since
 
 
 def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "") -> dict:
@@ -131,7 +131,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     dev = llm.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    before = llm.policy.stats()
+    before = llm.policy.stats() or PolicyStats()
     params = SamplingParams(max_tokens=decode_steps + 2 + profile_steps, temperature=0, ignore_eos=True)
     seq = llm.add_request(ids, params)
     chunks_whole = whole_steps(llm)
@@ -159,11 +159,10 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
     whole = whole_steps(llm, since=whole)
-    stats = llm.policy.stats()
+    counted = (llm.policy.stats() or PolicyStats()) - before
     if profile_steps:
         profile["decode"] = profiled(llm, lambda: seq.finished)
-    hits = stats.get("selection_cache_hits", 0) - before.get("selection_cache_hits", 0)
-    misses = stats.get("selection_cache_misses", 0) - before.get("selection_cache_misses", 0)
+    hits, misses = counted.selection_cache_hits, counted.selection_cache_misses
     row = {
         "prefill_s": prefill,
         "decode_ms": decode * 1e3,
@@ -278,7 +277,7 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
-        row = {"length": length, "policy": policy, "kv": kv}
+        row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config}
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
             row["error"] = f"skipped: would copy {copies / 1e9:,.0f} GB of values from host"

@@ -212,6 +212,9 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
             llm.set_attention(name, **{**policy_kwargs(args, name, engine=False), **own})
             args.policy_settings[spec] = {key: getattr(llm.policy, key) for key in policy_settings(name)
                                           if isinstance(getattr(llm.policy, key, None), (int, float, str))}
+            fitted = llm.policy_config["fitted_to_window"]
+            if fitted:  # defaults shrunk for a small window: say so where the results are read
+                args.policy_settings[spec]["fitted_to_window"] = f"{'/'.join(fitted)} (window {llm.window})"
             progress.set_postfix_str(spec)
             for cell, out in zip(cells, generate_all(llm, cells, progress)):
                 records.append({"policy": spec, "task": cell["task"], "length": cell["length"],

@@ -4,29 +4,25 @@
 
 Triton compiles for GPUs only; on a machine without CUDA its kernels can run only in Triton's
 interpreter, which is chosen when ``@triton.jit`` decorates them, i.e. when the kernel modules are
-first imported. So this package turns the interpreter on (unless ``TRITON_INTERPRET`` is already
-set) before importing them when CUDA is absent.
+first imported: set ``TRITON_INTERPRET=1`` before starting to use them on a CPU (the tests do).
+Importing this package changes no setting of the process.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from .block_scores import block_scores, block_scores_ref  # noqa: E402
-from .head_vote import head_soft_vote, head_soft_vote_ref  # noqa: E402
-from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref  # noqa: E402
-from .selection_check import selection_check, selection_check_ref  # noqa: E402
-from .selection_update import selection_update, selection_update_ref  # noqa: E402
-from .sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
-from .topk import topk, topk_ref  # noqa: E402
-from .window_mass import window_mass, window_mass_ref  # noqa: E402
+from .block_scores import block_scores, block_scores_ref
+from .head_vote import head_soft_vote, head_soft_vote_ref
+from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref
+from .selection_check import selection_check, selection_check_ref
+from .selection_update import selection_update, selection_update_ref
+from .sparse_attention import sparse_attention, sparse_attention_ref
+from .topk import topk, topk_ref
+from .window_mass import window_mass, window_mass_ref
 
 
 @dataclass(frozen=True)
@@ -75,7 +71,7 @@ def get_kernels(name: str) -> Kernels:
     if name not in KERNELS:
         raise ValueError(f"unknown kernels {name!r}; use torch or triton")
     if name == "triton" and not torch.cuda.is_available() and not triton_interpreted():
-        raise RuntimeError("Triton kernels on the CPU run only in Triton's interpreter, and TRITON_INTERPRET was "
-                           "off when tokenselect.kernels was imported: set TRITON_INTERPRET=1 before starting "
+        raise RuntimeError("Triton kernels on the CPU run only in Triton's interpreter, and TRITON_INTERPRET=1 was "
+                           "not set when tokenselect.kernels was imported: set TRITON_INTERPRET=1 before starting "
                            "(slow; meant for tests), or use kernels='torch'")
     return KERNELS[name]

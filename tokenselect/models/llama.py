@@ -127,10 +127,15 @@ class CausalLM(nn.Module):
 
         ``logit_rows`` picks the rows that need logits (the last token of each sequence), so a
         512-token prefill chunk does not pay for 512 rows of the vocabulary projection."""
+        x = self.hidden(input_ids, ctx)
+        return self.logits(x if logit_rows is None else x[logit_rows])
+
+    def hidden(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids: [n_tokens] -> the last layer's output [n_tokens, hidden]."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
-        return self.logits(x if logit_rows is None else x[logit_rows])
+        return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden], the last layer's output -> logits [n, vocab] (fp32)."""

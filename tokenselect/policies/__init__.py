@@ -1,8 +1,9 @@
 """Attention policies, chosen by name, and the settings users pass to them.
 
-Settings a user leaves out take the paper's defaults. Those defaults were chosen for models with an
-8K window; for a smaller window the size settings (``SIZE_SETTINGS`` of each policy) shrink in
-proportion, so that the attended list still fits the window the model was trained on.
+Each policy declares its settings once, as a dataclass (``Settings``: defaults, units, ranges, help; see
+``settings.py``); the command-line flags, the server's per-request settings and ``docs/settings.md`` are made
+from those declarations. Settings a user leaves out take the paper's defaults, the sizes among them fitted to
+the model's window (``settings.fitted``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import AttentionPolicy, Plan, SelectivePolicy, SeqView
+from ..settings import PAPER_WINDOW, EngineSettings, add_flag, add_flags, check, fitted, markdown_table, specs
+from .base import Attended, AttentionPolicy, PolicyStats, SelectivePolicy, SeqStep, start_step
 from .full import FullAttention
 from .infllm import InfLLM
 from .quest import Quest
@@ -25,37 +27,34 @@ from .tokenselect import TokenSelect
 POLICIES: dict[str, type[AttentionPolicy]] = {
     cls.name: cls for cls in (FullAttention, TokenSelect, ReAttention, StreamingLLM, InfLLM, Quest)
 }
-PAPER_WINDOW = 8192  # the window the papers' defaults were set for (Llama-3-8B)
-SIZE_SETTINGS = ("n_init", "k", "n_local", "span", "block_size")
 
 
 def policy_settings(name: str) -> dict[str, object]:
-    """The settings a policy takes, with their defaults."""
-    params = inspect.signature(POLICIES[name].__init__).parameters
-    return {p: v.default for p, v in params.items()
-            if p not in ("self", "cache", "kernels", "window", "chunk")}
+    """The settings a policy takes, with their declared defaults (before fitting to a window)."""
+    return {spec.name: spec.default for spec in specs(POLICIES[name].Settings)}
+
+
+def fitted_settings(name: str, settings: dict, window: int) -> dict:
+    """Every setting of policy ``name`` as it runs on a model of ``window`` tokens: the given ones, the defaults
+    (sizes fitted to the window; TokenSelect's dense_until: the window). ValueError for a setting the policy
+    does not take or a value out of range."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown attention {name!r}; choose from {', '.join(POLICIES)}")
+    kind = POLICIES[name].Settings
+    check(kind, settings, f"attention {name!r}")
+    values = fitted(kind, settings, window)
+    if "dense_until" in values and values["dense_until"] is None:
+        values["dense_until"] = window  # full attention while the context fits the model's window
+    return values
 
 
 def make_policy(name: str, cache: KVCache, kernels: Kernels, window: int, chunk: int,
                 settings: dict | None = None) -> AttentionPolicy:
-    """Build policy ``name``. Unknown settings raise; defaulted size settings fit the window."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown attention {name!r}; choose from {', '.join(POLICIES)}")
-    settings = dict(settings or {})
-    accepted = policy_settings(name)
-    unknown = sorted(set(settings) - set(accepted))
-    if unknown:
-        raise ValueError(f"attention {name!r} takes no setting {', '.join(unknown)} "
-                         f"(it takes: {', '.join(accepted) or 'none'})")
-    if "dense_until" in accepted and settings.get("dense_until") is None:
-        settings["dense_until"] = window  # full attention while the context fits the model's window
-    shrink = min(1.0, window / PAPER_WINDOW)
-    for key in SIZE_SETTINGS:
-        if key in accepted and key not in settings:
-            settings[key] = max(1, int(accepted[key] * shrink)) if accepted[key] else 0
+    """Build policy ``name`` with ``fitted_settings``; those that need them get the window and the chunk."""
+    values = fitted_settings(name, dict(settings or {}), window)
     params = inspect.signature(POLICIES[name].__init__).parameters
     extra = {key: value for key, value in (("window", window), ("chunk", chunk)) if key in params}
-    return POLICIES[name](cache, kernels, **extra, **settings)
+    return POLICIES[name](cache, kernels, **extra, **values)
 
 
 def policy_spec(text: str) -> tuple[str, dict]:
@@ -81,57 +80,33 @@ def default_chunk(window: int) -> int:
 
 # ---- command-line flags shared by generate / eval / serve / bench ---------------------------------
 
+def _policy_specs() -> dict[str, list]:
+    """Setting name -> [(policy, its Spec)] over every policy, in declaration order."""
+    by_name: dict[str, list] = {}
+    for name, cls in POLICIES.items():
+        for spec in specs(cls.Settings):
+            by_name.setdefault(spec.name, []).append((name, spec))
+    return by_name
+
+
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("attention policy settings (unset: the paper's defaults, fitted to the model window)")
-    g.add_argument("--k", type=int, help="tokens (tokenselect, infllm, quest) selected from the middle of the cache")
-    g.add_argument("--n-init", type=int, help="sink tokens kept at the start (reattention: global tokens)")
-    g.add_argument("--n-local", type=int, help="most recent tokens always attended")
-    g.add_argument("--dense-until", type=int,
-                   help="tokenselect: attend every token (as full attention) while the context is at most this "
-                        "many tokens; default: the model's trained window, so the model is unchanged at lengths it "
-                        "handles; 0: select as soon as the context exceeds n_init + k + n_local (the paper)")
-    g.add_argument("--theta", type=float, help="Selection Cache threshold on cos(q, q_cached); 1.0 never reuses")
-    g.add_argument("--selector", choices=["soft_vote", "hard_vote", "topk"], help="tokenselect head vote (default soft_vote)")
-    g.add_argument("--score-scale", help="per-head softmax scale for the vote: raw (default), sqrt_d or a number")
-    g.add_argument("--span", type=int, help="reattention: neighbours attended around each selected token")
-    g.add_argument("--n-spans", type=int, help="reattention: number of selected spans (k')")
-    g.add_argument("--block-size", type=int, help="infllm: tokens per memory block (default 128)")
-    g.add_argument("--repr-keys", type=int, help="infllm: representative keys per block (default 4)")
-    g.add_argument("--page-size", type=int, help="quest: tokens per page (default 16)")
-    g.add_argument("--positions", choices=["reindex", "original", "fixed"],
-                   help="RoPE by index within the attended list (default), at original positions, or "
-                        "(infllm's default) fixed: the memory at distance n_local from the chunk")
+    """A flag per policy setting (each policy takes those it declares) and per engine setting, with their
+    defaults, units and ranges in the help."""
+    g = parser.add_argument_group(f"attention policy settings (unset: the paper's defaults; defaults marked "
+                                  f"'x min(1, window/{PAPER_WINDOW})' shrink with a model window under "
+                                  f"{PAPER_WINDOW} tokens)")
+    for name, uses in _policy_specs().items():
+        spec = uses[0][1]
+        defaults = "; ".join(f"{policy} {s.describe_default()}" for policy, s in uses)
+        choices = list(dict.fromkeys(c for _, s in uses for c in s.choices)) if spec.choices else None
+        add_flag(g, spec, f"{spec.help} (default: {defaults})", choices)
     g.add_argument("--config", type=Path, help="JSON or YAML file of settings (flags override it)")
-    e = parser.add_argument_group("engine settings")
-    e.add_argument("--kernels", choices=["triton", "torch"], help="default: triton on CUDA, torch on CPU")
-    e.add_argument("--rope-scaling", help="override RoPE scaling, e.g. dynamic:4, ntk:8, yarn:4, linear:2")
-    e.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (default 512, or window/4 if smaller)")
-    e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    e.add_argument("--kv-cache-tokens", type=int, help="size of the KV pool in tokens")
-    e.add_argument("--kv-dtype", choices=["auto", "fp8", "bf16", "fp16", "fp32"],
-                   help="KV storage dtype (default auto: the model's dtype; fp8 halves the pool)")
-    e.add_argument("--kv-offload", choices=["none", "values"],
-                   help="values: keep the V pool in pinned host memory and only K on the GPU, which roughly "
-                        "doubles the tokens that fit; the GPU gathers the values it attends over the bus "
-                        "(default none)")
-    e.add_argument("--select-dtype", choices=["auto", "fp8"],
-                   help="fp8: keep an fp8 copy of the keys for TokenSelect and ReAttention to score, so that a "
-                        "selection reads half the bytes of bf16 keys (attention still reads the KV pool; costs one "
-                        "byte per key element); default auto: selection reads the KV pool's keys")
-    e.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each step's layers as CUDA graphs captured around attention, and decode steps "
-                        "and long prompts' prefill chunks (tokenselect, streaming, full, infllm) as one graph "
-                        "each, attention included (default: on with CUDA)")
-    e.add_argument("--max-num-seqs", type=int,
-                   help="sequences running at once (default 64); 1 gives every prefill chunk a step of its own, "
-                        "which runs as one CUDA graph")
+    add_flags(parser.add_argument_group("engine settings"), EngineSettings, skip=("max_model_len",))
 
 
-POLICY_FLAGS = ("k", "n_init", "n_local", "dense_until", "theta", "selector", "score_scale", "span", "n_spans", "positions",
-                "block_size", "repr_keys", "page_size")
-ENGINE_FLAGS = ("kernels", "rope_scaling", "chunk_size", "dtype", "device", "kv_cache_tokens", "kv_dtype",
-                "kv_offload", "select_dtype", "cuda_graphs", "max_num_seqs")
+POLICY_FLAGS = tuple(_policy_specs())
+# max_model_len is the server's own flag (``server_options.py``); the engine takes it as a keyword
+ENGINE_FLAGS = tuple(spec.name for spec in specs(EngineSettings) if spec.name != "max_model_len")
 
 
 def load_config_file(path: Path) -> dict:
@@ -166,5 +141,19 @@ def policy_kwargs(args: argparse.Namespace, attention: str | None = None, engine
     return settings
 
 
-__all__ = ["AttentionPolicy", "Plan", "SelectivePolicy", "SeqView", "POLICIES", "make_policy",
-           "policy_settings", "default_chunk", "add_policy_args", "policy_kwargs"]
+def settings_markdown() -> str:
+    """``docs/settings.md``: the engine's settings and every policy's, as tables."""
+    parts = ["# Settings", "",
+             "Generated from the settings dataclasses (`tokenselect/settings.py`, each policy's `Settings`) by",
+             "`python -m tokenselect.policies`; `tests/test_cli_settings.py` checks that this file is current.",
+             f"Defaults marked `x min(1, window/{PAPER_WINDOW})` shrink with a model window under {PAPER_WINDOW} "
+             "tokens; a value you give is kept.", "", "## Engine", "", markdown_table(EngineSettings)]
+    for name, cls in POLICIES.items():
+        parts += ["", f"## `{name}`", "", markdown_table(cls.Settings) if specs(cls.Settings) else "No settings."]
+    return "\n".join(parts) + "\n"
+
+
+__all__ = ["Attended", "AttentionPolicy", "PolicyStats", "SelectivePolicy", "SeqStep", "start_step", "POLICIES",
+           "make_policy",
+           "policy_settings", "fitted_settings", "default_chunk", "add_policy_args", "policy_kwargs",
+           "settings_markdown"]

@@ -1,13 +1,15 @@
-"""The attention policy interface and the selection plumbing every sparse policy shares.
+"""The attention policy interface and the list assembly every selective policy shares.
 
-A policy answers one question: for these queries of this layer, which cache slots are attended,
-and at which RoPE positions? The engine then runs sparse attention over
-``[plan.slots..., the chunk's own slots...]`` with causality inside the chunk.
+A policy answers one question: for this step's queries of this layer, which cache slots are attended,
+and at which RoPE positions? It answers it once, in ``attend``, with tensor operations on the device
+whose shapes depend only on what the host fixes for a step (``SeqStep``): the same code runs eagerly
+(``attention.BatchAttention``, on a CPU too) and is recorded as it is into a CUDA graph
+(``whole_graphs.py``). Host work that depends on a sequence's length (giving it a row of device state,
+closing InfLLM's blocks) happens before the step, in ``prepare``.
 
 Selective policies attend ``[n_init sink tokens | chosen middle tokens, in original order |
-n_local most recent tokens]``. They differ only in how they choose from the middle
-(``SelectivePolicy.select``); splitting the context, assembling the list and placing it at
-positions is done here once.
+n_local most recent tokens | the step's own tokens]``. They differ only in how they choose from the
+middle (``SelectivePolicy.choose``); the list and its positions are assembled here once.
 """
 
 from __future__ import annotations
@@ -19,50 +21,27 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
+from ..settings import NoSettings, setting
+from ..transfer import to_device
+
+ALL, SELECT = "all", "select"  # the modes of a selective policy's step (``SelectivePolicy.mode``)
 
 
 @dataclass
-class Plan:
-    """What one sequence's chunk attends in one layer.
-
-    slots: [n] context slots (tokens before the chunk), in attention order.
-    positions: [n] RoPE positions of those keys.
-    q_positions: [c] RoPE positions of the chunk's queries (and of its own keys).
-    """
-
-    slots: torch.Tensor
-    positions: torch.Tensor
-    q_positions: torch.Tensor
-
-
-@dataclass
-class SeqView:
-    """What a policy sees of a sequence for one chunk.
-
-    id: the sequence id (keys the policy's per-sequence state).
-    past: [T] slots of the tokens already in the cache before this chunk, in order.
-    decode: True for a generation step (one new token after the prompt).
-    """
-
-    id: int
-    past: torch.Tensor
-    decode: bool
-
-
-@dataclass
-class GraphSeq:
-    """A sequence inside a step captured as one CUDA graph (``whole_graphs.py``): what a policy reads, as
-    device tensors of shapes fixed for the graph's life.
+class SeqStep:
+    """One sequence in one step, as its policy sees it: device tensors whose shapes stay fixed for a
+    graph's life, and host values that fix which computation runs.
 
     table: [C] slots of the sequence's tokens 0..C-1: the ``length`` cached ones, then the step's own (w
-        of them); the entries after those are not the sequence's and must never be attended (they hold
-        some valid slot, so reading them is harmless).
-    length: int64 [], the tokens in the cache before this step.
-    row: int64 [], the sequence's row in the policy's per-sequence state (``graph_row``).
-    decode: True for a decode step (one query), False for a prefill chunk (which never reuses a selection).
+        of them); entries after those are not the sequence's and are never attended (they hold some valid
+        slot, so reading them is harmless).
+    length: int64 [] on the device, the tokens in the cache before this step.
+    row: int64 [] on the device, the sequence's row in the policy's per-sequence state (``prepare``).
+    decode: True for a decode step (one query after the prompt), False for a prefill chunk.
+    mode: the policy's name for what this step does (``AttentionPolicy.mode``), decided on the host.
+    buffers: device tensors of this sequence that the step writes (``AttentionPolicy.step_buffers``).
 
-    One GraphSeq serves every layer of a step, so what depends on the step alone is computed once
+    One SeqStep serves every layer of a step, so what depends on the step alone is computed once
     (``once``), not in each of the layers: in a graph each computation is a node per layer.
     """
 
@@ -70,6 +49,8 @@ class GraphSeq:
     length: torch.Tensor
     row: torch.Tensor
     decode: bool
+    mode: str = ALL
+    buffers: tuple[torch.Tensor, ...] = ()
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def once(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -80,11 +61,11 @@ class GraphSeq:
 
 
 @dataclass
-class GraphList:
-    """What a graph step's w queries attend (``AttentionPolicy.graph_list``), as device tensors.
+class Attended:
+    """What a step's w queries attend, as device tensors.
 
-    slots: [n] (n fixed for the graph's life) cache slots, the step's own tokens last among the live ones (a
-        decode step's one token may stand anywhere among them: it sees every live entry).
+    slots: [n] cache slots, the step's own tokens among the live ones (a decode step's one token may stand
+        anywhere among them: it sees every live entry; a chunk's are the last live ones, seen causally).
     key_pos: [n] their RoPE positions; q_pos: [w] the queries'.
     n_valid: None (all n are attended) or int64 []: only ``slots[:n_valid]`` are.
     """
@@ -95,60 +76,122 @@ class GraphList:
     n_valid: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class PolicyStats:
+    """A policy's counters (TokenSelect's Selection Cache decisions), summed over policies with ``+``."""
+
+    selection_cache_hits: int = 0
+    selection_cache_misses: int = 0
+
+    def __add__(self, other: "PolicyStats") -> "PolicyStats":
+        return PolicyStats(self.selection_cache_hits + other.selection_cache_hits,
+                           self.selection_cache_misses + other.selection_cache_misses)
+
+    def __sub__(self, other: "PolicyStats") -> "PolicyStats":
+        return PolicyStats(self.selection_cache_hits - other.selection_cache_hits,
+                           self.selection_cache_misses - other.selection_cache_misses)
+
+    @property
+    def selection_cache_hit_rate(self) -> float:
+        """Hits over decisions; 0 before any decision."""
+        looked_up = self.selection_cache_hits + self.selection_cache_misses
+        return self.selection_cache_hits / looked_up if looked_up else 0.0
+
+    def as_dict(self) -> dict:
+        return {"selection_cache_hits": self.selection_cache_hits,
+                "selection_cache_misses": self.selection_cache_misses,
+                "selection_cache_hit_rate": self.selection_cache_hit_rate}
+
+
 class AttentionPolicy:
-    """Base class. Subclasses set ``name`` and implement ``plan``; those that can plan a step on the device
-    alone (``graph_ready``) also implement ``graph_list``."""
+    """Base class. Subclasses set ``name`` and implement ``attend``; those with per-sequence state give
+    sequences rows of it in ``prepare`` and drop them in ``release``."""
 
     name = "base"
+    Settings = NoSettings  # the settings dataclass of the policy (``settings.py``)
 
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels
 
-    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        """q: [c, n_heads, head_dim], un-rotated queries of the chunk."""
+    def mode(self, t: int, w: int) -> str:
+        """What a step of ``w`` tokens after ``t`` cached ones does (``SeqStep.mode``), decided on the host."""
+        return ALL
+
+    def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
+                q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        """Host work before a step of the sequence; returns its row of per-sequence state (``SeqStep.row``).
+        slots: the sequence's slot table (its first t + w entries filled); capacity: the step's table
+        length; q_shape, q_dtype: the step's queries, [w, n_heads, head_dim]."""
+        return 0
+
+    def step_buffers(self, seq_id: int) -> tuple[torch.Tensor, ...]:
+        """Device tensors of the sequence that its step about to run writes (``SeqStep.buffers``), as ``prepare``
+        left them."""
+        return ()
+
+    def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
+        """What the queries q: [w, n_heads, head_dim] (un-rotated), cached at slots own: [w], attend."""
         raise NotImplementedError
 
     def release(self, seq_id: int) -> None:
         """Forget the per-sequence state of a finished sequence."""
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> PolicyStats | None:
+        """The policy's counters; None for a policy that keeps none."""
+        return None
 
-    # ---- steps captured whole as CUDA graphs --------------------------------------------------
+    def whole_table(self, step: SeqStep, w: int) -> Attended:
+        """Every token at its original position: the table's first length + w entries (the cached tokens, then
+        the step's own), the rest of its span not read. What depends on the step alone is computed once."""
+        positions = self.cache.arange(step.table.numel())
+        q_pos = step.once(f"length + first {w}", lambda: step.length + positions[:w])
+        return Attended(step.table, positions, q_pos, step.once(f"length + {w}", lambda: step.length + w))
 
-    def graph_ready(self, t: int, c: int = 1) -> bool:
-        """Whether a step of ``c`` tokens (a decode token or a prefill chunk) after ``t`` cached tokens can be
-        planned by ``graph_list``."""
+    # ---- steps captured as CUDA graphs ---------------------------------------------------------
+
+    def graph_ready(self, t: int, w: int = 1) -> bool:
+        """Whether a step of ``w`` tokens after ``t`` cached ones may be recorded as a CUDA graph that serves
+        later steps too (one whose list keeps its length and whose state tensors stay put)."""
         return False
 
-    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
-        """What the queries q: [w, n_heads, head_dim] (a decode token, w = 1, or a prefill chunk, per
-        ``seq.decode``), cached at slots own: [w], attend, computed on the device: the context ``plan`` would
-        choose at ``plan``'s positions, then their own tokens."""
-        raise NotImplementedError
-
-    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
-        """The sequence's row in the policy's per-sequence device state (``GraphSeq.row``), called on the host
-        before each graph step of the sequence (``seq.past``: its cached tokens' slots; capacity: the step's
-        table length; q_shape, q_dtype: the step's queries of the sequence, [w, n_heads, head_dim])."""
-        return 0
-
     def graph_state(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors a graph step reads and writes besides the cache: a graph is captured for
-        these very tensors, and a warm-up run restores them."""
+        """The device tensors a step reads and writes besides the cache: a graph is recorded for these very
+        tensors, and a check run restores them."""
         return ()
 
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors a graph step only reads (besides the cache and the step's inputs): a graph is
-        captured for these very tensors."""
+        """The device tensors a step only reads (besides the cache and the step's inputs)."""
         return ()
 
 
-def contiguous_plan(seq: SeqView, c: int) -> Plan:
-    """Attend every past token at its original position (full attention)."""
-    t = seq.past.numel()
-    index = arange(t + c, seq.past.device)
-    return Plan(seq.past, index[:t], index[t:])
+@dataclass
+class EagerStep:
+    """One sequence in an eager step: its policy, id, slot table (the step's own filled in), t cached tokens and
+    w new ones (their queries: q_shape [w, n_heads, head_dim], q_dtype)."""
+
+    policy: AttentionPolicy
+    seq_id: int
+    slots: torch.Tensor
+    t: int
+    w: int
+    decode: bool
+    q_shape: tuple[int, int, int]
+    q_dtype: torch.dtype
+
+
+def start_steps(seqs: list[EagerStep]) -> list[SeqStep]:
+    """The SeqSteps of an eager step: each policy prepares its sequence, whose table is exactly its t + w slots;
+    the lengths and rows reach the device in one copy."""
+    rows = [s.policy.prepare(s.seq_id, s.slots, s.t, s.t + s.w, s.decode, s.q_shape, s.q_dtype) for s in seqs]
+    scalars = to_device([s.t for s in seqs] + rows, seqs[0].slots.device).view(2, len(seqs))
+    return [SeqStep(s.slots[:s.t + s.w], scalars[0, i], scalars[1, i], s.decode, s.policy.mode(s.t, s.w),
+                    s.policy.step_buffers(s.seq_id)) for i, s in enumerate(seqs)]
+
+
+def start_step(policy: AttentionPolicy, seq_id: int, slots: torch.Tensor, t: int, w: int, decode: bool,
+               q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> SeqStep:
+    """An eager step of one sequence (``start_steps``)."""
+    return start_steps([EagerStep(policy, seq_id, slots, t, w, decode, q_shape, q_dtype)])[0]
 
 
 class SelectivePolicy(AttentionPolicy):
@@ -159,9 +202,9 @@ class SelectivePolicy(AttentionPolicy):
     positions never exceed n_init + budget + n_local + chunk) or "original" (cache positions).
     """
 
-    POSITIONS = ("reindex", "original")  # the schemes ``place`` knows; subclasses may add their own
+    POSITIONS = ("reindex", "original")  # the schemes ``attend`` knows; subclasses may add their own
 
-    dense_until = 0  # see ``attends_all``; TokenSelect sets it
+    dense_until = 0  # see ``mode``; TokenSelect sets it
 
     def __init__(self, cache: KVCache, kernels: Kernels, n_init: int, n_local: int, budget: int,
                  positions: str = "reindex"):
@@ -172,63 +215,82 @@ class SelectivePolicy(AttentionPolicy):
             raise ValueError("n_init, n_local and the selection budget must be >= 0")
         self.n_init, self.n_local, self.budget, self.positions = n_init, n_local, budget, positions
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        """Choose from the middle of the cache. q: [c, n_heads, head_dim]; middle: [M] slots.
-        Returns indices into ``middle`` (sorted, unique, at most ``budget``)."""
+    def mode(self, t: int, w: int) -> str:
+        """SELECT, or ALL (every token at its own position, as full attention) while the list would hold them
+        all anyway, and while the step's last position stays below ``dense_until`` (a model is not made worse
+        at lengths its window already handles)."""
+        if t <= self.n_init + self.budget + self.n_local or t + w <= self.dense_until:
+            return ALL
+        return SELECT
+
+    def attends_all(self, t: int, w: int) -> bool:
+        return self.mode(t, w) == ALL
+
+    def graph_ready(self, t: int, w: int = 1) -> bool:
+        """Once it selects: the list's length no longer moves."""
+        return self.mode(t, w) == SELECT
+
+    def middle(self, step: SeqStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection candidates: (slots [M], the table's fixed span between the sinks and the last n_local
+        entries; live: int64 [], how many of them are the middle of the cached tokens)."""
+        middle = step.table[self.n_init:step.table.numel() - self.n_local]
+        live = step.once(f"length - {self.n_init + self.n_local}", lambda: step.length - (self.n_init + self.n_local))
+        return middle, live
+
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Choose from the middle (``middle``). q: [w, n_heads, head_dim]. Returns (indices into the middle [B],
+        ascending, B <= budget; None, or int64 []: only the first that many of them are chosen)."""
         raise NotImplementedError
 
-    def attends_all(self, t: int, c: int) -> bool:
-        """Whether a step of ``c`` tokens after ``t`` cached ones attends every token at its own position, as
-        full attention does: while the list would hold them all anyway, and while the step's last position
-        stays below ``dense_until`` (a model is not made worse at lengths its window already handles)."""
-        return t <= self.n_init + self.budget + self.n_local or t + c <= self.dense_until
+    def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
+        if step.mode == ALL:
+            return self.whole_table(step, own.numel())
+        chosen, count = self.choose(layer, step, q)
+        return self.assemble(step, chosen, count, own)
 
-    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        t, c = seq.past.numel(), q.shape[0]
-        if self.attends_all(t, c):
-            return contiguous_plan(seq, c)
-        chosen = self.select(layer, seq, q, seq.past[self.n_init:t - self.n_local])
-        return self.assemble(seq, chosen, c)
-
-    def assemble(self, seq: SeqView, chosen: torch.Tensor, c: int) -> Plan:
-        """The plan attending ``[sinks | middle[chosen] | local window]`` of ``seq.past`` for a chunk of
-        ``c`` queries. chosen: sorted indices into the middle, ``seq.past[n_init:t - n_local]``."""
-        t, dev = seq.past.numel(), seq.past.device
-        index = arange(t, dev)
-        order = torch.cat([index[:self.n_init], chosen.to(dev) + self.n_init, index[t - self.n_local:]])
-        positions, q_positions = self.place(order, t, c)
-        return Plan(seq.past[order], positions, q_positions)
-
-    def place(self, order: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE positions for the attended tokens ``order: [n]`` (token indices) and the chunk."""
+    def assemble(self, step: SeqStep, chosen: torch.Tensor, count: torch.Tensor | None, own: torch.Tensor) -> Attended:
+        """The list ``[sinks | middle[chosen[:count]] | local window | own]``. The frame around the chosen (sinks,
+        window, own) is gathered once a step; every layer writes its choice into its middle (the layers run in
+        order, so a layer's list holds its choice until the next layer's ``attend``). A partial choice (``count``)
+        is closed up, so that the live entries come first."""
+        n_init, n_local, b, w = self.n_init, self.n_local, chosen.numel(), own.numel()
+        n = n_init + b + n_local + w
+        window = step.once(f"last {n_local} tokens", lambda: step.length - n_local + self.cache.arange(n_local))
+        frame = step.once(f"{n_init} sinks + {b} chosen + last {n_local} + own", lambda: torch.cat([
+            step.table[:n_init], step.table.new_zeros(b), step.table.index_select(0, window), own]))
+        middle, _ = self.middle(step)
+        torch.index_select(middle, 0, chosen, out=frame[n_init:n_init + b])
         if self.positions == "original":
-            return order, arange(t + c, order.device)[t:]
-        n = order.numel()
-        index = arange(n + c, order.device)
-        return index[:n], index[n:]
+            arange = self.cache.arange
+            key_pos = torch.cat([arange(n_init), chosen + n_init, window, step.length + arange(w)])
+        else:
+            key_pos = self.cache.arange(n)
+        if count is None:
+            return Attended(frame, key_pos, key_pos[n - w:], None)
+        index = self.cache.arange(n)  # entry j of the closed-up list: j, or past the b - count unchosen
+        gap = b - count
+        source = torch.where(index < n_init + count, index, (index + gap).clamp(max=n - 1))
+        n_valid = n - gap
+        key_pos = key_pos.index_select(0, source)
+        q_pos = key_pos.index_select(0, n_valid - w + self.cache.arange(w))
+        return Attended(frame.index_select(0, source), key_pos, q_pos, n_valid)
 
-    def graph_ready(self, t: int, c: int = 1) -> bool:
-        """Subclasses that implement ``graph_choose`` can plan a step on the device once it selects
-        (``attends_all`` is false), with positions by index in the list (which then never move)."""
-        return (type(self).graph_choose is not SelectivePolicy.graph_choose and self.positions == "reindex"
-                and not self.attends_all(t, c))
 
-    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
-        """[sinks | chosen | local window | own] at positions 0, 1, ...: one list a step, assembled by the first
-        layer (the sinks, the window gathered at the sequence's current length, the step's own tokens), into
-        whose middle every layer writes its own choice (``graph_choose``). The layers run in order on one
-        stream, so a layer's list holds its choice until the next layer's ``graph_list``."""
-        n_init, k = self.n_init, self.budget
-        frame = seq.once(f"{n_init} sinks + {k} chosen + last {self.n_local} + own", lambda: torch.cat([
-            seq.table[:n_init + k],  # the k after the sinks only hold the place of the chosen
-            seq.table[seq.length - self.n_local + arange(self.n_local, q.device)], own]))
-        self.graph_choose(layer, seq, q, frame[n_init:n_init + k])
-        positions = arange(frame.numel(), q.device)
-        return GraphList(frame, positions, positions[frame.numel() - own.numel():], None)
+# ---- the settings the selective policies share (each policy's Settings dataclass declares its own defaults) ----
 
-    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the slots of the middle tokens a step attends, [budget] in order, to ``out``, on the device."""
-        raise NotImplementedError
+def n_init_setting(default: int):
+    return setting(default, "sink tokens kept at the start", unit="tokens", low=0, scales=True)
+
+
+def n_local_setting(default: int, low: int = 0):
+    return setting(default, "most recent tokens always attended", unit="tokens", low=low, scales=True,
+                   per_request=True)
+
+
+def positions_setting(default: str = "reindex", choices: tuple = SelectivePolicy.POSITIONS):
+    return setting(default, "RoPE positions: by index within the attended list (reindex), the tokens' own "
+                            "(original), or InfLLM's fixed: the memory at distance n_local from the chunk",
+                   choices=choices)
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:

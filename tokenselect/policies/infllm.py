@@ -21,15 +21,14 @@ true distances. While the budget still covers the whole context and it fits the 
 its own positions, the plan is plain full attention; past the window the fixed scheme applies to it
 too. ``"reindex"`` and ``"original"`` as for the other policies.
 
-The memory lives on the device, so that decode steps and a long prompt's prefill chunks can also run as one
-CUDA graph each (``graph_list``): the representatives in a pool of blocks shared by all sequences (``reprs``; a
-sequence's closed blocks are rows of it, listed in its row of ``table``, as the KV pool's slots are listed in a
-slot table), and, a row per sequence, the attention received by the tokens not yet in a closed block (``mass``,
-a ring indexed by token index). The blocks that leave the window are given their representatives on the host
-before a graph step is launched (``graph_row``): one block every ``block_size`` decode steps, a chunk's worth
-before a chunk. A decode step counts its own query's attention inside the graph. A prefill chunk leaves its
-queries and each layer's list in ``saved_q`` and ``saved_list``, and its attention is counted from them on the
-host, at the sequence's next step, as the eager path counts a chunk's.
+The memory lives on the device, so that a step runs the same eagerly and as one CUDA graph: the
+representatives in a pool of blocks shared by all sequences (``reprs``; a sequence's closed blocks are rows of
+it, listed in its row of ``table``, as the KV pool's slots are listed in a slot table), and, a row per sequence,
+the attention received by the tokens not yet in a closed block (``mass``, a ring indexed by token index). The
+blocks that leave the window are given their representatives on the host before a step (``prepare``): one block
+every ``block_size`` decode steps, a chunk's worth before a chunk. A decode step counts its own query's
+attention on the device. A prefill chunk leaves its queries and each layer's list in the sequence's ``saved``
+buffers, and its attention is counted from them on the host, at the sequence's next step.
 """
 
 from __future__ import annotations
@@ -41,10 +40,15 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange, to_device
-from .base import GraphList, GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
+from ..transfer import to_device
+from ..settings import Validated, setting
+from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
+                   selection_query)
+from .rows import Rows, grown
 
 POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
+SPARE_SHAPES = 4  # saved buffers kept for later prompts, of this many shapes at most
+FIXED = "all, fixed"  # every token, with InfLLM's fixed positions (the window past the model's)
 
 
 @dataclass
@@ -67,28 +71,40 @@ class Memory:
 @dataclass
 class SequenceMemory:
     """row: the sequence's row of ``InfLLM.mass`` and ``InfLLM.table``; blocks: the pool blocks holding its
-    closed blocks' representatives, in order (``table[row, :len(blocks)]`` on the device); layers: per layer."""
+    closed blocks' representatives, in order (``table[row, :len(blocks)]`` on the device); layers: per layer;
+    saved: a prefill chunk's queries [layers, w, H, d] and lists [layers, n], written by the step, until counted."""
 
     row: int
     blocks: list[int]
     layers: list[Memory]
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class InfLLMSettings(Validated):
+    k: int = setting(4096, "tokens of memory blocks attended", unit="tokens", low=0, scales=True, per_request=True)
+    n_init: int = n_init_setting(128)
+    # >= 1: the representatives come from the attention tokens receive inside the local window
+    n_local: int = n_local_setting(4096, low=1)
+    block_size: int = setting(128, "tokens per memory block", unit="tokens", low=1, scales=True)
+    repr_keys: int = setting(4, "representative keys per block", low=1)
+    positions: str = positions_setting("fixed", ("fixed", "reindex", "original"))
 
 
 class InfLLM(SelectivePolicy):
     name = "infllm"
     POSITIONS = ("fixed", "reindex", "original")
+    Settings = InfLLMSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, k: int = 4096,
-                 n_init: int = 128, n_local: int = 4096, block_size: int = 128, repr_keys: int = 4,
-                 positions: str = "fixed"):
-        if block_size < 1 or repr_keys < 1 or n_local < 1:
-            raise ValueError("InfLLM's block_size, repr_keys and n_local must be >= 1 (its representatives come from "
-                             "the attention tokens receive inside the local window)")
-        self.n_blocks = k // block_size
+    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, **settings):
+        """window: the model's; chunk: the engine's prefill chunk (the local-score ring is sized for it)."""
+        s = self.Settings(**settings)
+        block_size, n_local = s.block_size, s.n_local
+        self.n_blocks = s.k // block_size
         # at most n_blocks blocks + a remainder shorter than a block
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local,
-                         budget=self.n_blocks * block_size + block_size - 1, positions=positions)
-        self.k, self.block_size, self.repr_keys = k, block_size, min(repr_keys, block_size)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=n_local,
+                         budget=self.n_blocks * block_size + block_size - 1, positions=s.positions)
+        self.k, self.block_size, self.repr_keys = s.k, block_size, min(s.repr_keys, block_size)
         self.window = window
         self.n_layers = cache.k.shape[0]
         # the ring holds every token not yet in a closed block: before the first selection the whole context past
@@ -98,50 +114,49 @@ class InfLLM(SelectivePolicy):
         self.free: list[int] = []  # pool blocks no sequence holds
         self.table: torch.Tensor | None = None  # [rows, blocks] int64: each sequence's pool blocks, in order
         self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32: the local scores
-        # a graph prefill chunk's queries [layers, w, H, d] and each layer's list [layers, n], until counted
-        self.saved_q: torch.Tensor | None = None
-        self.saved_list: torch.Tensor | None = None
-        self._saved_for: int | None = None  # the sequence whose pending counts read them
+        self.rows = Rows()
         self._memory: dict[int, SequenceMemory] = {}  # sequence id -> its memory
+        # saved buffers no sequence holds, by shape, for the next prompt (a prefill graph recorded with them replays
+        # for it); a few shapes at most: a prompt's full chunks and its last, partial one
+        self._spare: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mode(self, t: int, w: int) -> str:
+        """SELECT past the budget; before it every token, at InfLLM's fixed positions once the step reaches past
+        the model's window (with the "fixed" scheme)."""
+        if t > self.n_init + self.budget + self.n_local:
+            return SELECT
+        return FIXED if self.positions == "fixed" and t + w > self.window and t > self.n_local else ALL
 
     # ---- device state ---------------------------------------------------------------------------
 
-    def memory(self, layer: int, seq_id: int, n_heads: int, device: torch.device) -> Memory:
-        """The layer's memory of sequence ``seq_id``, with a row of device state (taken on first use)."""
+    def memory(self, seq_id: int, n_heads: int, device: torch.device) -> SequenceMemory:
+        """The memory of sequence ``seq_id``, with a row of device state (taken on first use)."""
         if seq_id not in self._memory:
-            taken = {seq.row for seq in self._memory.values()}
-            row = next(r for r in range(len(taken) + 1) if r not in taken)
+            row = self.rows.take(seq_id)
             self._reserve_rows(row + 1, n_heads, device)
             self._memory[seq_id] = SequenceMemory(row, [], [Memory(self.mass[row, layer], 0, self.n_init)
                                                             for layer in range(self.n_layers)])
-        return self._memory[seq_id].layers[layer]
+        return self._memory[seq_id]
 
     def _reserve_rows(self, rows: int, n_heads: int, device: torch.device) -> None:
         """At least ``rows`` rows of the per-sequence state (the ring and the block table), keeping what they hold
-        (grown tensors are new ones: the memories' views move to them, and a graph recorded with the old ones is
-        recorded again, ``graph_reads``)."""
-        have = 0 if self.mass is None else self.mass.shape[0]
+        (the memories' views move to the grown tensors)."""
+        if self.mass is None:
+            self.mass = torch.zeros(0, self.n_layers, self.ring, n_heads, device=device)
+            self.table = torch.zeros(0, 0, dtype=torch.int64, device=device)
+            self.reprs = torch.zeros(self.n_layers, 0, n_heads, self.cache.k.shape[-1], device=device)
+        have = self.mass.shape[0]
         if rows <= have:
             return
-        rows = max(rows, 2 * have)
-        mass = torch.zeros(rows, self.n_layers, self.ring, n_heads, device=device)
-        table = torch.zeros(rows, 0 if self.table is None else self.table.shape[1], dtype=torch.int64, device=device)
-        if have:
-            mass[:have], table[:have] = self.mass, self.table
-        self.mass, self.table = mass, table
+        self.mass, self.table = grown(self.mass, 0, max(rows, 2 * have)), grown(self.table, 0, max(rows, 2 * have))
         for seq in self._memory.values():
             for layer, mem in enumerate(seq.layers):
-                mem.ring = mass[seq.row, layer]
-        if self.reprs is None:
-            self.reprs = torch.zeros(self.n_layers, 0, n_heads, self.cache.k.shape[-1], device=device)
+                mem.ring = self.mass[seq.row, layer]
 
     def _reserve_table(self, n: int) -> None:
         """Room for ``n`` blocks in every row of the block table."""
         if self.table.shape[1] < n:
-            wider = torch.zeros(self.table.shape[0], max(n, 2 * self.table.shape[1]), dtype=torch.int64,
-                                device=self.table.device)
-            wider[:, :self.table.shape[1]] = self.table
-            self.table = wider
+            self.table = grown(self.table, 1, max(n, 2 * self.table.shape[1]))
 
     def _reserve_blocks(self, seq: SequenceMemory, n: int) -> None:
         """Give the sequence pool blocks for its first ``n`` blocks."""
@@ -152,9 +167,7 @@ class InfLLM(SelectivePolicy):
         if len(self.free) < new:  # grow the pool, keeping what it holds
             have = self.reprs.shape[1]
             size = max(have + new - len(self.free), int(have * POOL_GROWTH), 256)
-            reprs = self.reprs.new_zeros(self.n_layers, size, *self.reprs.shape[2:])
-            reprs[:, :have] = self.reprs
-            self.reprs = reprs
+            self.reprs = grown(self.reprs, 1, size)
             self.free.extend(range(size - 1, have - 1, -1))
         taken = [self.free.pop() for _ in range(new)]
         self.table[seq.row, len(seq.blocks):n] = to_device(taken, self.table.device)
@@ -162,7 +175,7 @@ class InfLLM(SelectivePolicy):
 
     def ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
         """Tokens start..stop-1 in the ring: (ring entries, the same tokens' offsets from start) pieces, at
-        most two (where the ring wraps). Slices, not index tensors: the eager path launches no index kernel."""
+        most two (where the ring wraps). Slices, not index tensors: no index kernel is launched."""
         spans, t = [], start
         while t < stop:
             entry = t % self.ring
@@ -187,55 +200,78 @@ class InfLLM(SelectivePolicy):
         """Token index of the oldest token with a ring entry (the first not in a closed block)."""
         return self.n_init + mem.closed * self.block_size
 
-    # ---- the eager path -------------------------------------------------------------------------
+    # ---- on the host, before a step -------------------------------------------------------------
 
-    def catch_up(self, layer: int, seq: SeqView, n_heads: int, device: torch.device) -> Memory:
-        """The layer's memory of ``seq``, the last chunk's attention counted and every cached token in the ring."""
-        mem = self.memory(layer, seq.id, n_heads, device)
-        if mem.pending is not None:
-            self.count_attention(layer, seq, mem)
-        self.track(mem, seq.past.numel())
-        return mem
+    def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
+                q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        """Bring the sequence's memory up to the step about to run: count its last chunk's attention, give the
+        blocks that have left the window their representatives (once it selects), and make room in the block
+        table for ``capacity`` tokens. A decode step starts its own token's ring entry itself. Before a prefill
+        chunk the sequence gets pool blocks for every block its table will close, so that the pool does not grow
+        under a graph, and buffers for the chunk's queries and lists; its attention is left pending, to be counted
+        from them."""
+        w, n_heads, _ = q_shape
+        memory = self.memory(seq_id, n_heads, slots.device)
+        mode = self.mode(t, w)
+        for layer, mem in enumerate(memory.layers):
+            if mem.pending is not None:
+                self.count_attention(layer, slots, mem)
+            self.track(mem, t)
+            if mode == SELECT:
+                self.close_blocks(layer, memory, slots, mem, self.closed_before(t))
+            if decode:
+                mem.tracked = t + 1
+        self._reserve_table(capacity // self.block_size)
+        if decode:
+            self._give_back(memory)
+            return memory.row
+        if mode == SELECT:
+            self._reserve_blocks(memory, self.closed_before(capacity))
+        n = self.list_length(w) if mode == SELECT else capacity
+        shape = (tuple(q_shape), q_dtype, n)
+        if memory.saved is None or _shape(memory.saved) != shape:
+            self._give_back(memory)
+            memory.saved = self._spare.pop(shape, None) or (
+                torch.zeros(self.n_layers, *q_shape, dtype=q_dtype, device=slots.device),
+                torch.zeros(self.n_layers, n, dtype=torch.int64, device=slots.device))
+        saved = memory.saved
+        # the list's live part before the chunk's own tokens: sinks, blocks, remainder, window; or the whole context
+        context = self.n_blocks * self.block_size + t - self.closed_before(t) * self.block_size if mode == SELECT else t
+        for layer, mem in enumerate(memory.layers):
+            mem.pending = (saved[0][layer], saved[1][layer, :context], t)
+        return memory.row
 
-    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        mem = self.catch_up(layer, seq, q.shape[1], q.device)
-        t, c = seq.past.numel(), q.shape[0]
-        plan = super().plan(layer, seq, q)
-        whole = plan.slots.numel() == t  # the budget covers the context: attended in order
-        if self.positions == "fixed" and whole and t + c > self.window and t > self.n_local:
-            plan.positions, plan.q_positions = self.place(arange(t, plan.slots.device), t, c)
-        # a copy: q may be a view of a step graph's output buffer, which the next step overwrites before this is
-        # read (and a view would keep the whole stacked q/k/v product alive meanwhile)
-        mem.pending = (q.clone(), plan.slots, t)
-        return plan
+    def step_buffers(self, seq_id: int) -> tuple[torch.Tensor, ...]:
+        """A prefill chunk's buffers for its queries and lists (``SequenceMemory.saved``)."""
+        saved = self._memory[seq_id].saved
+        return () if saved is None else saved
 
-    def count_attention(self, layer: int, seq: SeqView, mem: Memory) -> None:
-        """Add the pending chunk's local-window attention weights to the ring."""
+    def count_attention(self, layer: int, slots: torch.Tensor, mem: Memory) -> None:
+        """Add the pending chunk's local-window attention weights to the ring (slots: the sequence's table)."""
         q, context, t0 = mem.pending
         mem.pending = None
         c = q.shape[0]
-        t = t0 + c  # the chunk's keys are seq.past[t0:t] now
+        t = t0 + c  # the chunk's keys are slots[t0:t] now
         self.track(mem, t)
         lo = max(self.tracked_from(mem), t0 - self.n_local + 1)  # oldest tracked key inside some query's window
         if lo >= t:
             return
-        # the plan's context ends with the local window, so tokens lo..t-1 are the last columns
-        attended = torch.cat([context, seq.past[t0:t]])
+        # the list's context ends with the local window, so tokens lo..t-1 are the last columns
+        attended = torch.cat([context, slots[t0:t]])
         scale = 1.0 / math.sqrt(q.shape[-1])
         mass = self.kernels.window_mass(q, self.cache.k[layer], attended, c, t0, lo, self.n_local, scale)
         for entries, part in self.ring_spans(lo, t):
             mem.ring[entries].add_(mass[part])
 
-    def close_blocks(self, layer: int, seq: SeqView, mem: Memory, n_full: int) -> None:
+    def close_blocks(self, layer: int, memory: SequenceMemory, slots: torch.Tensor, mem: Memory, n_full: int) -> None:
         """Give representatives to the blocks mem.closed..n_full-1 of the middle, in this layer."""
         new, bs = n_full - mem.closed, self.block_size
         if new <= 0:
             return
-        memory = self._memory[seq.id]
         self._reserve_blocks(memory, n_full)
         n_heads, d = self.reprs.shape[2:]
         start = self.tracked_from(mem)
-        keys = self.cache.k[layer][seq.past[start:start + new * bs]].float()  # [new * bs, n_kv, d]
+        keys = self.cache.k[layer][slots[start:start + new * bs]].float()  # [new * bs, n_kv, d]
         keys = keys.repeat_interleave(n_heads // keys.shape[1], dim=1).view(new, bs, n_heads, d)
         parts = [mem.ring[entries] for entries, _ in self.ring_spans(start, start + new * bs)]
         scores = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -244,172 +280,144 @@ class InfLLM(SelectivePolicy):
         self.reprs[layer].index_copy_(0, self.table[memory.row, mem.closed:n_full], chosen.mean(dim=1))
         mem.closed = n_full
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        memory = self._memory[seq.id]
-        n_full = middle.numel() // self.block_size
-        self.close_blocks(layer, seq, memory.layers[layer], n_full)
-        # sum_h <q_h, repr[b, h]> for the sequence's closed blocks, read where the pool holds them
-        scores = self.kernels.block_scores(self.reprs[layer].flatten(1), self.table[memory.row, :n_full],
-                                           selection_query(q).flatten())
-        blocks = self.kernels.topk(scores, self.n_blocks)
-        offsets = arange(self.block_size, middle.device)
-        tokens = (blocks[:, None] * self.block_size + offsets[None, :]).flatten()
-        remainder = arange(middle.numel(), middle.device)[n_full * self.block_size:]
-        return torch.cat([tokens, remainder])
-
-    def place(self, order: torch.Tensor, t: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """With "fixed": the memory at position 0, the local window at 0..n_local-1 and the chunk's
-        queries from n_local on, so query i sees the memory at distance n_local + i."""
-        if self.positions != "fixed":
-            return super().place(order, t, c)
-        dev = order.device
-        at_zero = torch.zeros(order.numel() - self.n_local, dtype=torch.int64, device=dev)
-        index = arange(self.n_local + c, dev)
-        return torch.cat([at_zero, index[:self.n_local]]), index[self.n_local:]
-
     def representatives(self, seq_id: int, layer: int) -> torch.Tensor:
         """The representatives of a sequence's closed blocks in one layer: [blocks, H, d] fp32."""
         memory = self._memory[seq_id]
         return self.reprs[layer, memory.blocks[:memory.layers[layer].closed]]
 
+    def _give_back(self, memory: SequenceMemory) -> None:
+        """Drop the sequence's saved buffers (their chunk counted, or not needed any more); those of a selecting
+        chunk, the shape a prefill graph writes, become the spare set."""
+        saved, memory.saved = memory.saved, None
+        if saved is not None and saved[1].shape[1] == self.list_length(saved[0].shape[1]):
+            self._spare[_shape(saved)] = saved
+            while len(self._spare) > SPARE_SHAPES:
+                del self._spare[next(iter(self._spare))]
+
     def release(self, seq_id: int) -> None:
         memory = self._memory.pop(seq_id, None)
+        self.rows.release(seq_id)
         if memory is not None:
             self.free.extend(reversed(memory.blocks))
-
-    # ---- steps as one graph -----------------------------------------------------------------------
-
-    def graph_ready(self, t: int, c: int = 1) -> bool:
-        """Past the selection threshold, where every step selects blocks (any position scheme)."""
-        return t > self.n_init + self.budget + self.n_local
-
-    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
-        """Bring the sequence's memory up to the step about to run, on the host: count its last step's attention
-        (an eager chunk's, or a prefill graph's from ``saved_q``), give the blocks that have left the window their
-        representatives, and make room in the block table for ``capacity`` tokens. A decode step starts its own
-        token's ring entry itself. Before a prefill chunk the sequence gets pool blocks for every block its prompt
-        (the graph's capacity) will close, so that the pool does not grow under the prompt's graph; its attention
-        is left pending, to be counted from what the graph saves."""
-        t, dev = seq.past.numel(), seq.past.device
-        w, n_heads, _ = q_shape
-        if not seq.decode:
-            self._keep_saved(seq.id)
-        for layer in range(self.n_layers):
-            mem = self.catch_up(layer, seq, n_heads, dev)
-            self.close_blocks(layer, seq, mem, self.closed_before(t))
-            if seq.decode:
-                mem.tracked = t + 1
-        memory = self._memory[seq.id]
-        self._reserve_table(capacity // self.block_size)
-        if not seq.decode:
-            self._reserve_blocks(memory, self.closed_before(capacity))
-            if self.saved_q is None or self.saved_q.shape[1:] != q_shape or self.saved_q.dtype != q_dtype:
-                self.saved_q = torch.zeros(self.n_layers, *q_shape, dtype=q_dtype, device=dev)
-                self.saved_list = torch.zeros(self.n_layers, self.list_length(w), dtype=torch.int64, device=dev)
-            # the list's live part before the chunk's own tokens: sinks, blocks, remainder, window
-            context = self.n_blocks * self.block_size + t - self.closed_before(t) * self.block_size
-            for layer, mem in enumerate(memory.layers):
-                mem.pending = (self.saved_q[layer], self.saved_list[layer, :context], t)
-            self._saved_for = seq.id
-        return memory.row
-
-    def _keep_saved(self, seq_id: int) -> None:
-        """Before a graph prefill chunk of ``seq_id``: if another sequence's graph chunk is still to be counted,
-        that sequence takes copies of its queries and lists, which this chunk overwrites."""
-        owner = self._memory.get(self._saved_for) if self._saved_for != seq_id else None
-        for mem in owner.layers if owner is not None else ():
-            if mem.pending is not None and mem.pending[0]._base is self.saved_q:  # not counted, nor replaced
-                q, context, t0 = mem.pending
-                mem.pending = (q.clone(), context.clone(), t0)
-        self._saved_for = None
+            self._give_back(memory)
 
     def closed_before(self, t: int) -> int:
         """The blocks a step after ``t`` cached tokens finds closed (the middle's full blocks)."""
         return (t - self.n_init - self.n_local) // self.block_size
 
     def list_length(self, w: int) -> int:
-        """A graph step's list for w queries: [own (decode) | sinks | chosen blocks | tail], the tail the remainder,
-        the window (and a chunk's own tokens) at their longest."""
+        """A selecting step's list for w queries: [own (decode) | sinks | chosen blocks | tail], the tail the
+        remainder, the window (and a chunk's own tokens) at their longest."""
         return self.n_init + self.n_blocks * self.block_size + self.n_local + self.block_size - 1 + w
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def graph_ready(self, t: int, w: int = 1) -> bool:
+        """Past the selection threshold, where every step selects blocks (any position scheme)."""
+        return self.mode(t, w) == SELECT
 
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
         return () if self.reprs is None else (self.reprs, self.table)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in (self.mass, self.saved_q, self.saved_list) if t is not None)
+        return () if self.mass is None else (self.mass,)
 
-    def graph_list(self, layer: int, seq: GraphSeq, q: torch.Tensor, own: torch.Tensor) -> GraphList:
-        """A step's list on the device, n_valid of it live: [own | sinks | the chosen blocks | the tail] for a
-        decode step (the own token first, where the list's length does not move it: one query sees every live
-        entry), [sinks | the chosen blocks | the tail] for a prefill chunk, whose own tokens end the tail's live
-        part. The tail is the table from the first token after the closed blocks on: the remainder, the window
-        (and a chunk's own tokens), read at its longest. Every layer writes its choice of blocks into one list.
-        A decode step counts its query's attention on the window into its ring (the own token's entry written,
-        the others' added to); a prefill chunk leaves its queries and the layer's list for ``graph_row``."""
+    def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
+        """The step's list (``memory_list`` once it selects, else the whole table, with the fixed scheme's
+        positions past the window). A decode step counts its query's attention on the window into its ring;
+        a prefill chunk leaves its queries and the layer's list for ``prepare`` to count."""
+        w = q.shape[0]
+        if step.mode == SELECT:
+            attended, tokens, own_col = self.memory_list(layer, step, q, own)
+        else:
+            attended = self.whole_table(step, w)
+            n = step.table.numel()
+            tokens, own_col = self.cache.arange(n), step.length.view(1)
+            if step.mode == FIXED:  # the memory at 0, the window at 0..n_local-1, the queries from n_local on
+                key_pos = step.once("infllm fixed", lambda: (tokens - (step.length - self.n_local)).clamp(min=0))
+                attended = Attended(attended.slots, key_pos, self.n_local + self.cache.arange(w), attended.n_valid)
+        if step.decode:
+            self.count_own_query(layer, step, q, attended, tokens, own_col)
+        else:
+            saved_q, saved_list = step.buffers
+            saved_q[layer].copy_(q)
+            saved_list[layer].copy_(attended.slots)
+        return attended
+
+    def memory_list(self, layer: int, step: SeqStep, q: torch.Tensor,
+                    own: torch.Tensor) -> tuple[Attended, torch.Tensor, torch.Tensor]:
+        """A selecting step's list, n_valid of it live: [own | sinks | the chosen blocks | the tail] for a decode
+        step (the own token first, where the list's length does not move it: one query sees every live entry),
+        [sinks | the chosen blocks | the tail] for a prefill chunk, whose own tokens end the tail's live part. The
+        tail is the table from the first token after the closed blocks on: the remainder, the window (and a
+        chunk's own tokens), read at its longest. Every layer writes its choice of blocks into one list.
+        Returns (the list, the token indices of its entries from the tail on, the own token's entry)."""
         n_init, n_local, bs, nb = self.n_init, self.n_local, self.block_size, self.n_blocks
-        dev, w = q.device, q.shape[0]
-        first = 1 if seq.decode else 0  # the own token's entry
+        w = q.shape[0]
+        first = 1 if step.decode else 0  # the own token's entry
         chosen = slice(first + n_init, first + n_init + nb * bs)
-        tail = arange(self.list_length(w) - first - n_init - nb * bs, dev)
-        # what the layers share: the list and its positions, the tail's tokens and which of them are in the window
-        n_full = seq.once("infllm closed blocks", lambda: (seq.length - (n_init + n_local)) // bs)
-        tail_tokens = seq.once("infllm tail tokens", lambda: n_init + n_full * bs + tail)
-        slots = seq.once("infllm list", lambda: torch.cat([
-            own[:first], seq.table[:n_init], own.new_zeros(nb * bs),
-            seq.table[tail_tokens.clamp(max=seq.table.numel() - 1)]]))
-        n_valid = seq.once("infllm live", lambda: seq.length + w - n_full * bs + nb * bs)
-        key_pos = seq.once("infllm positions", lambda: self.graph_positions(seq, n_full, tail))
-        q_pos = key_pos[:1] if seq.decode else seq.once("infllm query positions", lambda: key_pos.index_select(
-            0, n_valid - w + arange(w, dev)))
+        tail = self.cache.arange(self.list_length(w) - first - n_init - nb * bs)
+        # what the layers share: the list and its positions, the tail's tokens
+        n_full = step.once("infllm closed blocks", lambda: (step.length - (n_init + n_local)) // bs)
+        tail_tokens = step.once("infllm tail tokens", lambda: n_init + n_full * bs + tail)
+        slots = step.once("infllm list", lambda: torch.cat([
+            own[:first], step.table[:n_init], own.new_zeros(nb * bs),
+            step.table[tail_tokens.clamp(max=step.table.numel() - 1)]]))
+        n_valid = step.once("infllm live", lambda: step.length + w - n_full * bs + nb * bs)
+        key_pos = step.once("infllm positions", lambda: self.list_positions(step, n_full, tail))
+        q_pos = key_pos[:1] if step.decode else step.once("infllm query positions", lambda: key_pos.index_select(
+            0, n_valid - w + self.cache.arange(w)))
         # the sequence's row of the block table (index_select: indexing by a device scalar would read it on the host)
-        pool_blocks = seq.once("infllm pool blocks", lambda: self.table[:, :seq.table.numel() // bs].index_select(
-            0, seq.row.view(1))[0])
+        pool_blocks = step.once("infllm pool blocks", lambda: self.table[:, :step.table.numel() // bs].index_select(
+            0, step.row.view(1))[0])
 
         # the blocks: scored against this sequence's representatives, read where the pool holds them
-        query = q[0].float() if seq.decode else selection_query(q)
+        query = q[0].float() if step.decode else selection_query(q)
         scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, query.flatten(), n_full)
         blocks = self.kernels.topk(scores, nb, n_full)
-        tokens = (blocks[:, None] * bs + arange(bs, dev)[None, :]).flatten() + n_init
-        torch.index_select(seq.table, 0, tokens, out=slots[chosen])
+        tokens = (blocks[:, None] * bs + self.cache.arange(bs)[None, :]).flatten() + n_init
+        torch.index_select(step.table, 0, tokens, out=slots[chosen])
         if self.positions == "original":
             key_pos[chosen].copy_(tokens)
-        if seq.decode:
-            self.count_own_query(layer, seq, q, slots, n_valid, chosen.stop, tail_tokens)
-        else:
-            self.saved_q[layer].copy_(q)
-            self.saved_list[layer].copy_(slots)
-        return GraphList(slots, key_pos, q_pos, n_valid)
+        return Attended(slots, key_pos, q_pos, n_valid), tail_tokens, self.cache.arange(1)
 
-    def count_own_query(self, layer: int, seq: GraphSeq, q: torch.Tensor, slots: torch.Tensor, n_valid: torch.Tensor,
-                        tail_from: int, tail_tokens: torch.Tensor) -> None:
-        """A decode step's attention on its window, counted into the ring: what ``count_attention`` adds on the
-        host for an eager step (q: [1, H, d]; slots: the step's list, own token first, n_valid live, the tail's
-        tokens ``tail_tokens`` from entry ``tail_from`` on)."""
-        n_local, ring, dev = self.n_local, self.ring, q.device
-        dead = seq.once("infllm dead", lambda: arange(slots.numel(), dev) >= n_valid)
-        windowed = seq.once("infllm windowed", lambda: (
-            (seq.length - tail_tokens >= 1) & (seq.length - tail_tokens < n_local)).float()[:, None])
-        tail_ring = seq.once("infllm tail ring", lambda: tail_tokens % ring)
-        own_ring = seq.once("infllm own ring", lambda: (seq.length % ring).view(1))
+    def count_own_query(self, layer: int, step: SeqStep, q: torch.Tensor, attended: Attended, tokens: torch.Tensor,
+                        own_col: torch.Tensor) -> None:
+        """A decode step's attention on its window, counted into the ring (q: [1, H, d]; tokens: the token indices
+        of the list's last entries, those that may be in the window; own_col: [1], the own token's entry): the own
+        token's entry written, the window's others added to."""
+        n_local, ring = self.n_local, self.ring
+        slots, n_valid = attended.slots, attended.n_valid
+        tail_from = slots.numel() - tokens.numel()
+        dead = step.once("infllm dead", lambda: self.cache.arange(slots.numel()) >= n_valid)
+        windowed = step.once("infllm windowed", lambda: (
+            (step.length - tokens >= 1) & (step.length - tokens < n_local) & (tokens >= self.n_init)).float()[:, None])
+        tail_ring = step.once("infllm tail ring", lambda: tokens % ring)
+        own_ring = step.once("infllm own ring", lambda: (step.length % ring).view(1))
         logits = self.kernels.paged_dot(q[0], self.cache.k[layer], slots).mul_(1.0 / math.sqrt(q.shape[-1]))
         p = torch.softmax(logits.masked_fill_(dead, float("-inf")), dim=1)  # [H, n]
-        base = (seq.row * self.n_layers + layer) * ring
+        base = (step.row * self.n_layers + layer) * ring
         mass = self.mass.view(-1, q.shape[1])
-        mass.index_copy_(0, base + own_ring, p[:, :1].T)
+        mass.index_copy_(0, base + own_ring, p.index_select(1, own_col).T)
         mass.index_add_(0, base + tail_ring, p[:, tail_from:].T * windowed)
 
-    def graph_positions(self, seq: GraphSeq, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        """The positions of the graph list (the chosen blocks' are written by each layer with "original"), as
-        ``place`` gives them to the eager plan's [sinks | chosen | remainder | window] and its queries: a decode
-        step's own token first, a chunk's own tokens the tail's last live entries (positions after the window's)."""
+    def list_positions(self, step: SeqStep, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """The positions of a selecting step's list (the chosen blocks' are written by each layer with "original"):
+        a decode step's own token first, a chunk's own tokens the tail's last live entries (positions after the
+        window's). "fixed": the memory (the remainder too) at 0, the window at 0..n_local-1."""
         n_init, n_local, bs, dev = self.n_init, self.n_local, self.block_size, tail.device
         memory = n_init + self.n_blocks * bs
-        tail_len = seq.length - n_init - n_full * bs  # the remainder and the window
-        if self.positions == "fixed":  # the memory (the remainder too) at 0, the window at 0..n_local-1
-            own, rest = arange(n_local + 1, dev)[n_local:], [torch.zeros(memory, dtype=torch.int64, device=dev),
+        tail_len = step.length - n_init - n_full * bs  # the remainder and the window
+        if self.positions == "fixed":
+            own, rest = self.cache.arange(n_local + 1)[n_local:], [torch.zeros(memory, dtype=torch.int64, device=dev),
                                                                (tail - (tail_len - n_local)).clamp(min=0)]
         elif self.positions == "reindex":
-            own, rest = (memory + tail_len).view(1), [arange(memory, dev), memory + tail]
+            own, rest = (memory + tail_len).view(1), [self.cache.arange(memory), memory + tail]
         else:
-            own, rest = seq.length.view(1), [arange(memory, dev), n_init + n_full * bs + tail]
-        return torch.cat([own, *rest] if seq.decode else rest)
+            own, rest = step.length.view(1), [self.cache.arange(memory), n_init + n_full * bs + tail]
+        return torch.cat([own, *rest] if step.decode else rest)
+
+
+def _shape(saved: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """(the queries' [w, H, d], their dtype, the lists' length) of a set of saved buffers."""
+    return tuple(saved[0].shape[1:]), saved[0].dtype, saved[1].shape[1]

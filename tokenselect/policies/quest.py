@@ -8,58 +8,100 @@ page's upper bound on q_h . k for query head h, reading kv head kv(h), is
 
     u[h, p] = sum_c max(q[h, c] * min[p, kv(h), c], q[h, c] * max[p, kv(h), c])
 
-QUEST selects pages per head. Our plan is shared by all heads, so pages are ranked by
+QUEST selects pages per head. Our list is shared by all heads, so pages are ranked by
 max_h u[h, p]: a page is in the running as soon as one head's bound is high, which is the union of
 QUEST's per-head choices. A sum over heads would let pages that many heads find moderately useful
 crowd out the page a single retrieval head needs. The ``k // page_size`` best pages are attended.
 
-The bounds of full pages are computed once and kept per sequence and layer; a selection then reads
-two vectors per page, plus the keys of the partial last page.
+The bounds of full pages are computed on the host before a step (``prepare``), once per page, and kept
+in a row per sequence; a selection then reads two vectors per page, plus the keys of the partial last page.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
-from .base import SelectivePolicy, SeqView, selection_query
+from ..settings import Validated, setting
+from .base import SELECT, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting, selection_query
+from .rows import Rows, grown
+
+
+@dataclass(frozen=True)
+class QuestSettings(Validated):
+    k: int = setting(4096, "tokens selected from the middle of the cache, in whole pages", unit="tokens", low=0,
+                     scales=True, per_request=True)
+    page_size: int = setting(16, "tokens per page", unit="tokens", low=1)
+    n_init: int = n_init_setting(0)
+    n_local: int = n_local_setting(16)
+    positions: str = positions_setting()
 
 
 class Quest(SelectivePolicy):
     name = "quest"
+    Settings = QuestSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, k: int = 4096, page_size: int = 16, n_init: int = 0,
-                 n_local: int = 16, positions: str = "reindex"):
-        if page_size < 1:
-            raise ValueError("page_size must be >= 1")
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k, positions=positions)
-        self.k, self.page_size = k, page_size
-        self._bounds: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # seq -> layer -> (min, max)
+    def __init__(self, cache: KVCache, kernels: Kernels, **settings):
+        s = self.Settings(**settings)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions)
+        self.k, self.page_size = s.k, s.page_size
+        self.rows = Rows()
+        self.pages: dict[int, int] = {}  # sequence id -> its full pages with bounds
+        _, _, n_kv, d = cache.k.shape
+        # [rows, layers, pages, n_kv, d] fp32: each page's channel-wise key minimum and maximum
+        self.lo = torch.zeros(0, cache.k.shape[0], 1, n_kv, d, device=cache.k.device)
+        self.hi = self.lo.clone()
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        lo, hi = self.page_bounds(layer, seq.id, middle)
-        pages = self.kernels.topk(self.page_scores(selection_query(q), lo, hi), self.k // self.page_size)
-        offsets = arange(self.page_size, middle.device)
-        tokens = (pages[:, None] * self.page_size + offsets[None, :]).flatten()
-        return tokens[tokens < middle.numel()]
+    def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
+                q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        """Bounds for the full pages of the middle a selecting step sees (and room for its partial last one)."""
+        row = self.rows.take(seq_id)
+        if row >= self.lo.shape[0]:
+            self.lo, self.hi = (grown(b, 0, max(4, 2 * row)) for b in (self.lo, self.hi))
+        if self.mode(t, q_shape[0]) != SELECT:
+            return row
+        ps, have = self.page_size, self.pages.get(seq_id, 0)
+        full = (t - self.n_init - self.n_local) // ps
+        if full + 1 > self.lo.shape[2]:
+            self.lo, self.hi = (grown(b, 2, 2 * (full + 1)) for b in (self.lo, self.hi))
+        if full > have:  # pages filled since the last selection
+            tokens = slots[self.n_init + have * ps:self.n_init + full * ps]
+            for layer in range(self.lo.shape[1]):
+                keys = self.cache.k[layer][tokens].float().unflatten(0, (-1, ps))  # [pages, ps, n_kv, d]
+                self.lo[row, layer, have:full] = keys.amin(dim=1)
+                self.hi[row, layer, have:full] = keys.amax(dim=1)
+        self.pages[seq_id] = full
+        return row
 
-    def page_bounds(self, layer: int, seq_id: int, middle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Channel-wise min and max of each page's keys, ``[P, n_kv, d]`` fp32 each, P = ceil(M / page_size)."""
-        ps, k_pool = self.page_size, self.cache.k[layer]
-        full = middle.numel() // ps
-        layers = self._bounds.setdefault(seq_id, {})
-        empty = torch.empty(0, *k_pool.shape[1:], device=k_pool.device)
-        lo, hi = layers.get(layer, (empty, empty))
-        if lo.shape[0] < full:  # pages filled since the last selection
-            keys = k_pool[middle[lo.shape[0] * ps:full * ps]].float().unflatten(0, (-1, ps))  # [n, ps, n_kv, d]
-            lo, hi = torch.cat([lo, keys.amin(dim=1)]), torch.cat([hi, keys.amax(dim=1)])
-            layers[layer] = (lo, hi)
-        if full * ps < middle.numel():
-            tail = k_pool[middle[full * ps:]].float()
-            lo, hi = torch.cat([lo, tail.amin(dim=0, keepdim=True)]), torch.cat([hi, tail.amax(dim=0, keepdim=True)])
-        return lo, hi
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        middle, live = self.middle(step)
+        ps, m = self.page_size, middle.numel()
+        n_full = live // ps
+        lo, hi = (b[:, layer].index_select(0, step.row.view(1))[0] for b in (self.lo, self.hi))  # [P, n_kv, d]
+        # the partial last page's bounds, from its live keys, in the entry after the full pages
+        tail = n_full * ps + self.cache.arange(ps)
+        live_tail = (tail < live)[:, None, None]
+        keys = self.cache.k[layer][middle.index_select(0, tail.clamp(max=m - 1))].float()  # [ps, n_kv, d]
+        at = n_full.view(1)
+        lo.index_copy_(0, at, keys.masked_fill(~live_tail, float("inf")).amin(dim=0, keepdim=True))
+        hi.index_copy_(0, at, keys.masked_fill(~live_tail, float("-inf")).amax(dim=0, keepdim=True))
+        n_pages = (live + ps - 1) // ps
+        scores = self.page_scores(selection_query(q), lo, hi)
+        pages = self.kernels.topk(scores, self.k // ps, n_pages)
+        tokens = (pages[:, None] * ps + self.cache.arange(ps)[None, :]).flatten()
+        # ascending: the live tokens first (the partial page's dead end and pages past the live ones after them)
+        return tokens.clamp(max=m - 1), (tokens < live).sum()
+
+    def graph_ready(self, t: int, w: int = 1) -> bool:
+        """Not recorded as whole-step graphs yet: ``attend`` reads nothing on the host, but no GPU run has checked
+        QUEST's graphs (its bounds grow with the context, ``graph_reads``)."""
+        return False
+
+    def graph_reads(self) -> tuple[torch.Tensor, ...]:
+        return self.lo, self.hi
 
     @staticmethod
     def page_scores(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -69,4 +111,5 @@ class Quest(SelectivePolicy):
         return torch.maximum(query * lo, query * hi).sum(dim=-1).amax(dim=1)
 
     def release(self, seq_id: int) -> None:
-        self._bounds.pop(seq_id, None)
+        self.rows.release(seq_id)
+        self.pages.pop(seq_id, None)

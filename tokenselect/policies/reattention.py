@@ -6,48 +6,85 @@ to a span of ``span`` neighbours (overlaps merged). The attended list [global, s
 then placed at contiguous positions, so the model's window is never exceeded: the number of spans
 is capped so that global + spans + local + chunk fits in ``window``.
 Defaults follow the paper: global 32, local 4096, span 32, 127 spans.
+
+All of it runs on the device with shapes fixed by the step (the middle's span of the table, the budget
+of n_spans * span tokens), so nothing is read back on the host: the votes are counted by a scatter, the
+spans are marked on the middle by a difference array, and the marked tokens, fewer than the budget where
+spans overlap or touch an edge, are packed to the front of the choice (``SelectivePolicy.assemble`` closes
+up the rest).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import SelectivePolicy, SeqView
+from ..settings import Validated, setting
+from .base import SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting
 
 SCORE_ELEMENTS = 1 << 24  # scores computed per block of chunk queries, at most this many floats
 
 
+@dataclass(frozen=True)
+class ReAttentionSettings(Validated):
+    n_init: int = n_init_setting(32)
+    n_local: int = n_local_setting(4096)
+    span: int = setting(32, "neighbours attended around each selected token", unit="tokens", low=1, scales=True)
+    n_spans: int = setting(127, "selected spans (k'); at most what fits the window beside n_init + n_local + chunk",
+                           low=0)
+    top: int = setting(1, "best middle tokens each (chunk query, head) pair votes for", low=1)
+    positions: str = positions_setting()
+
+
 class ReAttention(SelectivePolicy):
     name = "reattention"
+    Settings = ReAttentionSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, window: int, n_init: int = 32, n_local: int = 4096,
-                 span: int = 32, n_spans: int = 127, top: int = 1, chunk: int = 512, positions: str = "reindex"):
-        room = window - n_init - n_local - chunk
+    def __init__(self, cache: KVCache, kernels: Kernels, window: int, chunk: int = 512, **settings):
+        """window: the model's; chunk: the engine's prefill chunk (the list must fit the window beside it)."""
+        s = self.Settings(**settings)
+        room = window - s.n_init - s.n_local - chunk
         if room < 0:
-            raise ValueError(f"reattention: n_init {n_init} + n_local {n_local} + chunk {chunk} exceed the "
+            raise ValueError(f"reattention: n_init {s.n_init} + n_local {s.n_local} + chunk {chunk} exceed the "
                              f"model window {window}; lower n_local")
-        n_spans = min(n_spans, room // max(span, 1))
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=n_spans * span, positions=positions)
-        self.span, self.n_spans, self.top = span, n_spans, top
+        n_spans = min(s.n_spans, room // s.span)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=n_spans * s.span,
+                         positions=s.positions)
+        self.span, self.n_spans, self.top = s.span, n_spans, s.top
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        if self.n_spans == 0:
-            return torch.empty(0, dtype=torch.int64, device=middle.device)
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        middle, live = self.middle(step)
+        m, dev = middle.numel(), middle.device
+        if self.n_spans == 0 or m == 0:
+            return middle.new_zeros(0), live.new_zeros(())
+        dead = step.once(f"reattention dead {m}", lambda: self.cache.arange(m) >= live)
         k_pool = self.cache.k_select[layer]
-        n_heads, m = q.shape[1], middle.numel()
+        n_heads = q.shape[1]
         block = max(1, SCORE_ELEMENTS // (n_heads * m))
-        picks = []
+        votes = torch.zeros(m, dtype=torch.float64, device=dev)  # counts, exact in fp64 beside the tie-break
         for start in range(0, q.shape[0], block):
             part = q[start:start + block]  # [b, n_heads, d], in its own dtype (an fp8 pool's keys are upcast)
             # head-major rows: row h*b + i is head h, so the GQA mapping row -> kv head stays h // group
             rows = part.transpose(0, 1).reshape(n_heads * part.shape[0], -1)
-            scores = self.kernels.paged_dot(rows, k_pool, middle)  # [n_heads * b, M]
-            picks.append(torch.topk(scores, min(self.top, m), dim=1).indices.flatten())
-        winners, votes = torch.unique(torch.cat(picks), return_counts=True)
-        if winners.numel() > self.n_spans:
-            winners = winners[torch.topk(votes, self.n_spans).indices]
-        offsets = torch.arange(-(self.span // 2), (self.span + 1) // 2, device=winners.device)
-        spans = (winners[:, None] + offsets[None, :]).flatten().clamp(0, m - 1)
-        return torch.unique(spans)  # sorted
+            scores = self.kernels.paged_dot(rows, k_pool, middle).masked_fill_(dead, float("-inf"))  # [rows, M]
+            picks = torch.topk(scores, min(self.top, m), dim=1).indices.flatten()
+            votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
+        # the n_spans most-voted tokens among those with a vote, of equal votes the earliest (so that the choice
+        # does not depend on the table's padding)
+        winners = torch.topk(votes * (m + 1) - self.cache.arange(m), min(self.n_spans, m)).indices
+        won = votes.index_select(0, winners) > 0
+        # each winner covers [w - span // 2, w + (span + 1) // 2), clipped to the live middle: +1 where a span
+        # starts, -1 past its end, and a running sum marks the covered tokens
+        edges = torch.zeros(m + 1, device=dev)
+        lo = (winners - self.span // 2).clamp(min=0)
+        hi = (winners + (self.span + 1) // 2).clamp(max=m)
+        edges.scatter_add_(0, lo, won.float()).scatter_add_(0, hi, -won.float())
+        covered = (edges[:m].cumsum(0) > 0) & ~dead
+        # pack the covered tokens' indices, in order, to the front of a [budget] choice (the rest: a dump entry)
+        rank = covered.cumsum(0) - 1
+        chosen = middle.new_zeros(self.budget + 1)
+        chosen.scatter_(0, torch.where(covered, rank, self.budget), self.cache.arange(m))
+        return chosen[:self.budget], covered.sum()

@@ -7,10 +7,9 @@ A miss recomputes the selection and stores it with the new query.
 The entries live on the device, one row per sequence: for every layer the cached query scaled to unit
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
 decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
-hits and misses there; an eager step reads it back once (``lookup``), a decode step captured as a CUDA
-graph gates its selection work with it (``whole_graphs.py``) and stores or reuses in one more kernel
-(``update``, ``kernels/selection_update.py``). Both paths see the same entries, so a sequence may move
-between them.
+hits and misses there; a decode step gates its selection work with it (``policies/tokenselect.py``) and
+stores or reuses in one more kernel (``update``, ``kernels/selection_update.py``), eagerly or inside a CUDA
+graph alike. ``lookup`` and ``store`` are the host-side form the transformers backend (``hf.py``) uses.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from ..kernels.selection_check import EPS, selection_check_ref
 from ..kernels.selection_update import selection_update_ref
-from ..transfer import arange
+from .rows import Rows, grown
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
 
@@ -34,7 +33,7 @@ class SelectionCache:
         (``Kernels.selection_check``, ``Kernels.selection_update``)."""
         self.theta, self.n_layers, self.width = theta, n_layers, width
         self.check, self.update_kernel = check, update
-        self._rows: dict[int, int] = {}  # sequence id -> row
+        self.rows = Rows()
         self.unit: torch.Tensor | None = None  # [rows, n_layers, n] fp32: the cached queries / |q|
         self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
         self.valid: torch.Tensor | None = None  # [rows, n_layers] bool
@@ -43,30 +42,23 @@ class SelectionCache:
     # ---- rows ---------------------------------------------------------------------------------
 
     def row(self, seq_id: int, size: int, device: torch.device) -> int:
-        """The row of ``seq_id``, assigned on first use; size: n_heads * head_dim of a query."""
-        if seq_id in self._rows:
-            return self._rows[seq_id]
-        taken = set(self._rows.values())
-        free = next(r for r in range(len(taken) + 1) if r not in taken)
-        if self.unit is None or free >= self.unit.shape[0]:
-            self._grow(max(FIRST_ROWS, 2 * free), size, device)
-        self.valid[free] = False
-        self._rows[seq_id] = free
-        return free
-
-    def _grow(self, rows: int, n: int, dev: torch.device) -> None:
-        old = (self.unit, self.selection, self.valid)
-        self.unit = torch.zeros(rows, self.n_layers, n, dtype=torch.float32, device=dev)
-        self.selection = torch.zeros(rows, self.n_layers, self.width, dtype=torch.int64, device=dev)
-        self.valid = torch.zeros(rows, self.n_layers, dtype=torch.bool, device=dev)
-        if old[0] is not None:
-            for new, kept in zip((self.unit, self.selection, self.valid), old):
-                new[:kept.shape[0]] = kept
-        else:
-            self.device_counts = torch.zeros(2, dtype=torch.int64, device=dev)
+        """The row of ``seq_id``, assigned (empty) on first use; size: n_heads * head_dim of a query."""
+        if seq_id in self.rows:
+            return self.rows[seq_id]
+        row = self.rows.take(seq_id)
+        if self.unit is None:
+            self.unit = torch.zeros(0, self.n_layers, size, dtype=torch.float32, device=device)
+            self.selection = torch.zeros(0, self.n_layers, self.width, dtype=torch.int64, device=device)
+            self.valid = torch.zeros(0, self.n_layers, dtype=torch.bool, device=device)
+            self.device_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        if row >= self.unit.shape[0]:
+            rows = max(FIRST_ROWS, 2 * row)
+            self.unit, self.selection, self.valid = (grown(t, 0, rows) for t in (self.unit, self.selection, self.valid))
+        self.valid[row] = False
+        return row
 
     def release(self, seq_id: int) -> None:
-        self._rows.pop(seq_id, None)
+        self.rows.release(seq_id)
 
     # ---- the decision -------------------------------------------------------------------------
 
@@ -84,7 +76,7 @@ class SelectionCache:
         if self.theta is None:
             return None
         row = self.row(seq_id, q.numel(), q.device)
-        if self.miss(arange(row + 1, q.device)[row], layer, q).item():  # the row as a device scalar
+        if self.miss(torch.tensor(row, device=q.device), layer, q).item():
             return None
         return self.selection[row, layer]
 
@@ -95,12 +87,12 @@ class SelectionCache:
         self.selection[row, layer] = selection
         self.valid[row, layer] = True
 
-    def update(self, row: torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor, miss: torch.Tensor,
-               out: torch.Tensor) -> None:
-        """A decode graph's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
+    def update(self, row: torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor,
+               miss: torch.Tensor) -> torch.Tensor:
+        """A decode step's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
         device, from ``miss``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
-        device). Writes the entry after that to out: [width] (``selection`` on a miss, the cached one on a hit)."""
-        self.update_kernel(q.flatten(), self.unit, self.selection, self.valid, row, layer, selection, miss, out)
+        device). Returns the entry after that, [width] (``selection`` on a miss, the cached one on a hit)."""
+        return self.update_kernel(q.flatten(), self.unit, self.selection, self.valid, row, layer, selection, miss)
 
     # ---- counters -----------------------------------------------------------------------------
 

@@ -10,23 +10,31 @@ a 4096-token window.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from .base import GraphSeq, SelectivePolicy, SeqView
+from ..settings import Validated
+from .base import SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting
+
+
+@dataclass(frozen=True)
+class StreamingSettings(Validated):
+    n_init: int = n_init_setting(128)
+    n_local: int = n_local_setting(4096)
+    positions: str = positions_setting()
 
 
 class StreamingLLM(SelectivePolicy):
     name = "streaming"
+    Settings = StreamingSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, n_init: int = 128, n_local: int = 4096,
-                 positions: str = "reindex"):
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=0, positions=positions)
+    def __init__(self, cache: KVCache, kernels: Kernels, **settings):
+        s = self.Settings(**settings)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=0, positions=s.positions)
 
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The middle is evicted: nothing is chosen from it."""
-        return torch.empty(0, dtype=torch.int64, device=middle.device)
-
-    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
-        """Nothing to choose: the list is the sinks and the window alone."""
+        return step.table.new_zeros(0), None

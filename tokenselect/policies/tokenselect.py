@@ -15,99 +15,72 @@ Selectors (paper eqs. 5-7), over scores s[h, t] = scale * <q_h, K[t, h // group]
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
-from ..transfer import arange
-from .base import GraphSeq, Plan, SelectivePolicy, SeqView, selection_query
+from ..settings import Validated, setting
+from .base import (PolicyStats, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
+                   selection_query)
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
 
 
+@dataclass(frozen=True)
+class TokenSelectSettings(Validated):
+    k: int = setting(2048, "tokens selected from the middle of the cache", unit="tokens", low=0, scales=True,
+                     per_request=True)
+    n_init: int = n_init_setting(128)
+    n_local: int = n_local_setting(512)
+    theta: float | None = setting(0.9, "Selection Cache threshold on cos(q, q_cached); 1.0 never reuses",
+                                  low=-1.0, high=1.0, per_request=True, none="off: every decode step selects")
+    selector: str = setting("soft_vote", "head vote", choices=SELECTORS)
+    score_scale: str = setting("raw", "per-head softmax scale for the vote: raw, sqrt_d or a number")
+    positions: str = positions_setting()
+    dense_until: int | None = setting(None, "attend every token (as full attention) while the context is at most "
+                                            "this many tokens; 0: select as soon as the context exceeds n_init + k + "
+                                            "n_local (the paper)", unit="tokens", low=0, kind=int,
+                                      none="the model's window, so the model is unchanged at lengths it handles")
+
+
 class TokenSelect(SelectivePolicy):
     name = "tokenselect"
+    Settings = TokenSelectSettings
 
-    def __init__(self, cache: KVCache, kernels: Kernels, k: int = 2048, n_init: int = 128, n_local: int = 512,
-                 theta: float | None = 0.9, selector: str = "soft_vote", score_scale: str | float = "raw",
-                 positions: str = "reindex", dense_until: int = 0):
-        super().__init__(cache, kernels, n_init=n_init, n_local=n_local, budget=k, positions=positions)
-        if dense_until < 0:
-            raise ValueError("dense_until must be >= 0")
-        self.dense_until = dense_until
-        if selector not in SELECTORS:
-            raise ValueError(f"unknown selector {selector!r}; use one of {', '.join(SELECTORS)}")
-        self.k, self.selector = k, selector
-        self.scale = resolve_score_scale(score_scale, cache.k.shape[-1])
-        # an entry: the chosen middle tokens of a miss's plan, their slots (and with "original" positions their
-        # token indices after them)
-        self.selection_cache = SelectionCache(theta, cache.k.shape[0], k * (2 if positions == "original" else 1),
-                                              kernels.selection_check, kernels.selection_update)
+    def __init__(self, cache: KVCache, kernels: Kernels, **settings):
+        s = self.Settings(**settings)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions)
+        self.dense_until = s.dense_until or 0
+        self.k, self.selector = s.k, s.selector
+        self.scale = resolve_score_scale(s.score_scale, cache.k.shape[-1])
+        # an entry: a miss's choice, [k] indices into the middle
+        self.selection_cache = SelectionCache(s.theta, cache.k.shape[0], s.k, kernels.selection_check,
+                                              kernels.selection_update)
 
-    def plan(self, layer: int, seq: SeqView, q: torch.Tensor) -> Plan:
-        """Chunks select (``select``); decode steps go through the Selection Cache, whose entry is the chosen
-        middle of the last miss's plan: a hit puts it between the sinks and the current local window."""
-        t, c = seq.past.numel(), q.shape[0]
-        if not seq.decode or self.attends_all(t, c):
-            return super().plan(layer, seq, q)
+    def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The ``k`` middle tokens with the highest vote, without a branch. A prefill chunk selects with its mean
+        query. A decode step's query is its own (a view: no kernel), and goes through the Selection Cache, whose
+        decision gates the work: on a hit the vote and the top-k see no live candidate (their kernels read
+        nothing; the top-k's picks are discarded), and the store-or-reuse returns the cached choice."""
         sc = self.selection_cache
-        query = selection_query(q)
-        cached = sc.lookup(seq.id, layer, query)
-        if cached is not None:
-            return self.reuse(cached, seq, c)
-        middle = seq.past[self.n_init:t - self.n_local]
-        chosen = self.choose(query.to(q.dtype), self.cache.k_select[layer], middle)
-        plan = self.assemble(seq, chosen, c)
-        if sc.theta is not None:
-            part = slice(self.n_init, self.n_init + self.k)
-            entry = plan.slots[part] if self.positions == "reindex" else torch.cat([plan.slots[part],
-                                                                                    plan.positions[part]])
-            sc.store(sc.row(seq.id, query.numel(), query.device), layer, query, entry)
-        return plan
-
-    def reuse(self, entry: torch.Tensor, seq: SeqView, c: int) -> Plan:
-        """The plan of a Selection-Cache hit, as ``assemble`` would make it for the cached choice: the sinks, the
-        entry's slots [k] (with "original" its token indices [k] follow them in the entry), the current local
-        window."""
-        t, k = seq.past.numel(), self.k
-        slots = torch.cat([seq.past[:self.n_init], entry[:k], seq.past[t - self.n_local:]])
-        # "reindex" places by index in the list, for which ``place`` reads only the list's length
-        index = arange(t, slots.device)
-        order = slots if self.positions == "reindex" else torch.cat([index[:self.n_init], entry[k:],
-                                                                     index[t - self.n_local:]])
-        positions, q_positions = self.place(order, t, c)
-        return Plan(slots, positions, q_positions)
-
-    def graph_choose(self, layer: int, seq: GraphSeq, q: torch.Tensor, out: torch.Tensor) -> None:
-        """``plan``'s choice on the device, without a branch: the chosen slots [k] to ``out``. A prefill chunk
-        selects with its mean query. A decode step's query is its own (a view: no kernel), and goes through
-        the Selection Cache, whose decision gates the work: on a hit the vote and the top-k see no live
-        candidate (their kernels read nothing; the top-k's picks are discarded), and the store-or-reuse
-        writes the cached choice. The middle is the table's fixed span, of which the first
-        length - n_init - n_local slots are live."""
-        sc = self.selection_cache
-        query = q[0] if seq.decode else selection_query(q).to(q.dtype)
-        miss = sc.miss(seq.row, layer, query) if seq.decode else None  # None: select, store nothing
-        middle = seq.table[self.n_init:seq.table.numel() - self.n_local]
-        live = seq.once(f"length - {self.n_init + self.n_local}", lambda: seq.length - (self.n_init + self.n_local))
+        query = q[0] if step.decode else selection_query(q).to(q.dtype)
+        miss = sc.miss(step.row, layer, query) if step.decode else None  # None: select, store nothing
+        middle, live = self.middle(step)
         keys = self.cache.k_select[layer]
-        if miss is None:  # the picks straight into the list
-            self.choose(query, keys, middle, live, middle, out)
-        else:
-            sc.update(seq.row, layer, query, self.choose(query, keys, middle, live * miss, middle), miss, out)
+        if miss is None:
+            return self.top(query, keys, middle, live), None
+        return sc.update(step.row, layer, query, self.top(query, keys, middle, live * miss), miss), None
 
-    def graph_row(self, seq: SeqView, capacity: int, q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
-        return self.selection_cache.row(seq.id, q_shape[1] * q_shape[2], seq.past.device)
+    def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
+                q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
+        return self.selection_cache.row(seq_id, q_shape[1] * q_shape[2], slots.device)
 
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         sc = self.selection_cache
         return () if sc.unit is None else (sc.unit, sc.selection, sc.valid, sc.device_counts)
-
-    def select(self, layer: int, seq: SeqView, q: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
-        """A chunk's selection, with its mean query in the queries' dtype (the keys may be stored in another)."""
-        return self.choose(selection_query(q).to(q.dtype), self.cache.k_select[layer], middle)
 
     def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
               live: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +91,7 @@ class TokenSelect(SelectivePolicy):
         if self.selector == "soft_vote":
             return kern.head_soft_vote(query, k_pool, middle, self.scale, live)
         scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
-        dead = None if live is None else arange(middle.numel(), middle.device) >= live
+        dead = None if live is None else self.cache.arange(middle.numel()) >= live
         if dead is not None:
             scores = scores.masked_fill(dead, float("-inf"))
         if self.selector == "topk":
@@ -129,20 +102,16 @@ class TokenSelect(SelectivePolicy):
                 0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
         return vote if dead is None else vote.masked_fill(dead, float("-inf"))
 
-    def choose(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
-               live: torch.Tensor | None = None, values: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live]); with
-        values ([M], e.g. ``middle`` itself), values at those indices; written to ``out`` ([k] int64) if given."""
-        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live, values, out)
+    def top(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
+            live: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live])."""
+        return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live)
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
 
-    def stats(self) -> dict:
-        hits, misses = self.selection_cache.counts()
-        return {"selection_cache_hits": hits, "selection_cache_misses": misses,
-                "selection_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0}
+    def stats(self) -> PolicyStats:
+        return PolicyStats(*self.selection_cache.counts())
 
 
 def resolve_score_scale(score_scale: str | float, head_dim: int) -> float:

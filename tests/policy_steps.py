@@ -1,0 +1,56 @@
+"""Running one policy step by hand, as the engine does (``start_step`` then ``attend``), and reading back what
+it attends, for the tests that check a policy's choice on hand-built caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenselect.kv_cache import KVCache
+from tokenselect.policies import start_step
+
+OWN = 128  # slots kept free for the step's own tokens
+
+
+def cache_with_keys(keys: torch.Tensor, select_dtype=None) -> tuple[KVCache, torch.Tensor]:
+    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T]). The first
+    OWN slots are taken too (so slots and token indices differ), and a step's own tokens use them."""
+    t, n_kv, d = keys.shape
+    cache = KVCache(1, t + OWN, n_kv, d, torch.float32, torch.device("cpu"), select_dtype=select_dtype)
+    cache.allocate(OWN)
+    slots = cache.allocate(t)[torch.randperm(t)]
+    cache.write(0, slots, keys, torch.randn_like(keys))
+    return cache, slots
+
+
+@dataclass
+class Seen:
+    """What a step's queries attend besides their own tokens: slots [n] in attention order, their positions
+    [n], and the queries' positions [w]."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    q_positions: torch.Tensor
+
+    def order(self, slots: torch.Tensor) -> list[int]:
+        """Token indices of the attended slots, in attention order (slots: the sequence's slot table)."""
+        index = {int(s): i for i, s in enumerate(slots)}
+        return [index[int(s)] for s in self.slots]
+
+
+def step(policy, past: torch.Tensor, q: torch.Tensor, decode: bool, seq_id: int = 0, layer: int = 0,
+         layers: int = 1) -> Seen:
+    """One step of ``q: [w, H, d]`` after the tokens at slots ``past`` (their own at the free slots 0..w-1), in
+    ``layers`` layers (the policy's per-sequence state is kept for all of them) -> what layer ``layer`` attends."""
+    w = q.shape[0]
+    own = torch.arange(w, device=past.device)
+    table = torch.cat([past, own])
+    seq = start_step(policy, seq_id, table, past.numel(), w, decode, tuple(q.shape), q.dtype)
+    for each in range(layers):
+        got = policy.attend(each, seq, q, own)
+        if each == layer:
+            live = got.slots.numel() if got.n_valid is None else int(got.n_valid)
+            slots, positions, q_positions = (x.clone() for x in (got.slots[:live], got.key_pos[:live], got.q_pos))
+    mine = torch.isin(slots, own)
+    return Seen(slots[~mine], positions[~mine], q_positions)
