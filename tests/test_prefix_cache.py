@@ -77,7 +77,7 @@ def test_locked_prefixes_survive_eviction_and_the_least_recently_used_leaf_goes_
     cache, pc = tree(16)
     a = cache_prompt(pc, cache, [1, 2, 3, 4, 5, 6])
     b = cache_prompt(pc, cache, [1, 2, 3, 7, 8, 9])  # shares [1, 2, 3] with a
-    c = cache_prompt(pc, cache, [20, 21, 22, 23])
+    cache_prompt(pc, cache, [20, 21, 22, 23])
     assert pc.cached_tokens == 13 and cache.num_free == 3
     pc.lock(b)  # a running sequence holds [1, 2, 3, 7, 8, 9]
     assert pc.locked_tokens == 6 and pc.evictable_tokens == 7

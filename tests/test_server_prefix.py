@@ -76,7 +76,8 @@ def test_no_prefix_cache_flag_computes_every_prompt(checkpoint):  # noqa: F811
     args = build_parser().parse_args(["serve", "--model", str(checkpoint), "--attention", "tokenselect",
                                       "--chunk-size", str(CHUNK), "--kv-cache-tokens", "4096", "--no-prefix-cache"])
     assert args.prefix_cache is False
-    assert build_parser().parse_args(["serve"]).prefix_cache is True  # on by default
+    default = build_parser().parse_args(["serve", "--model", str(checkpoint), "--kv-cache-tokens", "4096"])
+    assert default.prefix_cache is None and build_llm(default).scheduler.prefix is not None  # on by default
     llm = build_llm(args)
     assert llm.scheduler.prefix is None
     with running_server(llm) as (url, _):

@@ -7,7 +7,8 @@ the longest cached prefix of its prompt, takes those slots as its own first entr
 after them. Nodes a running sequence uses are locked (a count per node, held along the path to the root);
 unlocked nodes are evicted least recently used first, a leaf's tokens from its end, when the pool needs room.
 
-What may be reused depends on how the keys and values were computed (``reuse_rule``):
+What may be reused depends on how the keys and values were computed (``reuse_rule``, from the policy's
+``prefix_reuse``):
 
 - the tree has one root per *namespace*: the attention policy and all its settings. Past layer 0 a token's
   K and V depend on what the layers below attended, so KV computed under one policy (or k, n_local, ...)
@@ -33,9 +34,7 @@ from typing import Hashable
 import torch
 
 from .kv_cache import KVCache
-
-NOT_REUSED = ("infllm",)  # policies whose per-sequence state needs the prompt's queries, see the module
-
+from .policies import POLICIES
 
 @dataclass(frozen=True)
 class Reuse:
@@ -47,10 +46,11 @@ class Reuse:
 
 def reuse_rule(attention: str, settings: dict, rope_kind: str, chunk: int) -> Reuse | None:
     """The ``Reuse`` of a sequence run by policy ``attention`` with ``settings`` (the engine's and the
-    request's own), or None where its prompt's KV may not be shared (see the module)."""
-    if attention in NOT_REUSED:
+    request's own), or None where its prompt's KV may not be shared (the policy's ``prefix_reuse``)."""
+    reuse = POLICIES[attention].prefix_reuse
+    if reuse is None:
         return None
-    grain = 1 if attention == "full" and rope_kind != "dynamic" else chunk
+    grain = 1 if reuse == "token" and rope_kind != "dynamic" else chunk  # dynamic NTK follows each chunk's end
     return Reuse((attention, repr(sorted(settings.items()))), grain)
 
 

@@ -109,6 +109,11 @@ class AttentionPolicy:
 
     name = "base"
     Settings = NoSettings  # the settings dataclass of the policy (``settings.py``)
+    # how a prompt's KV computed under this policy may be reused by a later prompt with the same first tokens
+    # (``prefix_cache.py``): "chunk" (matches cut to a multiple of the prefill chunk: a policy that chooses per
+    # chunk), "token" (every query row computed alone) or None (never: per-sequence state that needs the
+    # prompt's queries, which a reused prefix never computed)
+    prefix_reuse: str | None = "chunk"
 
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels

@@ -9,6 +9,7 @@ from .base import Attended, AttentionPolicy, SeqStep
 
 class FullAttention(AttentionPolicy):
     name = "full"
+    prefix_reuse = "token"
 
     def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
         return self.whole_table(step, own.numel())

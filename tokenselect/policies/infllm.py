@@ -93,6 +93,7 @@ class InfLLMSettings(Validated):
 
 class InfLLM(SelectivePolicy):
     name = "infllm"
+    prefix_reuse = None  # its block representatives come from the prompt's queries
     POSITIONS = ("fixed", "reindex", "original")
     Settings = InfLLMSettings
 
