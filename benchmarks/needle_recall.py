@@ -140,7 +140,9 @@ def run(args: argparse.Namespace) -> dict:
     for style in args.styles.split(","):
         for length in args.lengths.split(","):
             target = parse_length(length, llm.window)
-            for i, depth in enumerate(spread_depths(args.depths)):
+            depth_list = ([float(d) for d in args.depths.split(",")] if "." in args.depths or "," in args.depths
+                          else spread_depths(int(args.depths)))
+            for i, depth in enumerate(depth_list):
                 sample = fit_sample(STYLES[style], target - ANSWER_TOKENS, depth, f"{args.seed}/{style}/{target}/{i}",
                                     count)
                 ids = tokenizer(sample.input)["input_ids"]
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policy", default="tokenselect")
     parser.add_argument("--set", action="append", help="a policy setting KEY=VALUE (repeatable), e.g. k=1024")
     parser.add_argument("--lengths", default="2x,4x", help="context lengths, as multiples of the window or tokens")
-    parser.add_argument("--depths", type=int, default=5, help="needle depths spread evenly over 0..1")
+    parser.add_argument("--depths", default="5", help="N needle depths spread evenly over 0..1, or a list: 0.3,0.6")
     parser.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated: {', '.join(STYLES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="output folder")
