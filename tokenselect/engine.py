@@ -113,6 +113,8 @@ class LLM:
                              "before starting (slow; meant for tests), or use kernels='torch'")
         self.kernels = get_kernels(kernels)
         self.chunk_size = chunk_size or default_chunk(self.window)
+        if s.tail_chunk > self.chunk_size:
+            raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
         self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
         self.select_dtype = SELECT_DTYPES[select_dtype] or self.kv_dtype  # the keys a selection reads
         n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload)
@@ -121,7 +123,7 @@ class LLM:
         self.max_model_len = min(s.max_model_len or n_slots, n_slots)
         self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, s.max_num_seqs,
-                                   PrefixCache(self.cache) if s.prefix_cache else None)
+                                   PrefixCache(self.cache) if s.prefix_cache else None, s.tail_chunk)
         self._seq_ids = itertools.count()  # Sequence ids, unique among this engine's
         cuda_graphs = self.device.type == "cuda" if s.cuda_graphs is None else s.cuda_graphs
         self.runner = ModelRunner(self.model, self.cache, self.kernels, self.rope, self.device, self.chunk_size,

@@ -3,7 +3,8 @@
 Every running sequence that is generating contributes one token; prompts are prefilled in chunks
 that share a per-step token budget. Chunk boundaries of a prompt are always multiples of the chunk
 size (a prefill that starts after a reused prefix first runs up to the next multiple), so a sequence
-is processed the same way whatever else is running and whatever it reused.
+is processed the same way whatever else is running and whatever it reused; with ``tail_chunk`` the
+prompt's last tokens are one more chunk of their own (the boundary before them is the only other one).
 
 With a prefix cache (``prefix_cache.py``) a sequence starts after the longest cached prefix of its prompt
 (looked up when it is admitted, and again before each prefill chunk while it has computed nothing of its
@@ -27,8 +28,11 @@ from .sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None):
+    def __init__(self, cache: KVCache, chunk_size: int, max_num_seqs: int, prefix_cache: PrefixCache | None = None,
+                 tail_chunk: int = 0):
+        """tail_chunk: the prompt's last tail_chunk tokens run as a chunk of their own (``EngineSettings``)."""
         self.cache, self.chunk_size, self.max_num_seqs = cache, chunk_size, max_num_seqs
+        self.tail_chunk = tail_chunk
         self.prefix = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -61,7 +65,12 @@ class Scheduler:
             if seq.prefilling:
                 if seq.n_cached == seq.n_shared:  # nothing of its own yet: a longer prefix may be cached by now
                     self._reuse(seq, self._match(seq))
-                n = min(self.chunk_size - seq.n_cached % self.chunk_size, len(seq.prompt_ids) - seq.n_cached)
+                left = len(seq.prompt_ids) - seq.n_cached
+                n = min(self.chunk_size - seq.n_cached % self.chunk_size, left)
+                if 0 < self.tail_chunk < left:  # stop short of the tail, which runs alone
+                    n = min(n, left - self.tail_chunk)
+                elif self.tail_chunk:  # the tail itself: one chunk, wherever it starts
+                    n = min(self.chunk_size, left)
                 if n > budget:
                     break
                 batch.append((seq, n))

@@ -195,6 +195,10 @@ class EngineSettings(Validated):
     cuda_graphs: bool | None = setting(None, "run decode steps and long prompts' prefill chunks as one CUDA graph "
                                              "each, attention included, and other steps' layers as graphs around "
                                              "attention", kind=bool, none="on with CUDA")
+    tail_chunk: int = setting(0, "run the prompt's last N tokens (typically the question) as a prefill chunk of their "
+                                 "own, so that a policy choosing with a chunk's mean query (TokenSelect, ReAttention) "
+                                 "chooses for the question rather than for the question averaged with the context "
+                                 "before it; full attention is unchanged; 0: off", unit="tokens", low=0)
     prefix_cache: bool = setting(True, "keep the KV of computed prompts while the pool has room, so that a request "
                                        "starting with the same tokens (another question about the same document, a "
                                        "chat's next turn) starts its prefill after them; --no-prefix-cache computes "
