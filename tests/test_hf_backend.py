@@ -376,6 +376,8 @@ def test_speed_script_on_a_tiny_model(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(cells[i]) > 0 for i in (2, 3, 4, 5, 6, 7))
     assert text.count("tokens agree on 8 of 8") == 2
+    # a repeat runs the same prompt: the engine must prefill it again, not reuse it
+    assert "fastest of 2 runs" in text and "reused from its prefix cache: 0 " in text
 
 
 def test_eval_backend_transformers_writes_a_table_for_gemma3(tmp_path, capsys):
