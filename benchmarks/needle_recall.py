@@ -128,9 +128,21 @@ def mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def run(args: argparse.Namespace) -> dict:
+def setting_value(text: str) -> int | float | str:
+    """``--set`` values: an int, a float, or a word (``selector=hard_vote``)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def run(args: argparse.Namespace, save=None) -> dict:
+    """Every sample of every style and length; ``save(result)`` after each, so that a run cut off keeps what it
+    measured."""
     settings = dict(kv.split("=", 1) for kv in args.set) if args.set else {}
-    settings = {k: (float(v) if "." in v else int(v)) for k, v in settings.items()}
+    settings = {k: setting_value(v) for k, v in settings.items()}
     model = None if args.model == "embedded" else args.model
     llm = LLM(model, attention=args.policy, cuda_graphs=False, **settings)
     tokenizer = llm.tokenizer
@@ -153,6 +165,9 @@ def run(args: argparse.Namespace) -> dict:
                              "needle_tokens": len(positions), "answer": sample.answers[0], "prediction": out.text,
                              "score": float(sample.answers[0] in out.text),
                              "last_chunk": recorder.last_chunk, "decode": recorder.decode})
+                if save is not None:
+                    save({"model": str(args.model), "policy": args.policy, "settings": llm.policy_config,
+                          "rows": rows})
                 print(f"{style} {length} depth {depth:.2f}: score {rows[-1]['score']:.0f}, last chunk recall "
                       f"{mean(recorder.last_chunk):.2f}, decode {mean(sum(recorder.decode, [])):.2f}", file=sys.stderr)
     return {"model": str(args.model), "policy": args.policy, "settings": llm.policy_config, "rows": rows}
@@ -204,11 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(args.styles.split(",")) - set(STYLES)
     if unknown:
         parser.error(f"unknown style(s) {sorted(unknown)}: choose from {', '.join(STYLES)}")
-    result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "needle_recall.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "needle_recall.md").write_text(report(result))
+
+    def save(result: dict) -> None:
+        (out / "needle_recall.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "needle_recall.md").write_text(report(result))
+
+    result = run(args, save)
+    save(result)
     print(report(result))
     return result
 

@@ -40,3 +40,26 @@ def test_streaming_sees_the_needle_only_inside_its_window(tmp_path):
     for r in rows:
         expect = 1.0 if r["depth"] == 1.0 else 0.0
         assert r["last_chunk"] == [expect] * 8, (r["style"], r["depth"])
+
+
+def test_a_word_setting_reaches_the_policy_and_each_sample_is_saved(tmp_path, monkeypatch):
+    """--set selector=hard_vote is passed as the word (ints and floats as numbers), and the JSON on disk holds every
+    sample measured so far after each one (a run cut off by a time limit keeps them)."""
+    import json
+
+    module = needle_recall()
+    assert [module.setting_value(v) for v in ("4096", "0.9", "hard_vote")] == [4096, 0.9, "hard_vote"]
+    saved = []
+    real_run = module.run
+
+    def spy_run(args, save=None):
+        def spying_save(result):
+            save(result)
+            saved.append(len(json.loads((tmp_path / "needle_recall.json").read_text())["rows"]))
+        return real_run(args, spying_save)
+
+    monkeypatch.setattr(module, "run", spy_run)
+    result = module.main(["--model", "embedded", "--policy", "tokenselect", "--lengths", "700", "--depths", "2",
+                          "--styles", "prose", "--set", "selector=hard_vote", "--set", "k=64", "--out", str(tmp_path)])
+    assert result["settings"]["selector"] == "hard_vote" and result["settings"]["k"] == 64
+    assert saved[:2] == [1, 2]
