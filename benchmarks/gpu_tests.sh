@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every test that needs a GPU, and every Triton kernel compiled for CUDA against its PyTorch reference, in one
 # device command of at most 10 minutes (issue #34). Re-run it, and commit its summary, after any change that
-# touches tokenselect/kernels/, runner.py, cuda_graphs.py, whole_graphs.py, step_graphs.py or the attention path.
+# touches tokenselect/kernels/, runner.py, cuda_graphs.py or the attention path.
 #
 # Usage: benchmarks/gpu_tests.sh OUTDIR [SHARDS]
 #   OUTDIR/gpu_tests.md    the summary (commit it as benchmarks/results/gpu_tests_<gpu>.md)

@@ -60,10 +60,10 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     import argparse
     import json
 
-    from tokenselect import whole_graphs
+    from tokenselect import cuda_graphs
     from tokenselect.bench import e2e
 
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)  # the 8 chunks of 2k tokens are a long prompt
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)  # the 8 chunks of 2k tokens are a long prompt
 
     parser = argparse.ArgumentParser()
     e2e.add_parser(parser.add_subparsers())
@@ -72,7 +72,7 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
                               "--output", str(tmp_path), "--tag", "t", "--cuda-graphs"])  # on a CPU: run eagerly
     assert args.func(args) == 0
     rows = json.loads((tmp_path / "e2e_t.json").read_text())["rows"]
-    # the policies' timed decode steps ran as whole steps (whole_graphs.py); dense has its own runner
+    # the policies' timed decode steps ran as whole steps (cuda_graphs.py); dense has its own runner
     assert [r.get("whole_graph_steps") for r in rows] == [None, 3, 3, 3]
     # and of the 8 prefill chunks, all of full attention's and tokenselect's past its selection threshold
     assert [r.get("prefill_chunks") for r in rows] == [None, 8, 8, 8]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tokenselect import LLM, SamplingParams
-from tokenselect import engine, kv_cache, whole_graphs
+from tokenselect import cuda_graphs, engine, kv_cache
 from tokenselect.bench import e2e
 from tokenselect.kernels.row_copy import gather_rows_ref
 from tokenselect.kv_cache import HostMemoryError, KVCache
@@ -144,14 +144,14 @@ def test_the_gpu_writes_and_gathers_the_host_value_pool_in_place(dtype):
 def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_llama, monkeypatch, attention):
     """With the values on the host, a long prompt's chunks and the decode steps still run whole (on a GPU
     as CUDA graphs that gather the values themselves), with the tokens and logits of the plain path."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     ids = distinct_tokens(300, 5)  # the graph's padded span must not break ties another way
     sizes = small_sizes(attention)
     plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **sizes)
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
     assert graphed.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids
-    assert graphed.runner.whole.failure is None
-    assert {key[0] for key in graphed.runner.whole._steps} == {False, True}  # prefill and decode graphs
+    assert graphed.runner.graphs.failure is None
+    assert {key[0] for key in graphed.runner.graphs.whole_keys()} == {"prefill", "decode"}  # prefill and decode graphs
     torch.testing.assert_close(graphed.prompt_logits(ids), plain.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 
 
@@ -159,12 +159,12 @@ def test_full_attention_with_offloaded_values_runs_eagerly(tiny_llama, monkeypat
     """A full-attention graph would stage its table's whole capacity from the host every step: with the
     values offloaded, full attention's steps run eagerly (and give the plain path's tokens); on the device
     they run whole."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     ids = distinct_tokens(200, 6)
     on_device = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     offloaded = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True, kv_offload="values")
     assert offloaded.generate([ids], GREEDY)[0].token_ids == on_device.generate([ids], GREEDY)[0].token_ids
-    assert offloaded.runner.whole.steps_run == 0 and on_device.runner.whole.steps_run > 0
+    assert offloaded.runner.graphs.whole_steps == 0 and on_device.runner.graphs.whole_steps > 0
 
 
 def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, monkeypatch):

@@ -323,7 +323,7 @@ def test_reuse_in_cuda_graphs_answers_as_without(tiny_llama, attention):
     llm = engine(tiny_llama, attention, **kw)
     turns = [llm.generate(q, GREEDY)[0] for q in questions]
     assert [o.token_ids for o in turns] == expected and turns[2].cached_tokens >= len(long_doc) - CHUNK
-    assert llm.whole_graphs.steps_run > 0 and llm.whole_graphs.failure is None
+    assert llm.runner.graphs.whole_steps > 0 and llm.runner.graphs.failure is None
     assert [o.token_ids for o in llm.generate(questions, GREEDY)] == expected
 
 

@@ -1,4 +1,4 @@
-"""Steps through ``StepGraphs`` (the model split into pieces around attention, steps padded to a
+"""Steps through the piecewise graphs (``GraphCache.run_layers``: the model split into pieces around attention, steps padded to a
 captured size) compute what the plain forward computes. On a CPU the pieces run eagerly; on a GPU the
 same tests record them as CUDA graphs."""
 
@@ -9,7 +9,7 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.bench.dense import DenseRunner
-from tokenselect.step_graphs import DECODE_BUCKETS, StepGraphs
+from tokenselect.cuda_graphs import DECODE_BUCKETS, GraphCache
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -36,16 +36,17 @@ def test_pieces_equal_the_forward_and_attention_sees_only_real_rows(tiny_llama, 
     tokens = torch.tensor(ids(n, n), device=llm.device)
     want = llm.model(tokens, Recorder(group))
     ctx = Recorder(group)
-    got = llm.model.logits(StepGraphs(llm.model, llm.device, chunk_size=48).run(tokens, ctx))
+    got = llm.model.logits(GraphCache(llm.model, llm.cache, llm.kernels, llm.rope, llm.device, chunk_size=48).run_layers(tokens, ctx))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # a padded batch may round apart
     assert ctx.rows == [(layer, n) for layer in range(cfg.n_layers)]
 
 
 def test_a_step_runs_in_the_smallest_captured_size_that_holds_it(tiny_llama):
-    graphs = StepGraphs(LLM(tiny_llama, "full").model, torch.device("cpu"), chunk_size=512)
+    llm = LLM(tiny_llama, "full")
+    graphs = GraphCache(llm.model, llm.cache, llm.kernels, llm.rope, torch.device("cpu"), chunk_size=512)
     assert [graphs.bucket(n) for n in (1, 2, 3, 5, 64, 65, 512)] == [1, 2, 4, 8, 64, 512, 512]
     assert graphs.bucket(513) is None
-    assert StepGraphs(graphs.model, torch.device("cpu")).bucket(DECODE_BUCKETS[-1] + 1) is None
+    assert GraphCache(llm.model, llm.cache, llm.kernels, llm.rope, torch.device("cpu"), 0).bucket(DECODE_BUCKETS[-1] + 1) is None
 
 
 @pytest.mark.parametrize("attention", ["quest", "tokenselect"])
@@ -53,7 +54,7 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     """Three prompts (prefilled in chunks of 32, one after another, then decoding together) give the
     tokens of the plain path. Quest (planned on the host) decodes in bucket 4 (one padding row);
     tokenselect with a small budget selects or reuses (Selection Cache) on every decode step, its decode
-    steps captured whole (``WholeGraphs``, batch 3)."""
+    steps captured whole (batch 3)."""
     settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5, "dense_until": 0} if attention == "tokenselect" else {}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -61,11 +62,11 @@ def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_in
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, **settings)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert 32 in graphed.runner.pieces._buckets
+    assert ("layers", 32) in graphed.runner.graphs.graphs
     if attention == "quest":
-        assert 4 in graphed.runner.pieces._buckets and not graphed.runner.whole._steps
+        assert ("layers", 4) in graphed.runner.graphs.graphs and not graphed.runner.graphs.whole_keys()
     else:
-        assert 3 in [key[1] for key in graphed.runner.whole._steps]
+        assert 3 in [key[1] for key in graphed.runner.graphs.whole_keys()]
         assert graphed.stats()["selection_cache_hits"] > 0 and graphed.stats()["selection_cache_misses"] > 0
         assert graphed.stats()["selection_cache_hits"] == plain.stats()["selection_cache_hits"]
 
@@ -77,7 +78,7 @@ def test_prompt_logits_through_the_graph_pieces_equal_the_plain_path(tiny_llama)
     plain = LLM(tiny_llama, "tokenselect", cuda_graphs=False, **settings)
     graphed = LLM(tiny_llama, "tokenselect", cuda_graphs=True, **settings)
     torch.testing.assert_close(graphed.prompt_logits(prompt), plain.prompt_logits(prompt), rtol=1e-4, atol=1e-4)
-    assert 32 in graphed.runner.pieces._buckets
+    assert ("layers", 32) in graphed.runner.graphs.graphs
 
 
 def test_dense_baseline_runs_through_the_same_pieces(tiny_llama):

@@ -25,5 +25,5 @@ def test_a_toy_policy_runs_eagerly_and_in_whole_step_graphs(tiny_llama, monkeypa
     last = seen[-1]  # the last decode step: 4 sinks, 16 chosen, the 16 most recent, its own token
     assert last.slots.numel() == 4 + 16 + 16 + 1 and last.key_pos.tolist() == list(range(37))
     if cuda_graphs:
-        assert llm.runner.whole.steps_run >= 5 and llm.runner.whole.failure is None
+        assert llm.runner.graphs.whole_steps >= 5 and llm.runner.graphs.failure is None
     assert llm.scheduler.available == llm.cache.n_slots  # every slot free or held by the prefix cache

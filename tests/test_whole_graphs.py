@@ -1,4 +1,4 @@
-"""Steps captured whole (``WholeGraphs``): decode steps and a long prompt's full prefill chunks. A policy
+"""Steps captured whole (``cuda_graphs.GraphCache.run_whole``): decode steps and a long prompt's full prefill chunks. A policy
 chooses on the device from a slot table of fixed size (the sequence's tokens, then padding), and in decode
 the Selection Cache's decision gates the selection work. On a CPU the step function runs eagerly; on a GPU
 the same tests record and replay CUDA graphs. Either way it must choose what the exact table gives and
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenselect import LLM, SamplingParams
-from tokenselect import whole_graphs
+from tokenselect import cuda_graphs
 from tokenselect.attention import Chunk
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
@@ -49,7 +49,7 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def padded_step(policy, seq_id: int, table: torch.Tensor, t: int, w: int, decode: bool, capacity: int) -> SeqStep:
-    """A step as ``WholeGraphs`` feeds it: the table's first ``capacity`` slots (the sequence's t + w tokens, then
+    """A step as ``GraphCache.run_whole`` feeds it: the table's first ``capacity`` slots (the sequence's t + w tokens, then
     slots that are not the sequence's), the length and the row as device scalars."""
     q_shape = (w, 4, 16)
     row = policy.prepare(seq_id, table, t, capacity, decode, q_shape, torch.float32)
@@ -133,12 +133,12 @@ def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
     eager = [before[0].clone(), before[1] + torch.tensor([0, 1])]
     eager[0][7] += 0.3
     replay = [eager[0] + 1e-7, eager[1].clone()]
-    assert whole_graphs._same_change(replay, before, eager)
+    assert cuda_graphs._same_change(replay, before, eager)
     wrong = [before[0].clone(), eager[1].clone()]
     wrong[0][8] += 0.3  # the same mass, one entry off
-    assert whole_graphs._same(wrong[0], eager[0])  # the whole tensors alone would not tell
-    assert not whole_graphs._same_change(wrong, before, eager)
-    assert not whole_graphs._same_change([eager[0].clone(), before[1].clone()], before, eager)  # a count missed
+    assert cuda_graphs._same(wrong[0], eager[0])  # the whole tensors alone would not tell
+    assert not cuda_graphs._same_change(wrong, before, eager)
+    assert not cuda_graphs._same_change([eager[0].clone(), before[1].clone()], before, eager)  # a count missed
 
 
 def test_every_layer_of_a_step_shares_one_list_assembled_once():
@@ -184,7 +184,7 @@ def test_full_attention_is_the_table_live_up_to_the_steps_own_tokens(w):
 
 
 def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
-    """Decode steps of a graph-ready policy past its selection threshold only; the rest take StepGraphs."""
+    """Decode steps of a graph-ready policy past its selection threshold only; the rest take the pieces."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
     for policy, settings, works in (("tokenselect", {"k": 16, "dense_until": 0, **sizes}, True), ("streaming", sizes, True),
@@ -195,39 +195,39 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
         while any(s.prefilling for s in seqs):
             llm.step()
         decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
-        assert llm.runner.whole.usable(decode) is works, policy
-        assert not llm.runner.whole.usable([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
-        assert not llm.runner.whole.usable([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
+        assert llm.runner.graphs.whole(decode) is works, policy
+        assert not llm.runner.graphs.whole([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
+        assert not llm.runner.graphs.whole([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
         for s in seqs:
             llm.abort(s)
     llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16)
     seq = llm.add_request(ids(80, 9), SamplingParams(max_tokens=3, ignore_eos=True))
     while seq.prefilling:
         llm.step()
-    assert not llm.runner.whole.usable([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
+    assert not llm.runner.graphs.whole([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
     llm.abort(seq)
 
 
 def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
     """A prompt of at least PREFILL_MIN_CHUNKS x chunk_size tokens runs its full chunks past the selection
     threshold as whole steps, alone in the step; its first chunks, its last partial chunk, shorter prompts
-    and chunks sharing a step with a decode token take StepGraphs."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    and chunks sharing a step with a decode token take the pieces."""
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0,
               cuda_graphs=True)
-    graphs = llm.runner.whole
+    graphs = llm.runner.graphs
     seq = llm.add_request(ids(150, 1), SamplingParams(max_tokens=2, ignore_eos=True))
     usable = []
     while seq.prefilling:
-        usable.append(graphs.usable([Chunk(seq, 0, min(32, 150 - seq.n_cached), seq.n_cached)]))
+        usable.append(graphs.whole([Chunk(seq, 0, min(32, 150 - seq.n_cached), seq.n_cached)]))
         llm.step()
     assert usable == [False, False, True, True, False]  # past 0, 32 (inside 4 + 16 + 16), 64, 96, last 22 rows
-    assert graphs.steps_run == 2 and [key[0] for key in graphs._steps] == [False]  # one prefill graph
+    assert graphs.whole_steps == 2 and [key[0] for key in graphs.whole_keys()] == ["prefill"]  # one prefill graph
     short = llm.add_request(ids(127, 2), SamplingParams(max_tokens=2, ignore_eos=True))  # under 4 x 32 tokens
-    assert not graphs.usable([Chunk(short, 0, 32, 64)])
+    assert not graphs.whole([Chunk(short, 0, 32, 64)])
     other = llm.add_request(ids(128, 3), SamplingParams(max_tokens=2, ignore_eos=True))
-    assert graphs.usable([Chunk(other, 0, 32, 64)])  # alone in its step: yes; beside a decode token: no
-    assert not graphs.usable([Chunk(seq, 0, 1, seq.n_cached), Chunk(other, 1, 32, 64)])
+    assert graphs.whole([Chunk(other, 0, 32, 64)])  # alone in its step: yes; beside a decode token: no
+    assert not graphs.whole([Chunk(seq, 0, 1, seq.n_cached), Chunk(other, 1, 32, 64)])
 
 
 @pytest.mark.parametrize("attention,settings", [("tokenselect", {"theta": 0.5}),
@@ -239,7 +239,7 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
                                                                    attention, settings):
     """Every prompt position's logits, and then the generated tokens, are the plain path's when the prompt's
     chunks run as whole steps; the Selection Cache then decodes with the same hits and misses."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     sizes = small_sizes(attention)
     engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
                for graphs in (False, True)]
@@ -248,10 +248,10 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
     # the full chunks past the threshold (4 + 16 + 16 tokens, InfLLM's 4 + (4 * 4 + 3) + 16, streaming's 4 + 16,
     # full attention's 0): from 64 (32, 0), 96, 128, 160; not the last 8 tokens
-    assert engines[1].runner.whole.steps_run == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
+    assert engines[1].runner.graphs.whole_steps == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
-    assert len([key for key in engines[1].runner.whole._steps if not key[0]]) == 1
+    assert len([key for key in engines[1].runner.graphs.whole_keys() if key[0] == "prefill"]) == 1
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
@@ -264,7 +264,7 @@ def test_infllm_prefill_through_whole_graphs_keeps_the_eager_memory(tiny_llama, 
                                                                     positions):
     """A prompt whose full chunks run as whole steps leaves InfLLM's memory as the plain path leaves it: every
     layer's block representatives and local scores, from attention counted out of what the graphs saved."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     settings = dict(small_sizes("infllm"), k=16, block_size=4, repr_keys=2, positions=positions)
     engines = [LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=graphs, dtype="float32", **settings)
                for graphs in (False, True)]
@@ -273,7 +273,7 @@ def test_infllm_prefill_through_whole_graphs_keeps_the_eager_memory(tiny_llama, 
         seqs.append(llm.add_request(distinct_tokens(200, 11), SamplingParams(max_tokens=3, ignore_eos=True)))
         while seqs[-1].prefilling:
             llm.step()
-    assert engines[1].runner.whole.steps_run == 4  # the chunks from 64 to 160; the last 8 tokens take StepGraphs
+    assert engines[1].runner.graphs.whole_steps == 4  # the chunks from 64 to 160; the last 8 tokens take the pieces
     (plain, graphed), last = [llm.policy for llm in engines], 192  # the last chunk's attention is still pending
     for layer in range(engines[0].model.config.n_layers):
         want = plain.representatives(seqs[0].id, layer)
@@ -288,17 +288,17 @@ def test_infllm_prefill_through_whole_graphs_keeps_the_eager_memory(tiny_llama, 
 def test_full_attention_through_whole_graphs_with_the_triton_kernels(tiny_llama, monkeypatch):
     """The Triton attention reading its live length on the device (the table is longer: GRAIN rounds it up)
     gives the plain path's prompt logits and tokens, prefill chunks and decode steps alike."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     engines = [LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=graphs, dtype="float32", kernels="triton")
                for graphs in (False, True)]
     prompt = distinct_tokens(150, 8)
     torch.testing.assert_close(engines[1].prompt_logits(prompt), engines[0].prompt_logits(prompt),
                                rtol=1e-4, atol=1e-4)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    before = engines[1].runner.whole.steps_run
+    before = engines[1].runner.graphs.whole_steps
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
-    assert engines[1].runner.whole.steps_run - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
+    assert engines[1].runner.graphs.whole_steps - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
 
 
 def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
@@ -311,7 +311,7 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]
     stats = [llm.stats() for llm in engines]
-    assert engines[1].runner.whole.steps_run >= 9  # every decode step after the first
+    assert engines[1].runner.graphs.whole_steps >= 9  # every decode step after the first
     for key in ("selection_cache_hits", "selection_cache_misses"):
         assert stats[1][key] == stats[0][key] > 0
 
@@ -330,7 +330,7 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
     """Requests arriving at different times (so steps alternate between decode graphs and mixed steps
     with a prefill chunk, and the batch size changes) decode what the plain path decodes, with the same
     Selection Cache hits and misses. A small GRAIN makes the tables outgrow their capacity mid-run."""
-    monkeypatch.setattr(whole_graphs, "GRAIN", 16)
+    monkeypatch.setattr(cuda_graphs, "GRAIN", 16)
     sizes = small_sizes(attention)
     engines = [LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", **sizes, **settings)
                for graphs in (False, True)]
@@ -346,8 +346,8 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         outputs.append(([s.output_ids for s in first + [late]], llm.stats()))
     (want, plain), (got, graphed) = outputs
     assert got == want
-    assert engines[1].runner.whole.failure is None  # on a GPU: every recorded graph passed its check
-    steps = engines[1].runner.whole._steps
+    assert engines[1].runner.graphs.failure is None  # on a GPU: every recorded graph passed its check
+    steps = engines[1].runner.graphs.whole_keys()
     assert steps and all(key[2] % 16 == 0 for key in steps)
     if attention == "tokenselect" and settings["theta"] is not None:
         assert graphed["selection_cache_hits"] == plain["selection_cache_hits"]
@@ -359,14 +359,14 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
 def test_the_next_prompt_replays_infllm_prefill_graph(tiny_llama, monkeypatch):
     """A prefill graph writes the chunk's queries and lists into its sequence's buffers; a finished prompt's buffers
     pass to the next prompt, so that its chunks replay the graph recorded for the first (no recording per prompt)."""
-    monkeypatch.setattr(whole_graphs, "PREFILL_MIN_CHUNKS", 4)
+    monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     llm = LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=True, dtype="float32",
               **dict(small_sizes("infllm"), k=16, block_size=4))
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     recorded = []
     for seed in (1, 2):
         llm.generate([ids(200, seed)], params)
-        recorded.append({key: step for key, step in llm.runner.whole._steps.items() if not key[0]})
+        recorded.append({key: step for key, step in llm.runner.graphs.graphs.items() if key[0] == "prefill"})
     assert recorded[0] and all(recorded[1][key] is step for key, step in recorded[0].items())
 
 
@@ -413,7 +413,7 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     with pytest.warns(UserWarning, match="whole-step CUDA graphs turned off"):
         got = graphed.generate([ids(70, 1)], params)
     assert got[0].token_ids == want[0].token_ids
-    assert graphed.runner.whole.failure.startswith("the replay") and not graphed.runner.whole._steps
+    assert graphed.runner.graphs.failure.startswith("the replay") and not graphed.runner.graphs.whole_keys()
 
 
 def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, batch_invariant_matmuls):
@@ -430,5 +430,5 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
             llm.step()
         outputs.append([s.output_ids for s in seqs])
         if graphs:
-            assert [key[1] for key in llm.runner.whole._steps] == [1]  # the longer request alone
+            assert [key[1] for key in llm.runner.graphs.whole_keys()] == [1]  # the longer request alone
     assert outputs[0] == outputs[1]

@@ -13,6 +13,8 @@ KV length L, in one run on one GPU:
   - a decode miss: Selection Cache check (cosine with the cached query, on the device) ->
     vote -> top-k -> store -> list;
   - a decode hit: the same check -> vote and top-k over no live candidate -> the cached choice -> list;
+  the policy built and driven through its public API as the engine drives it (``start_step``, ``attend``,
+  ``stats``) over a ``KVCache`` of the layer's keys;
 - read-K floor: bytes of K the vote must read over the copy bandwidth measured in the same run.
 
 With ``--fp8-select`` the selection also runs over an fp8 (e4m3) copy of the keys, the "read fewer
@@ -24,21 +26,22 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed betwee
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..cuda_graphs import capture, warm_up
+from ..kv_cache import KVCache
 from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
-from ..transfer import Aranges
 from .e2e import parse_length
 
 DEFAULT_LENGTHS = "32k,128k,512k,1m"
@@ -69,16 +72,8 @@ def graph_us(call, calls: int, replays: int) -> float:
     """Microseconds per call of ``call(i)`` for i < calls, captured in one CUDA graph (as a decode step captured as
     one graph runs its per-layer work: the gaps between nodes count): run once on a side stream (compiling and
     warming), captured, then replayed ``replays`` times, timed by the host over all of them."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
+    warm_up(lambda: [call(i) for i in range(calls)])
+    graph, _ = capture(lambda: [call(i) for i in range(calls)], None)
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -100,24 +95,30 @@ def copy_bandwidth(device: torch.device, ms) -> float:
 class Layer:
     """One layer's cache of L tokens and a chunk at its end, laid out both ways.
 
-    Ours: pre-RoPE k_pool, v_pool [L, n_kv, d] addressed through a shuffled page table (page = 1
-    token), as the engine's paged pool is. Dense: RoPE'd keys in sequence order, [1, n_kv, L, d]."""
+    Ours: pre-RoPE keys and values in a ``KVCache`` of one layer (``caches[fp8]``: with fp8, one that also keeps
+    the fp8 copy that selection reads), addressed through a shuffled page table (page = 1 token), as the engine's
+    paged pool is. Dense: RoPE'd keys in sequence order, [1, n_kv, L, d]."""
 
     def __init__(self, L: int, args, device: torch.device):
         h, kv, d = args.heads, args.kv_heads, args.head_dim
         gen = torch.Generator(device=device).manual_seed(L)
         self.args, self.L = args, L
-        self.k_pool = torch.randn(L, kv, d, device=device, dtype=torch.bfloat16, generator=gen)
-        self.v_pool = torch.randn(L, kv, d, device=device, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(L, kv, d, device=device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(L, kv, d, device=device, dtype=torch.bfloat16, generator=gen)
+        self.caches = {}
+        for fp8 in (False, True) if args.fp8_select else (False,):
+            self.caches[fp8] = KVCache(1, L, kv, d, torch.bfloat16, device,
+                                       select_dtype=torch.float8_e4m3fn if fp8 else None)
+            self.caches[fp8].write(0, torch.arange(L, device=device), k, v)
+        self.k_pool, self.v_pool = self.caches[False].k[0], self.caches[False].v[0]
         self.page_table = torch.randperm(L, device=device, generator=gen)  # position -> slot
         self.inv_freq = RopeSpec(d, theta=500_000.0).inv_freq()[0].to(device)
         positions = torch.arange(L, device=device)
         k_seq = rotate(self.k_pool[self.page_table], positions, self.inv_freq)  # [L, kv, d] in sequence order
         self.k_dense = k_seq.permute(1, 0, 2).unsqueeze(0)
         self.v_dense = self.v_pool[self.page_table].permute(1, 0, 2).unsqueeze(0)
-        del k_seq
+        del k, v, k_seq
         self.q = {c: torch.randn(c, h, d, device=device, dtype=torch.bfloat16, generator=gen) for c in (1, args.chunk)}
-        self.k_select = self.k_pool.to(torch.float8_e4m3fn) if args.fp8_select else None
 
     def dense(self, c: int):
         """fn() running dense attention of the last c tokens' queries over all L keys."""
@@ -143,18 +144,20 @@ class Layer:
     def policy(self, kern, theta: float | None, fp8: bool = False) -> TokenSelect:
         """The engine's TokenSelect policy over this layer's keys (the fp8 copy for fp8 selection)."""
         a = self.args
-        pool = (self.k_select if fp8 else self.k_pool)[None]
-        keys = SimpleNamespace(k=pool, k_select=pool, arange=Aranges(pool.device))  # the cache's keys and index runs
-        return TokenSelect(keys, kern, k=a.k, n_init=a.n_init, n_local=a.n_local, theta=theta)
+        return TokenSelect(self.caches[fp8], kern, k=a.k, n_init=a.n_init, n_local=a.n_local, theta=theta)
 
-    def step(self, kern, policy: TokenSelect, c: int, q: torch.Tensor | None = None):
+    def step(self, kern, policy: TokenSelect, c: int, queries: list[torch.Tensor] | None = None):
         """fn() running one engine attention step for the last c tokens, as ``attention.attend`` does per
-        sequence: the policy's list, sparse attention (bf16 K/V). q: the queries (default: the layer's)."""
-        q = self.q[c] if q is None else q
+        sequence: the policy's list, sparse attention (bf16 K/V). queries: those of successive calls, in turn
+        (default: the layer's)."""
+        queries = queries or [self.q[c]]
         own = self.page_table[self.L - c:]
-        step = start_step(policy, 0, self.page_table, self.L - c, c, c == 1, tuple(q.shape), q.dtype)
+        step = start_step(policy, 0, self.page_table, self.L - c, c, c == 1, tuple(queries[0].shape),
+                          queries[0].dtype)
+        turns = itertools.cycle(queries)
 
         def run():
+            q = next(turns)
             got = policy.attend(0, step, q, own)
             return kern.sparse_attention(q, self.k_pool, self.v_pool, got.slots, got.key_pos, got.q_pos,
                                          self.inv_freq, n_valid=got.n_valid)
@@ -172,20 +175,19 @@ class Layer:
 
     def ours_decode(self, kern, hit: bool, fp8: bool = False):
         """fn() of a decode step whose Selection-Cache check hits (the cache holds a query at cosine ~0.99)
-        or misses (theta 2: the same check, never met; every miss selects and stores), and its policy."""
+        or misses (the query negated at every call: the same check, at cosine -1; every miss selects and stores),
+        and its policy."""
         policy = self.policy(kern, theta=0.9, fp8=fp8)
-        if not hit:  # a threshold no cosine reaches (no setting takes it): the same check, always a miss
-            policy.selection_cache.theta = 2.0
         q = self.q[1]
-        self.step(kern, policy, 1, q + 0.1 * torch.randn_like(q))()  # a miss: stores the previous step's query
-        return self.step(kern, policy, 1), policy
+        self.step(kern, policy, 1, [q + 0.1 * torch.randn_like(q)])()  # a miss: stores the previous step's query
+        return self.step(kern, policy, 1, None if hit else [-q, q]), policy
 
     def parts(self, kern, fp8: bool = False) -> dict:
         """The chunk step's parts, timed alone: vote, top-k, sparse attention."""
         q = self.q[self.args.chunk]
         init, middle, recent = self.lists(q.shape[0])
         query = q.float().mean(dim=0).to(torch.bfloat16)
-        k_pool = self.k_select if fp8 else self.k_pool
+        k_pool = self.caches[fp8].k_select[0]
         vote = kern.head_soft_vote(query, k_pool, middle, 1.0)
         slots = torch.cat([init, middle[kern.topk(vote, self.args.k)], recent])
         return {"vote": lambda: kern.head_soft_vote(query, k_pool, middle, 1.0),
@@ -209,9 +211,10 @@ def time_decode(layer: Layer, kern, ms, hit: bool, fp8: bool = False) -> float:
     """Milliseconds of a decode step that hits (or misses) the Selection Cache, checked to have done so."""
     fn, policy = layer.ours_decode(kern, hit, fp8)
     t = ms(fn)
-    sc = policy.selection_cache
-    if not ((sc.misses == 1 and sc.hits > 0) if hit else sc.hits == 0):
-        raise RuntimeError(f"the decode {'hit' if hit else 'miss'} row saw {sc.hits} hits and {sc.misses} misses")
+    stats = policy.stats()
+    hits, misses = stats.selection_cache_hits, stats.selection_cache_misses
+    if not ((misses == 1 and hits > 0) if hit else hits == 0):
+        raise RuntimeError(f"the decode {'hit' if hit else 'miss'} row saw {hits} hits and {misses} misses")
     return t
 
 

@@ -8,7 +8,7 @@ attention context differs, so the benchmark's dense-vs-policy ratios measure att
 sequence at a time.
 
 On CUDA in bf16 or fp16 a decode step runs as one CUDA graph, as a serving engine runs it and as the
-policies' steps run (``whole_graphs.py``): the token's position is a device tensor, the cache is written at it,
+policies' whole steps run (``cuda_graphs.py``): the token's position is a device tensor, the cache is written at it,
 and flash attention (``aten::_flash_attention_forward``, variable-length form) reads how many keys are live
 from ``seqused_k`` on the device, so one graph serves every step. SDPA itself takes the key length from the
 tensors' shapes, which a graph would fix.
@@ -45,7 +45,7 @@ class DenseRunner:
         self.length = 0  # tokens cached
         self._positions = None
         # decode steps as one graph: flash attention with the key length on the device
-        self.flash_decode = (self.device.type == "cuda" and self.runner.pieces is not None
+        self.flash_decode = (self.device.type == "cuda" and self.runner.graphs is not None
                              and llm.dtype in (torch.bfloat16, torch.float16))
         self.decode_graph: torch.cuda.CUDAGraph | None = None
         if self.flash_decode:

@@ -4,7 +4,7 @@ The model is built from a config with random weights (speed does not depend on t
 prompt is real English text from the package's corpus, tokenized by the shipped tokenizer. For each
 prompt length one engine is built, then every policy runs on it in turn: prefill seconds, decode
 ms/token, Selection Cache hit rate, how many prefill chunks and timed decode steps ran as one CUDA graph
-each (``whole_graphs.py``) and peak GPU memory, with ratios against ``dense`` measured in the same run.
+each (``cuda_graphs.py``) and peak GPU memory, with ratios against ``dense`` measured in the same run.
 Each policy first serves an untimed request of WARMUP_TOKENS tokens, so kernel compilation is not timed.
 
 Random weights' queries are not a real model's, so their Selection Cache hit rate says nothing about
@@ -117,9 +117,9 @@ def warm_up(llm, ids: list[int]) -> None:
 
 
 def whole_steps(llm, since: int | None = 0) -> int | None:
-    """Steps the engine ran as one whole-step graph (``whole_graphs.py``) after ``since`` of them; None
+    """Steps the engine ran as one whole-step graph (``cuda_graphs.py``) after ``since`` of them; None
     without CUDA graphs."""
-    return None if llm.runner.whole is None else llm.runner.whole.steps_run - since
+    return None if llm.runner.graphs is None else llm.runner.graphs.whole_steps - since
 
 
 def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "") -> dict:
@@ -150,7 +150,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     sync(dev)
     prefill = time.perf_counter() - start
     chunks_whole = whole_steps(llm, since=chunks_whole)
-    llm.step()  # untimed: the first decode step at this length records its CUDA graph (whole_graphs.py)
+    llm.step()  # untimed: the first decode step at this length records its CUDA graph (cuda_graphs.py)
     sync(dev)
     whole = whole_steps(llm)
     start = time.perf_counter()
@@ -167,7 +167,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         "prefill_s": prefill,
         "decode_ms": decode * 1e3,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
-        "whole_graph_steps": whole,  # of the timed decode steps, those run as one graph (whole_graphs.py)
+        "whole_graph_steps": whole,  # of the timed decode steps, those run as one graph (cuda_graphs.py)
         "decode_steps": decode_steps,
         "whole_graph_chunks": chunks_whole,  # of the prompt's chunks, those run as one graph
         "prefill_chunks": -(-len(ids) // llm.chunk_size),

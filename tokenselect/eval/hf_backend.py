@@ -27,30 +27,23 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
     import tokenselect.hf as tshf
 
-    from ..models.registry import home
     from ..policies import default_chunk, policy_kwargs, policy_settings
-    from .metrics import score
-    from .runner import make_samples, max_tokens, split_policy, use_chat
+    from .runner import hit_counts, max_tokens, names, prompts, record, split_policy
 
     if args.model is None:
         raise ValueError("--backend transformers needs --model (a transformers checkpoint folder)")
-    specs = [s.strip() for s in args.attention.split(",") if s.strip()]
+    specs = names(args.attention)
     for spec in specs:
         name, _, rope = split_policy(spec)
         if name not in BACKEND_POLICIES or rope:
             raise ValueError(f"--backend transformers runs {', '.join(BACKEND_POLICIES)} (no @scaling), not {spec!r}")
-    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
-    lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
     path = Path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = AutoConfig.from_pretrained(path)
     config = getattr(config, "text_config", config)
     window = int(getattr(config, "max_position_embeddings", 2048))
     chunk = args.chunk_size or default_chunk(window)
-    args.chat = "on" if use_chat(tokenizer, args.chat, path) else "off"
-    cache_dir = None if args.prompt_cache == "none" else Path(args.prompt_cache or home() / "eval-prompts")
-    cells = make_samples(tokenizer, window, tasks, lengths, args.samples, args.seed, args.chat == "on", cache_dir,
-                         args.workers or 1)
+    cells = prompts(args, tokenizer, window, path, args.workers or 1)
     records, counts = [], {}
     if args.prompts_only:
         return records, counts
@@ -88,13 +81,9 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
             if cache is not None:
                 h, m = cache.hits_misses()
                 hits, misses = hits + h, misses + m
-            records.append({"policy": spec, "task": cell["task"], "length": cell["length"],
-                            "target_tokens": cell["target_tokens"], "prompt_tokens": len(cell["prompt"]),
-                            "sample": cell["sample"], "depth": cell["depth"], "answers": cell["answers"],
-                            "prediction": text, "score": score(cell["task"], text, cell["answers"]),
-                            "prefill_s": round(first[0] - start, 4), "decode_s": round(end - first[0], 4)})
+            records.append(record(spec, cell, text, len(cell["prompt"]), first[0] - start, end - first[0]))
             progress.update()
         if name == "tokenselect" and hits + misses:
-            counts[spec] = {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4)}
+            counts[spec] = hit_counts(hits, misses)
     progress.close()
     return records, counts

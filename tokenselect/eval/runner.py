@@ -146,6 +146,33 @@ def make_samples(tokenizer, window: int, tasks: list[str], lengths: list[str], n
     return built
 
 
+def names(text: str) -> list[str]:
+    """A comma-separated flag's items: ``"a, b,"`` -> ["a", "b"]."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def prompts(args: argparse.Namespace, tokenizer, window: int, where, workers: int) -> list[dict]:
+    """Every cell of the run with its prompt (``make_samples``, cached under ``--prompt-cache``); ``args.chat``
+    becomes "on" or "off", as the prompts were made (recorded in the results)."""
+    args.chat = "on" if use_chat(tokenizer, args.chat, where) else "off"
+    cache = None if args.prompt_cache == "none" else Path(args.prompt_cache or home() / "eval-prompts")
+    return make_samples(tokenizer, window, names(args.task), names(args.lengths), args.samples, args.seed,
+                        args.chat == "on", cache, workers)
+
+
+def record(spec: str, cell: dict, text: str, prompt_tokens: int, prefill_s: float, decode_s: float) -> dict:
+    """One sample's row of the results: its cell, the policy's answer and score, its timings."""
+    return {"policy": spec, "task": cell["task"], "length": cell["length"], "target_tokens": cell["target_tokens"],
+            "prompt_tokens": prompt_tokens, "sample": cell["sample"], "depth": cell["depth"],
+            "answers": cell["answers"], "prediction": text, "score": score(cell["task"], text, cell["answers"]),
+            "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4)}
+
+
+def hit_counts(hits: int, misses: int) -> dict:
+    """A policy's Selection Cache counts as the results record them (hit rate 0 before any decision)."""
+    return {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0}
+
+
 def generate_all(llm, cells: list[dict], progress) -> list:
     """Greedy answers for every cell, all queued at once so the engine batches them (its scheduler
     admits as many as the KV pool holds). -> one RequestOutput per cell, in order."""
@@ -181,26 +208,20 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
     from ..engine import LLM
     from ..policies import policy_kwargs, policy_settings
 
-    specs = [s.strip() for s in args.attention.split(",") if s.strip()]
-    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
-    lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
+    specs = names(args.attention)
     by_rope: dict[str | None, list[str]] = {}
     for spec in specs:
         by_rope.setdefault(split_policy(spec)[2], []).append(spec)
     # the prompts first, from the tokenizer alone: their worker processes fork before any model is on a GPU
     path = resolve_model(args.model) if args.model is not None else default_model_path()
     checkpoint = Checkpoint(path)
-    tokenizer = checkpoint.tokenizer()
-    args.chat = "on" if use_chat(tokenizer, args.chat, path) else "off"  # recorded in the results as it ran
-    cache = None if args.prompt_cache == "none" else Path(args.prompt_cache or home() / "eval-prompts")
-    cells = make_samples(tokenizer, checkpoint.config.window, tasks, lengths, args.samples, args.seed,
-                         args.chat == "on", cache, args.workers or min(16, os.cpu_count() or 1))
+    cells = prompts(args, checkpoint.tokenizer(), checkpoint.config.window, path,
+                    args.workers or min(16, os.cpu_count() or 1))
     records, selection_cache = [], {}
     if args.prompts_only:
         return records, selection_cache
     args.policy_settings = {}  # each policy's settings as it ran, defaults filled in (recorded in the results)
-    progress = tqdm(total=len(specs) * len(tasks) * len(lengths) * args.samples, desc="eval", unit="sample",
-                    file=sys.stderr)
+    progress = tqdm(total=len(specs) * len(cells), desc="eval", unit="sample", file=sys.stderr)
     for rope, group in by_rope.items():
         first, own, _ = split_policy(group[0])
         settings = {**policy_kwargs(args, first), **own}
@@ -217,16 +238,10 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
                 args.policy_settings[spec]["fitted_to_window"] = f"{'/'.join(fitted)} (window {llm.window})"
             progress.set_postfix_str(spec)
             for cell, out in zip(cells, generate_all(llm, cells, progress)):
-                records.append({"policy": spec, "task": cell["task"], "length": cell["length"],
-                                "target_tokens": cell["target_tokens"], "prompt_tokens": len(out.prompt_token_ids),
-                                "sample": cell["sample"], "depth": cell["depth"], "answers": cell["answers"],
-                                "prediction": out.text, "score": score(cell["task"], out.text, cell["answers"]),
-                                "prefill_s": round(out.prefill_s, 4), "decode_s": round(out.decode_s, 4)})
+                records.append(record(spec, cell, out.text, len(out.prompt_token_ids), out.prefill_s, out.decode_s))
             stats = llm.stats()  # the policy's own counters: set_attention started them afresh
             if "selection_cache_hits" in stats:
-                selection_cache[spec] = {"hits": stats["selection_cache_hits"],
-                                         "misses": stats["selection_cache_misses"],
-                                         "hit_rate": round(stats["selection_cache_hit_rate"], 4)}
+                selection_cache[spec] = hit_counts(stats["selection_cache_hits"], stats["selection_cache_misses"])
     progress.close()
     return records, selection_cache
 

@@ -5,7 +5,7 @@
 In PyTorch this is a chain of six small kernels (cast up, square, mean, rsqrt, product, cast back, and
 the weight's product), each a launch, or a node of a CUDA graph. A decode step normalises its rows
 2 * n_layers + 1 times (Qwen3 also every head's q and k), so in a decode step captured as one graph
-(``whole_graphs.py``) those chains are hundreds of nodes. The Triton kernel reads each row once and
+(``cuda_graphs.py``) those chains are hundreds of nodes. The Triton kernel reads each row once and
 writes it once, rounding where the PyTorch version rounds.
 """
 

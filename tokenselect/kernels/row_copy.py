@@ -6,7 +6,7 @@ memory.
 
 A step writes each layer's new keys and values, and with ``select_dtype`` the keys' copy, into their pools
 (``KVCache.write``): as ``index_put`` that is a kernel per pool, and in a decode step captured as one graph
-(``whole_graphs.py``) a node per pool and layer; ``scatter_rows`` writes up to three pools in one launch. The
+(``cuda_graphs.py``) a node per pool and layer; ``scatter_rows`` writes up to three pools in one launch. The
 rows may be views of one wider tensor (the keys and values are slices of the q/k/v product's rows): only each
 row must be contiguous.
 

@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
         return self.finish(x, ctx.attention(self.self_attn.layer, q, k, v))
 
     # A layer is split around its attention call so that a step can run everything between two
-    # attention calls as one CUDA graph (``step_graphs.py``).
+    # attention calls as one CUDA graph (``cuda_graphs.py``).
     def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [n, hidden] -> the un-rotated q, k, v this layer's attention takes."""
         return self.self_attn.qkv(self.input_layernorm(x))

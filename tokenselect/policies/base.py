@@ -4,7 +4,7 @@ A policy answers one question: for this step's queries of this layer, which cach
 and at which RoPE positions? It answers it once, in ``attend``, with tensor operations on the device
 whose shapes depend only on what the host fixes for a step (``SeqStep``): the same code runs eagerly
 (``attention.BatchAttention``, on a CPU too) and is recorded as it is into a CUDA graph
-(``whole_graphs.py``). Host work that depends on a sequence's length (giving it a row of device state,
+(``cuda_graphs.py``). Host work that depends on a sequence's length (giving it a row of device state,
 closing InfLLM's blocks) happens before the step, in ``prepare``.
 
 Selective policies attend ``[n_init sink tokens | chosen middle tokens, in original order |
