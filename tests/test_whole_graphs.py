@@ -184,10 +184,12 @@ def test_full_attention_is_the_table_live_up_to_the_steps_own_tokens(w):
 
 
 def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
-    """Decode steps of a graph-ready policy past its selection threshold only; the rest take the pieces."""
+    """Decode steps of a graph-ready policy (past its selection threshold, or attending everything as full attention
+    does: TokenSelect inside ``dense_until``); the rest take the pieces."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
     sizes = {"n_init": 4, "n_local": 16}
     for policy, settings, works in (("tokenselect", {"k": 16, "dense_until": 0, **sizes}, True), ("streaming", sizes, True),
+                                    ("tokenselect", {"k": 16, "dense_until": 200, **sizes}, True),
                                     ("full", {}, True), ("quest", {}, False),
                                     ("infllm", {"k": 16, "block_size": 4, **sizes}, True)):
         llm.set_attention(policy, **settings)
@@ -200,18 +202,24 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
         assert not llm.runner.graphs.whole([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
         for s in seqs:
             llm.abort(s)
-    llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16)
-    seq = llm.add_request(ids(80, 9), SamplingParams(max_tokens=3, ignore_eos=True))
-    while seq.prefilling:
+    # original positions are computed on the device from the step's length, so they record like re-indexed ones; a
+    # batch of one sequence inside dense_until (attending everything) and one past it (selecting) does not
+    llm.set_attention("tokenselect", positions="original", k=16, n_init=4, n_local=16, dense_until=85)
+    seqs = [llm.add_request(ids(n, 9), SamplingParams(max_tokens=3, ignore_eos=True)) for n in (80, 90)]
+    while any(s.prefilling for s in seqs):
         llm.step()
-    assert not llm.runner.graphs.whole([Chunk(seq, 0, 1, seq.n_cached)])  # positions move with the length
-    llm.abort(seq)
+    decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
+    assert [llm.policy.mode(ch.past, 1) for ch in decode] == ["all", "select"]
+    assert llm.runner.graphs.whole(decode[:1]) and llm.runner.graphs.whole(decode[1:])
+    assert not llm.runner.graphs.whole(decode)
+    for s in seqs:
+        llm.abort(s)
 
 
 def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
-    """A prompt of at least PREFILL_MIN_CHUNKS x chunk_size tokens runs its full chunks past the selection
-    threshold as whole steps, alone in the step; its first chunks, its last partial chunk, shorter prompts
-    and chunks sharing a step with a decode token take the pieces."""
+    """A prompt of at least PREFILL_MIN_CHUNKS x chunk_size tokens runs its full chunks as whole steps, alone in the
+    step: those inside the selection threshold (attending everything) through one graph, those past it through
+    another; its last partial chunk, shorter prompts and chunks sharing a step with a decode token take the pieces."""
     monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0,
               cuda_graphs=True)
@@ -221,8 +229,9 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
     while seq.prefilling:
         usable.append(graphs.whole([Chunk(seq, 0, min(32, 150 - seq.n_cached), seq.n_cached)]))
         llm.step()
-    assert usable == [False, False, True, True, False]  # past 0, 32 (inside 4 + 16 + 16), 64, 96, last 22 rows
-    assert graphs.whole_steps == 2 and [key[0] for key in graphs.whole_keys()] == ["prefill"]  # one prefill graph
+    assert usable == [True, True, True, True, False]  # past 0, 32 (inside 4 + 16 + 16), 64, 96; not the last 22 rows
+    assert graphs.whole_steps == 4
+    assert [(key[0], key[-1]) for key in graphs.whole_keys()] == [("prefill", "all"), ("prefill", "select")]
     short = llm.add_request(ids(127, 2), SamplingParams(max_tokens=2, ignore_eos=True))  # under 4 x 32 tokens
     assert not graphs.whole([Chunk(short, 0, 32, 64)])
     other = llm.add_request(ids(128, 3), SamplingParams(max_tokens=2, ignore_eos=True))
@@ -246,12 +255,14 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     prompt = distinct_tokens(200, 6)  # the graph's padded span must not break ties another way
     logits = [llm.prompt_logits(prompt) for llm in engines]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-    # the full chunks past the threshold (4 + 16 + 16 tokens, InfLLM's 4 + (4 * 4 + 3) + 16, streaming's 4 + 16,
-    # full attention's 0): from 64 (32, 0), 96, 128, 160; not the last 8 tokens
-    assert engines[1].runner.graphs.whole_steps == {"tokenselect": 4, "infllm": 4, "streaming": 5, "full": 6}[attention]
+    # every full chunk (0, 32, ..., 160; not the last 8 tokens), those inside the selection threshold (4 + 16 + 16
+    # tokens, streaming's 4 + 16) attending everything through a graph of their own; InfLLM's from past its threshold
+    # (4 + (4 * 4 + 3) + 16) only: 64, 96, 128, 160
+    assert engines[1].runner.graphs.whole_steps == {"tokenselect": 6, "infllm": 4, "streaming": 6, "full": 6}[attention]
+    modes = {"tokenselect": 2, "streaming": 2}.get(attention, 1)  # graphs: one per mode the prompt's chunks take
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
-    assert len([key for key in engines[1].runner.graphs.whole_keys() if key[0] == "prefill"]) == 1
+    assert len([key for key in engines[1].runner.graphs.whole_keys() if key[0] == "prefill"]) == modes
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
     assert outs[1] == outs[0]

@@ -14,8 +14,10 @@ kernels per layer as by the GPU's work. ``GraphCache`` keeps two kinds of graph,
   where ``out`` is the previous attention's result, copied into a static buffer; attention runs eagerly
   between the pieces (mixed batches, policies whose list changes length, dynamic NTK all run this way).
 - ``(phase, batch, capacity, id(policy), mode)``, phase "decode" or "prefill": the whole step, selection and
-  sparse attention inside, once a policy's list keeps its length from step to step
-  (``AttentionPolicy.graph_ready``): its ``attend`` is the code the eager steps run, fed a slot table of fixed
+  sparse attention inside, where a policy's list keeps its length from step to step or is full attention's
+  whole table (``AttentionPolicy.graph_ready``: a selective policy while it attends everything, as TokenSelect
+  does inside the model's window, and once it selects; every sequence of the step in one mode, each mode a
+  graph of its own): its ``attend`` is the code the eager steps run, fed a slot table of fixed
   size (``capacity``: the longest sequence rounded up to GRAIN tokens, so one graph serves up to GRAIN steps
   before a larger one replaces it) with the sequence's length as a device scalar. Decode steps of up to
   MAX_BATCH sequences sharing one policy instance (the Selection Cache's decision gates the selection instead
@@ -170,6 +172,8 @@ class GraphCache:
         policy = chunks[0].seq.policy
         if not all(ch.seq.policy is policy and policy.graph_ready(ch.past, ch.length) for ch in chunks):
             return False
+        if len({policy.mode(ch.past, ch.length) for ch in chunks}) > 1:
+            return False  # a graph is recorded for one mode: a batch whose sequences attend differently is not one
         if len(chunks) == 1 and not chunks[0].decode:
             ch = chunks[0]
             long_prompt = len(ch.seq.prompt_ids) >= PREFILL_MIN_CHUNKS * self.chunk_size
@@ -193,8 +197,8 @@ class GraphCache:
         key = (phase, batch, capacity, id(policy), mode)
         step = self.graphs.get(key)
         if step is None or step.state != _pointers(_tensors(policy, buffers)):
-            for old in [k for k in self.graphs if k[:2] == (phase, batch) and k[3] == id(policy)]:
-                del self.graphs[old]  # another capacity: free its memory
+            for old in [k for k in self.graphs if k[:2] == (phase, batch) and k[3:] == (id(policy), mode)]:
+                del self.graphs[old]  # another capacity: free its memory (the other mode's graph stays in use)
             step = self.graphs[key] = _WholeStep(self, policy, batch, chunks[0].length, capacity, decode, mode,
                                                  buffers)
             step.feed(chunks, ids, rows, new_slots)

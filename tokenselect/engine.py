@@ -60,7 +60,7 @@ class LLM:
         V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
         that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
         cuda_graphs (run steps through CUDA graphs, ``runner.ModelRunner``: decode steps and a long prompt's
-        full prefill chunks as one graph each once the policy selects, other steps' layers as graphs around
+        full prefill chunks as one graph each where the policy is graph-ready, other steps' layers as graphs around
         attention; default on CUDA; on a CPU the same code runs eagerly), prefix_cache (default True: keep the KV
         of computed prompts and start a request that shares a prefix with one after it, ``prefix_cache.py``)
         (engine) and the policy's own settings."""

@@ -232,8 +232,10 @@ class SelectivePolicy(AttentionPolicy):
         return self.mode(t, w) == ALL
 
     def graph_ready(self, t: int, w: int = 1) -> bool:
-        """Once it selects: the list's length no longer moves."""
-        return self.mode(t, w) == SELECT
+        """Once it selects (the list's length no longer moves), and while it attends every token: that list is
+        full attention's (the table's fixed span, its live length on the device), graph-ready as full attention
+        is, so that a model inside its window decodes at full attention's speed."""
+        return self.mode(t, w) == SELECT or self.cache.offload != "values"
 
     def middle(self, step: SeqStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The selection candidates: (slots [M], the table's fixed span between the sinks and the last n_local
