@@ -7,7 +7,7 @@
 #   device:  benchmarks/before_after_e2e.sh run OUTDIR [LENGTHS] -> OUTDIR/before_after.md and both runs' JSON
 #            (carry [".carry/before"]; the embedded model of the current tree serves both)
 # Each tree runs `tokenselect bench e2e` at LENGTHS (default 128k) with dense, full, streaming, infllm, tokenselect and
-# TokenSelect's hit path (tokenselect:theta=-1), 32 decode steps (STEPS), with E2E_ARGS added (e.g. "--config tiny" to
+# TokenSelect's hit path (tokenselect:theta=-1) (or POLICIES), 32 decode steps (STEPS), with E2E_ARGS added (e.g. "--config tiny" to
 # try it on a CPU): about 3 minutes a tree at 128K on an H100.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ case "${1:-}" in
     mkdir -p "$out"
     rm -rf /tmp/before && mkdir -p /tmp/before && cp -r .carry/before/tokenselect /tmp/before/
     ln -s "$PWD/tokenselect/data" /tmp/before/tokenselect/data
-    policies=dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1
+    policies=${POLICIES:-dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1}
     for tree in before after; do
       root=$PWD; [[ $tree == before ]] && root=/tmp/before
       (cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 -m tokenselect.cli bench e2e \

@@ -407,15 +407,14 @@ def test_a_graph_whose_replay_differs_from_the_eager_step_is_turned_off(tiny_lla
     """A graph that leaves work out (here: under capture the policy returns its stored selection without
     checking or selecting, as a host read baked into the graph would) fails its check: a warning, whole-step
     graphs off for good, and the tokens of the plain path all the same."""
-    honest = TokenSelect.graph_choose
+    honest = TokenSelect.choose
 
-    def graph_choose(self, layer, seq, q, out):
-        if torch.cuda.is_current_stream_capturing():
-            out.copy_(self.selection_cache.selection[:, layer].index_select(0, seq.row.view(1))[0])
-        else:
-            honest(self, layer, seq, q, out)
+    def choose(self, layer, step, q):
+        if torch.cuda.is_current_stream_capturing() and step.decode:
+            return self.selection_cache.selection[:, layer].index_select(0, step.row.view(1))[0], None
+        return honest(self, layer, step, q)
 
-    monkeypatch.setattr(TokenSelect, "graph_choose", graph_choose)
+    monkeypatch.setattr(TokenSelect, "choose", choose)
     settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, theta=0.5, dense_until=0, dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     settings["select_dtype"] = select_dtype
