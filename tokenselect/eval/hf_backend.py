@@ -16,20 +16,19 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from .. import hf as tshf
+from ..policies import default_chunk, policy_kwargs, policy_settings
+from .runner import hit_counts, max_tokens, names, prompts, record, split_policy
+
 BACKEND_POLICIES = ("full", "tokenselect", "streaming", "quest", "infllm", "reattention")
 
 
 def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """As ``runner.evaluate``, on ``transformers.AutoModelForCausalLM``: (records, Selection Cache counts)."""
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
-
-    import tokenselect.hf as tshf
-
-    from ..policies import default_chunk, policy_kwargs, policy_settings
-    from .runner import hit_counts, max_tokens, names, prompts, record, split_policy
-
     if args.model is None:
         raise ValueError("--backend transformers needs --model (a transformers checkpoint folder)")
     specs = names(args.attention)

@@ -24,10 +24,15 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from ..data import default_model_path
+from ..engine import LLM
 from ..models.loader import Checkpoint, chat_token_ids
 from ..models.registry import home, resolve_model
-from ..policies import policy_spec
-
+from ..policies import POLICIES, policy_kwargs, policy_settings, policy_spec
+from ..sampling import SamplingParams
 from .metrics import score
 from .tasks import TASKS, Sample, make_sample
 
@@ -121,8 +126,6 @@ def make_samples(tokenizer, window: int, tasks: list[str], lengths: list[str], n
     built = [json.loads(f.read_text()) if f is not None and f.is_file() else None for f in files]
     todo = [i for i, b in enumerate(built) if b is None]
     if todo:
-        from tqdm import tqdm
-
         build = functools.partial(build_cell, tokenizer, chat, seed)
         with tqdm(total=len(todo), desc="building prompts", unit="prompt", file=sys.stderr) as bar:
             if workers > 1 and len(todo) > 1:
@@ -176,8 +179,6 @@ def hit_counts(hits: int, misses: int) -> dict:
 def generate_all(llm, cells: list[dict], progress) -> list:
     """Greedy answers for every cell, all queued at once so the engine batches them (its scheduler
     admits as many as the KV pool holds). -> one RequestOutput per cell, in order."""
-    from ..sampling import SamplingParams
-
     seqs = [llm.add_request(c["prompt"], SamplingParams(max_tokens=max_tokens(c["task"]), temperature=0))
             for c in cells]
     done = 0
@@ -202,12 +203,6 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
         from .hf_backend import evaluate_transformers
 
         return evaluate_transformers(args)
-    from tqdm import tqdm
-
-    from ..data import default_model_path
-    from ..engine import LLM
-    from ..policies import policy_kwargs, policy_settings
-
     specs = names(args.attention)
     by_rope: dict[str | None, list[str]] = {}
     for spec in specs:
@@ -319,8 +314,6 @@ def markdown_table(scores: dict, bounds: dict | None = None) -> str:
 
 def title(args: argparse.Namespace, records: list[dict]) -> str:
     """One line naming what was run: model, samples per cell, device."""
-    import torch
-
     model = Path(args.model).name if args.model else "default model"
     if getattr(args, "backend", "engine") == "transformers":
         model += " (transformers, tokenselect.hf)"
@@ -349,8 +342,6 @@ def write_outputs(records: list[dict], scores: dict, config: dict, out: Path,
 
 def check_names(args: argparse.Namespace) -> None:
     """ValueError for an unknown task or policy, or fewer than one sample."""
-    from ..policies import POLICIES, policy_settings
-
     unknown = [t for t in args.task.split(",") if t.strip() not in TASKS]
     unknown += [a for a in args.attention.split(",") if split_policy(a.strip())[0] not in POLICIES]
     for spec in args.attention.split(","):
