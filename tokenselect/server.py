@@ -249,7 +249,8 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 try:
-                    self._drain(block=not self.llm.scheduler.has_work())
+                    for command, job in self._commands(wait=0 if self.llm.scheduler.has_work() else 0.1):
+                        self._handle(command, job)
                     if self.llm.scheduler.has_work():
                         for seq in self.llm.step():
                             self._publish(seq)
@@ -266,14 +267,14 @@ class EngineWorker:
             self._fail_all(APIError(503, f"the engine is unavailable: {closed}", type="server_error",
                                     code="engine_unavailable"))
 
-    def _drain(self, block: bool) -> None:
+    def _commands(self, wait: float = 0):
+        """The inbox's commands until it is empty, waiting up to ``wait`` seconds for the first."""
         try:
-            command, job = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+            yield self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
             while True:
-                self._handle(command, job)
-                command, job = self.inbox.get_nowait()
+                yield self.inbox.get_nowait()
         except queue.Empty:
-            pass
+            return
 
     def _handle(self, command: str, job: Job) -> None:
         if command == "add":
@@ -322,11 +323,7 @@ class EngineWorker:
             job.send(error)
         self.jobs.clear()
         if self._closed is not None:  # nothing will read the inbox again
-            while True:
-                try:
-                    command, job = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
+            for command, job in self._commands():
                 if command == "add":
                     job.send(error)
 

@@ -39,6 +39,7 @@ import torch
 
 from ..data import default_model_path, prose_text
 from ..engine import KV_DTYPES, LLM
+from ..eval.runner import parse_length
 from ..kv_cache import HostMemoryError
 from ..models import load_tokenizer
 from ..policies import POLICIES, PolicyStats, policy_spec
@@ -63,13 +64,6 @@ WARMUP_TOKENS = 40960
 # its decode steps: Triton compiles a kernel again for a length argument divisible by 16 (and for 1), so 16
 # consecutive lengths meet every variant an eagerly planned decode step (InfLLM's) launches
 WARMUP_DECODE_STEPS = 17
-
-
-def parse_length(text: str) -> int:
-    """'128k' -> 131072, '1m' -> 1048576, '5000' -> 5000."""
-    text = text.strip().lower()
-    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:], 1)
-    return int(float(text.rstrip("km")) * scale)
 
 
 @functools.lru_cache(maxsize=1)
@@ -324,10 +318,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Prefill and decode time against prompt length, a line per policy (rows without errors)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..eval.plots import plt, save_png  # matplotlib, with its file backend
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -340,9 +331,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> str:

@@ -42,13 +42,14 @@ NIAH_MAX_TOKENS = 128
 PROMPT_FORMAT = 2  # bump when a generator or the prompt format changes: cached prompts then go stale
 
 
-def parse_length(text: str, window: int) -> int:
-    """``4k`` -> 4096, ``2x`` -> twice the model's window, ``5000`` -> 5000 tokens."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMxX]?)", text.strip())
-    if not match:
-        raise ValueError(f"bad length {text!r}: use tokens (5000), 4k / 1m, or window multiples (4x)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * {"": 1, "k": 1024, "m": 1024 ** 2, "x": window}[unit])
+def parse_length(text: str, window: int | None = None) -> int:
+    """``4k`` -> 4096, ``1m`` -> 1048576, ``5000`` -> 5000 tokens; with a model's ``window``, ``2x`` -> twice it."""
+    units = {"": 1, "k": 1024, "m": 1024 ** 2, **({"x": window} if window else {})}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]?)", text.strip().lower())
+    if not match or match.group(2) not in units:
+        raise ValueError(f"bad length {text!r}: use tokens (5000), 4k / 1m"
+                         + (", or window multiples (4x)" if window else ""))
+    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def depths(n: int) -> list[float]:
@@ -312,7 +313,7 @@ def markdown_table(scores: dict, bounds: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def title(args: argparse.Namespace, records: list[dict]) -> str:
+def title(args: argparse.Namespace) -> str:
     """One line naming what was run: model, samples per cell, device."""
     model = Path(args.model).name if args.model else "default model"
     if getattr(args, "backend", "engine") == "transformers":
@@ -374,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     notes = selection_cache_lines(selection_cache) + "".join(
         f"\nSettings of {spec}: " + ", ".join(f"{k}={v}" for k, v in s.items()) + "\n"
         for spec, s in args.policy_settings.items() if s)
-    (out / "table.md").write_text(f"# {title(args, records)}\n\n{table}\n\nCommand: `tokenselect eval "
+    (out / "table.md").write_text(f"# {title(args)}\n\n{table}\n\nCommand: `tokenselect eval "
                                   f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n{notes}")
     print(table + ("\n" + notes if notes else ""))
     print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json, table.md and plots", file=sys.stderr)
