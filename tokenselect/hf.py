@@ -71,8 +71,8 @@ from .transfer import Aranges
 
 NAME = "tokenselect"
 SUPPORTED_ROPE = ("default", "linear", "llama3")
-# attention implementation name -> the policy it runs without a cache object
-IMPLEMENTATIONS = {NAME: "tokenselect", **{f"{NAME}_{p}": p for p in ("streaming", "quest", "infllm", "reattention")}}
+# attention implementation name -> the policy it runs without a cache object (full attention is "sdpa")
+IMPLEMENTATIONS = {NAME: "tokenselect", **{f"{NAME}_{p}": p for p in POLICIES if p not in ("full", "tokenselect")}}
 
 
 class UnsupportedModel(ValueError):

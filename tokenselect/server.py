@@ -42,6 +42,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Union
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -740,8 +741,6 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
     """uvicorn's configuration for an app of ``create_app``: on shutdown, running requests get the app's
     ``shutdown_timeout`` to finish, then they are cancelled (aborted)."""
-    import uvicorn
-
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_graceful_shutdown=app.state.options.shutdown_timeout)
 
@@ -751,8 +750,6 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 
 def serve(llm, args: argparse.Namespace) -> int:
     """``tokenselect serve``: serve ``llm`` (built by the CLI from ``args``) until interrupted."""
-    import uvicorn
-
     if llm.tokenizer is None:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     options = ServerOptions.from_args(args)
