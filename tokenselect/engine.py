@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .attention import Chunk, RopeFrequencies
 from .config import ModelConfig
+from .data import default_model_path
 from .errors import ContextTooLong, TokenSelectError
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
@@ -64,11 +65,7 @@ class LLM:
         attention; default on CUDA; on a CPU the same code runs eagerly), prefix_cache (default True: keep the KV
         of computed prompts and start a request that shares a prefix with one after it, ``prefix_cache.py``)
         (engine) and the policy's own settings."""
-        if model is None:
-            from .data import default_model_path
-
-            model = default_model_path()
-        self.path = resolve_model(model)
+        self.path = resolve_model(model if model is not None else default_model_path())
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # the device its tensors report: cuda:0, not cuda
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -98,25 +95,23 @@ class LLM:
         engine = {f.name for f in dataclasses.fields(EngineSettings)}
         self.settings = s = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
         policy_settings = {key: value for key, value in settings.items() if key not in engine}
-        kernels, chunk_size, rope_scaling, kv_dtype, select_dtype = (s.kernels, s.chunk_size, s.rope_scaling,
-                                                                     s.kv_dtype, s.select_dtype)
         cfg = self.config
         self.window = cfg.window
         rope = cfg.rope
-        if rope_scaling:
-            kind, _, factor = rope_scaling.partition(":")
+        if s.rope_scaling:
+            kind, _, factor = s.rope_scaling.partition(":")
             rope = rope.with_scaling(kind, float(factor or 2))
         self.rope = RopeFrequencies(rope, self.device)
-        kernels = kernels or ("triton" if self.device.type == "cuda" else "torch")
+        kernels = s.kernels or ("triton" if self.device.type == "cuda" else "torch")
         if kernels == "triton" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("triton kernels on the CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
                              "before starting (slow; meant for tests), or use kernels='torch'")
         self.kernels = get_kernels(kernels)
-        self.chunk_size = chunk_size or default_chunk(self.window)
+        self.chunk_size = s.chunk_size or default_chunk(self.window)
         if s.tail_chunk > self.chunk_size:
             raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
-        self.kv_dtype = KV_DTYPES[kv_dtype] if kv_dtype != "auto" else self.dtype
-        self.select_dtype = SELECT_DTYPES[select_dtype] or self.kv_dtype  # the keys a selection reads
+        self.kv_dtype = KV_DTYPES[s.kv_dtype] if s.kv_dtype != "auto" else self.dtype
+        self.select_dtype = SELECT_DTYPES[s.select_dtype] or self.kv_dtype  # the keys a selection reads
         n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload)
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
                              s.kv_offload, self.select_dtype)

@@ -71,8 +71,8 @@ from .transfer import Aranges
 
 NAME = "tokenselect"
 SUPPORTED_ROPE = ("default", "linear", "llama3")
-# attention implementation name -> the policy it runs without a cache object
-IMPLEMENTATIONS = {NAME: "tokenselect", **{f"{NAME}_{p}": p for p in ("streaming", "quest", "infllm", "reattention")}}
+# attention implementation name -> the policy it runs without a cache object (full attention is "sdpa")
+IMPLEMENTATIONS = {NAME: "tokenselect", **{f"{NAME}_{p}": p for p in POLICIES if p not in ("full", "tokenselect")}}
 
 
 class UnsupportedModel(ValueError):
@@ -237,25 +237,26 @@ _ACTIVE = threading.local()  # .cache: the PolicyCache whose update ran last in 
 _DEFAULT: dict[int, tuple[weakref.ref, PolicyState]] = {}  # id(model config) -> (config, the no-cache run's state)
 
 
+def _state_of(config) -> PolicyState | None:
+    """The no-cache run's state kept for this very config object (not one that took a collected one's id)."""
+    entry = _DEFAULT.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else None
+
+
 def default_state(model: torch.nn.Module) -> PolicyState | None:
     """The state of the model's last run without a cache object (its ``selected``, ``hits_misses()``)."""
     config = getattr(model, "config", model)
-    for c in (config, getattr(config, "get_text_config", lambda **_: config)(decoder=True)):
-        entry = _DEFAULT.get(id(c))
-        if entry is not None and entry[0]() is c:
-            return entry[1]
-    return None
+    return _state_of(config) or _state_of(getattr(config, "get_text_config", lambda **_: config)(decoder=True))
 
 
 def _default_for(module: torch.nn.Module, policy: str, t: int) -> PolicyState:
     """The no-cache state of the module's model; a fresh one when the step finds fewer cached tokens than the
     state has seen in this layer (a new run)."""
     config = module.config
-    entry = _DEFAULT.get(id(config))
-    state = entry[1] if entry is not None and entry[0]() is config else None
+    state = _state_of(config)
     if (state is None or state.policy_name != policy
             or (state.pools is not None and state.pools.length(module.layer_idx) > t)):
-        if entry is None or entry[0]() is not config:  # forget the state with the model (once per config)
+        if state is None:  # forget the state with the model (once per config)
             weakref.finalize(config, _DEFAULT.pop, id(config), None)
         state = PolicyState(policy, {})
         _DEFAULT[id(config)] = (weakref.ref(config), state)
@@ -296,7 +297,7 @@ def _sliding(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "sliding_window", None) or getattr(module.config, "sliding_window", None))
 
 
-def _valid_columns(mask: torch.Tensor | None, batch: int, total: int, device: torch.device) -> torch.Tensor | None:
+def _valid_columns(mask: torch.Tensor | None, batch: int, total: int) -> torch.Tensor | None:
     """[B, T] bool: the columns that are tokens of each row (not padding): those its last query sees, as the
     model's full-attention mask ([B, 1, c, T] bool, True = attend, or additive float) says. None: all are."""
     if mask is None:
@@ -309,7 +310,6 @@ def _valid_columns(mask: torch.Tensor | None, batch: int, total: int, device: to
 
 def _unrotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x: [n, B, heads, d] rotated at positions [n, B] -> un-rotated, in fp32 (then x's dtype)."""
-    n, b = x.shape[:2]
     flat = rotate(x.float().flatten(0, 1), -positions.flatten(), inv_freq)
     return flat.view(x.shape).to(x.dtype)
 
@@ -336,10 +336,15 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """The registered attention functions. query: [B, H, c, d] post-RoPE; key, value: [B, H_kv, T, d] (the whole
     cache after this step's update, T = t + c). Returns ([B, c, H, d], None), as transformers' attention
     functions do. default_policy: the policy that runs without a cache object."""
+    def sdpa(rows: slice = slice(None)) -> tuple[torch.Tensor, None]:
+        """transformers' own SDPA attention (ordinary attention) of the batch's ``rows``."""
+        mask = None if attention_mask is None else attention_mask[rows]
+        return sdpa_attention_forward(module, query[rows], key[rows], value[rows], mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+
     layer = getattr(module, "layer_idx", None)
     if layer is None or _sliding(module) or kwargs.get("softcap") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa()
     b, h, c, d = query.shape
     total = key.shape[2]
     t = total - c
@@ -350,8 +355,7 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     else:  # transformers' own cache (or none): the policy of the implementation's name, its defaults
         state = _default_for(module, default_policy, t)
     if state.policy_name == "full":
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa()
     if getattr(module.config, "attn_logit_softcapping", None):
         raise UnsupportedModel(f"{module.config.model_type}: attention logit soft-capping is not supported")
     if state.policy is None:
@@ -364,7 +368,7 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                          f"({state.chunk}); pass prefill_chunk_size={state.chunk} to generate (InfLLM counts the "
                          "attention each chunk's queries give the local window, a chunk at a time)")
     inv_freq = state.inv_freq(module, d, query.device)
-    valid = _valid_columns(attention_mask, b, total, key.device)
+    valid = _valid_columns(attention_mask, b, total)
     # positions of the cached columns: transformers' position_ids for this step's, else (and for columns cached
     # before the state saw them) each row's count of real tokens before them, as generate numbers them
     rank = None if valid is None else valid.long().cumsum(1) - 1  # [B, T]
@@ -403,8 +407,7 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         plans.append((policy.attend(layer, step, q_row, own_slots), table, own, q_row))
     dense = [p is None or _dense(p[0], p[1], p[2].numel()) for p in plans]
     if all(dense):  # every row as ordinary attention: transformers' own, for the batch
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa()
     out = query.new_zeros(b, c, h, d)
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
     kern, keys = state.kernels, pools[layer]
@@ -414,9 +417,7 @@ def policy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             continue
         attended, table, own, q_row = entry
         if is_dense:  # as this row alone: SDPA over its columns
-            mask = None if attention_mask is None else attention_mask[row:row + 1]
-            out[row] = sdpa_attention_forward(module, query[row:row + 1], key[row:row + 1], value[row:row + 1],
-                                              mask, dropout=dropout, scaling=scaling, **kwargs)[0][0]
+            out[row] = sdpa(slice(row, row + 1))[0][0]
             continue
         slots, positions = _live(attended)  # [n]: the list, the row's own tokens among them
         columns = slots // b

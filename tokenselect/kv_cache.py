@@ -145,8 +145,9 @@ class KVCache:
         """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device tensors
         ``[n, n_kv_heads, head_dim]`` in the pools' dtype, i.e. pools that attention reads at slots
         ``arange(n)``. Each V row crosses the bus once; the host takes no part."""
+        gather = gather_rows if slots.is_cuda else gather_rows_ref
         with torch.profiler.record_function("kv_cache.stage"):
-            return self._gather(self.k[layer], slots), self._gather(self.v[layer], slots)
+            return gather(self.k[layer], slots), gather(self.v[layer], slots)
 
     def attention_pools(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What attention reads for the attended ``slots: [n]``: (K pool, V pool, slots to read them at).
@@ -156,6 +157,3 @@ class KVCache:
             return self.k[layer], self.v[layer], slots
         k, v = self.stage(layer, slots)
         return k, v, self.arange(slots.numel())
-
-    def _gather(self, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return (gather_rows if slots.is_cuda else gather_rows_ref)(pool, slots)

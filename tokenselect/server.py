@@ -42,6 +42,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Union
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -249,7 +250,8 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 try:
-                    self._drain(block=not self.llm.scheduler.has_work())
+                    for command, job in self._commands(wait=0 if self.llm.scheduler.has_work() else 0.1):
+                        self._handle(command, job)
                     if self.llm.scheduler.has_work():
                         for seq in self.llm.step():
                             self._publish(seq)
@@ -266,14 +268,14 @@ class EngineWorker:
             self._fail_all(APIError(503, f"the engine is unavailable: {closed}", type="server_error",
                                     code="engine_unavailable"))
 
-    def _drain(self, block: bool) -> None:
+    def _commands(self, wait: float = 0):
+        """The inbox's commands until it is empty, waiting up to ``wait`` seconds for the first."""
         try:
-            command, job = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+            yield self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
             while True:
-                self._handle(command, job)
-                command, job = self.inbox.get_nowait()
+                yield self.inbox.get_nowait()
         except queue.Empty:
-            pass
+            return
 
     def _handle(self, command: str, job: Job) -> None:
         if command == "add":
@@ -322,11 +324,7 @@ class EngineWorker:
             job.send(error)
         self.jobs.clear()
         if self._closed is not None:  # nothing will read the inbox again
-            while True:
-                try:
-                    command, job = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
+            for command, job in self._commands():
                 if command == "add":
                     job.send(error)
 
@@ -743,8 +741,6 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
     """uvicorn's configuration for an app of ``create_app``: on shutdown, running requests get the app's
     ``shutdown_timeout`` to finish, then they are cancelled (aborted)."""
-    import uvicorn
-
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_graceful_shutdown=app.state.options.shutdown_timeout)
 
@@ -754,8 +750,6 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 
 def serve(llm, args: argparse.Namespace) -> int:
     """``tokenselect serve``: serve ``llm`` (built by the CLI from ``args``) until interrupted."""
-    import uvicorn
-
     if llm.tokenizer is None:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     options = ServerOptions.from_args(args)

@@ -79,7 +79,7 @@ def problem(spec: Spec, value: Any, high: float | None = None) -> str | None:
     if spec.choices is not None:
         return None if value in spec.choices else (
             f"{spec.name} must be one of {', '.join(map(str, spec.choices))}, not {value!r}")
-    if spec.kind in (int, float) and spec.kind is not bool:
+    if spec.kind in (int, float):
         whole = spec.kind is int
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not isinstance(value, int)):
             return f"{spec.name} must be a {'whole number' if whole else 'number'}, not {value!r}"
@@ -158,10 +158,7 @@ class Validated:
     """Base of a settings dataclass: a value out of its declared range raises ValueError when it is made."""
 
     def __post_init__(self):
-        for spec in specs(type(self)):
-            why = problem(spec, getattr(self, spec.name))
-            if why is not None:
-                raise ValueError(why)
+        check(type(self), vars(self), type(self).__name__)
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cuda_graphs import capture, warm_up
+from ..eval.runner import parse_length
+from ..kernels import get_kernels
 from ..kv_cache import KVCache
 from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
-from .e2e import parse_length
 
 DEFAULT_LENGTHS = "32k,128k,512k,1m"
 TINY = {"lengths": "2k,4k", "heads": 4, "kv_heads": 2, "head_dim": 32,
@@ -117,7 +118,6 @@ class Layer:
         k_seq = rotate(self.k_pool[self.page_table], positions, self.inv_freq)  # [L, kv, d] in sequence order
         self.k_dense = k_seq.permute(1, 0, 2).unsqueeze(0)
         self.v_dense = self.v_pool[self.page_table].permute(1, 0, 2).unsqueeze(0)
-        del k, v, k_seq
         self.q = {c: torch.randn(c, h, d, device=device, dtype=torch.bfloat16, generator=gen) for c in (1, args.chunk)}
 
     def dense(self, c: int):
@@ -219,8 +219,6 @@ def time_decode(layer: Layer, kern, ms, hit: bool, fp8: bool = False) -> float:
 
 
 def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: bool) -> dict:
-    from ..kernels import get_kernels
-
     kern = get_kernels(args.kernels)
     layer = Layer(L, args, device)
     row = {"length": L}

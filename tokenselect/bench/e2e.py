@@ -37,7 +37,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..policies import PolicyStats, policy_spec
+from ..data import default_model_path, prose_text
+from ..engine import KV_DTYPES, LLM
+from ..eval.runner import parse_length
+from ..kv_cache import HostMemoryError
+from ..models import load_tokenizer
+from ..policies import POLICIES, PolicyStats, policy_spec
+from ..sampling import SamplingParams
+from .dense import DenseRunner
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -59,20 +66,10 @@ WARMUP_TOKENS = 40960
 WARMUP_DECODE_STEPS = 17
 
 
-def parse_length(text: str) -> int:
-    """'128k' -> 131072, '1m' -> 1048576, '5000' -> 5000."""
-    text = text.strip().lower()
-    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:], 1)
-    return int(float(text.rstrip("km")) * scale)
-
-
 @functools.lru_cache(maxsize=1)
 def prose_ids() -> tuple[int, ...]:
     """The corpus's prose as token ids of the shipped tokenizer, tokenized once a process (every length's
     dense run, engine run and real-text run reads it)."""
-    from ..data import default_model_path, prose_text
-    from ..models import load_tokenizer
-
     return tuple(load_tokenizer(default_model_path())(prose_text()[:4_000_000])["input_ids"])
 
 
@@ -110,8 +107,6 @@ def profiled(llm, done: Callable[[], bool]) -> str:
 def warm_up(llm, ids: list[int]) -> None:
     """An untimed short request (prefill past the selection threshold, then decode), so that kernel
     compilation (Triton JIT, once per kernel variant) stays out of the timed runs."""
-    from ..sampling import SamplingParams
-
     llm.generate([ids[:WARMUP_TOKENS]], SamplingParams(max_tokens=WARMUP_DECODE_STEPS + 1, temperature=0,
                                                        ignore_eos=True))
 
@@ -126,8 +121,6 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     """Prefill the prompt, then decode ``decode_steps`` tokens, timing each phase. With
     ``profile_steps``, the last that many prefill chunks (inside the prefill time) and as many decode
     steps after the timed ones run under the profiler: its tables come back under "profile"."""
-    from ..sampling import SamplingParams
-
     dev = llm.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -181,9 +174,6 @@ def real_text_hit_rate(settings: dict, ids: list[int], decode_steps: int, args) 
     its own window's default sizes, the run's KV and selection-key dtypes) with the row's TokenSelect
     ``settings`` after the prompt ``ids`` (token ids of the shipped tokenizer); None if no decode step looked the
     cache up."""
-    from ..engine import LLM
-    from ..sampling import SamplingParams
-
     llm = LLM(None, "tokenselect", device=args.device, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
               kv_dtype=args.kv_dtype, select_dtype=args.select_dtype, kv_cache_tokens=len(ids) + decode_steps + 8,
               **settings)
@@ -208,9 +198,6 @@ def full_offload_bytes(llm, length: int) -> int:
 def measure_dense(config: dict, ids: list[int], args) -> dict:
     """Prefill and decode with the dense baseline on an engine of the same weights (its own KV pool
     left empty: the contiguous dense cache is the one that holds the sequence)."""
-    from ..engine import LLM
-    from .dense import DenseRunner
-
     llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
                      cuda_graphs=args.cuda_graphs)
     dev = llm.device
@@ -249,9 +236,6 @@ def run_dense(config: dict, length: int, args) -> dict:
 def run_length(config: dict, length: int, policies: list[str], args) -> Iterator[dict]:
     """One engine for prompts of ``length`` tokens; yields each policy's row as soon as it is measured
     (the dense baseline first, on its own cache, before the engine's pool is allocated)."""
-    from ..engine import LLM
-    from ..kv_cache import HostMemoryError
-
     if "dense" in policies:
         yield run_dense(config, length, args)
         policies = [p for p in policies if p != "dense"]
@@ -302,8 +286,6 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
 def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:
     """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host', 'bf16, fp8 selection keys' (the
     names of ``--kv-dtype``)."""
-    from ..engine import KV_DTYPES
-
     names = {kv_dtype: name for name, kv_dtype in KV_DTYPES.items()}
     copy = f", {names[select_dtype]} selection keys" if select_dtype not in (None, dtype) else ""
     return names[dtype] + (", V on host" if offload == "values" else "") + copy
@@ -336,10 +318,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Prefill and decode time against prompt length, a line per policy (rows without errors)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..eval.plots import plt, save_png  # matplotlib, with its file backend
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -352,9 +331,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> str:
@@ -408,8 +385,6 @@ def run(args: argparse.Namespace) -> int:
     config = CONFIGS[args.config] if args.config in CONFIGS else json.loads(Path(args.config).read_text())
     if args.layers:
         config = {**config, "num_hidden_layers": args.layers}
-    from ..policies import POLICIES
-
     policies = args.policies.split(",")
     for policy in policies:
         if policy != "dense" and policy_spec(policy)[0] not in POLICIES:

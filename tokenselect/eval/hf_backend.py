@@ -16,27 +16,24 @@ import sys
 import time
 from pathlib import Path
 
-BACKEND_POLICIES = ("full", "tokenselect", "streaming", "quest", "infllm", "reattention")
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from .. import hf as tshf
+from ..policies import POLICIES, default_chunk, policy_kwargs, policy_settings
+from .runner import hit_counts, max_tokens, names, prompts, record, split_policy
 
 
 def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """As ``runner.evaluate``, on ``transformers.AutoModelForCausalLM``: (records, Selection Cache counts)."""
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
-
-    import tokenselect.hf as tshf
-
-    from ..policies import default_chunk, policy_kwargs, policy_settings
-    from .runner import hit_counts, max_tokens, names, prompts, record, split_policy
-
     if args.model is None:
         raise ValueError("--backend transformers needs --model (a transformers checkpoint folder)")
     specs = names(args.attention)
     for spec in specs:
         name, _, rope = split_policy(spec)
-        if name not in BACKEND_POLICIES or rope:
-            raise ValueError(f"--backend transformers runs {', '.join(BACKEND_POLICIES)} (no @scaling), not {spec!r}")
+        if name not in POLICIES or rope:
+            raise ValueError(f"--backend transformers runs {', '.join(POLICIES)} (no @scaling), not {spec!r}")
     path = Path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = AutoConfig.from_pretrained(path)

@@ -28,6 +28,13 @@ def _lengths(records: list[dict]) -> list[str]:
     return sorted(targets, key=targets.get)
 
 
+def save_png(fig, path: Path) -> None:
+    """Write the figure to ``path`` as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def heatmap(records: list[dict], task: str, policy: str, path: Path) -> None:
     """Score by needle depth (rows) and context length (columns), 0 red .. 100 green."""
     lengths = _lengths(records)
@@ -42,9 +49,7 @@ def heatmap(records: list[dict], task: str, policy: str, path: Path) -> None:
     ax.set_ylabel("needle depth")
     ax.set_title(f"{task} — {policy}")
     fig.colorbar(image, ax=ax, label="score")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def score_vs_length(records: list[dict], task: str, path: Path) -> None:
@@ -60,9 +65,7 @@ def score_vs_length(records: list[dict], task: str, path: Path) -> None:
     ax.set_ylabel("score")
     ax.set_title(task)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def plot_all(records: list[dict], out: Path) -> list[Path]:

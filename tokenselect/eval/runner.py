@@ -24,10 +24,15 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from ..data import default_model_path
+from ..engine import LLM
 from ..models.loader import Checkpoint, chat_token_ids
 from ..models.registry import home, resolve_model
-from ..policies import policy_spec
-
+from ..policies import POLICIES, policy_kwargs, policy_settings, policy_spec
+from ..sampling import SamplingParams
 from .metrics import score
 from .tasks import TASKS, Sample, make_sample
 
@@ -37,13 +42,14 @@ NIAH_MAX_TOKENS = 128
 PROMPT_FORMAT = 2  # bump when a generator or the prompt format changes: cached prompts then go stale
 
 
-def parse_length(text: str, window: int) -> int:
-    """``4k`` -> 4096, ``2x`` -> twice the model's window, ``5000`` -> 5000 tokens."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMxX]?)", text.strip())
-    if not match:
-        raise ValueError(f"bad length {text!r}: use tokens (5000), 4k / 1m, or window multiples (4x)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * {"": 1, "k": 1024, "m": 1024 ** 2, "x": window}[unit])
+def parse_length(text: str, window: int | None = None) -> int:
+    """``4k`` -> 4096, ``1m`` -> 1048576, ``5000`` -> 5000 tokens; with a model's ``window``, ``2x`` -> twice it."""
+    units = {"": 1, "k": 1024, "m": 1024 ** 2, **({"x": window} if window else {})}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]?)", text.strip().lower())
+    if not match or match.group(2) not in units:
+        raise ValueError(f"bad length {text!r}: use tokens (5000), 4k / 1m"
+                         + (", or window multiples (4x)" if window else ""))
+    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def depths(n: int) -> list[float]:
@@ -121,8 +127,6 @@ def make_samples(tokenizer, window: int, tasks: list[str], lengths: list[str], n
     built = [json.loads(f.read_text()) if f is not None and f.is_file() else None for f in files]
     todo = [i for i, b in enumerate(built) if b is None]
     if todo:
-        from tqdm import tqdm
-
         build = functools.partial(build_cell, tokenizer, chat, seed)
         with tqdm(total=len(todo), desc="building prompts", unit="prompt", file=sys.stderr) as bar:
             if workers > 1 and len(todo) > 1:
@@ -176,8 +180,6 @@ def hit_counts(hits: int, misses: int) -> dict:
 def generate_all(llm, cells: list[dict], progress) -> list:
     """Greedy answers for every cell, all queued at once so the engine batches them (its scheduler
     admits as many as the KV pool holds). -> one RequestOutput per cell, in order."""
-    from ..sampling import SamplingParams
-
     seqs = [llm.add_request(c["prompt"], SamplingParams(max_tokens=max_tokens(c["task"]), temperature=0))
             for c in cells]
     done = 0
@@ -202,12 +204,6 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
         from .hf_backend import evaluate_transformers
 
         return evaluate_transformers(args)
-    from tqdm import tqdm
-
-    from ..data import default_model_path
-    from ..engine import LLM
-    from ..policies import policy_kwargs, policy_settings
-
     specs = names(args.attention)
     by_rope: dict[str | None, list[str]] = {}
     for spec in specs:
@@ -317,10 +313,8 @@ def markdown_table(scores: dict, bounds: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def title(args: argparse.Namespace, records: list[dict]) -> str:
+def title(args: argparse.Namespace) -> str:
     """One line naming what was run: model, samples per cell, device."""
-    import torch
-
     model = Path(args.model).name if args.model else "default model"
     if getattr(args, "backend", "engine") == "transformers":
         model += " (transformers, tokenselect.hf)"
@@ -349,8 +343,6 @@ def write_outputs(records: list[dict], scores: dict, config: dict, out: Path,
 
 def check_names(args: argparse.Namespace) -> None:
     """ValueError for an unknown task or policy, or fewer than one sample."""
-    from ..policies import POLICIES, policy_settings
-
     unknown = [t for t in args.task.split(",") if t.strip() not in TASKS]
     unknown += [a for a in args.attention.split(",") if split_policy(a.strip())[0] not in POLICIES]
     for spec in args.attention.split(","):
@@ -383,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     notes = selection_cache_lines(selection_cache) + "".join(
         f"\nSettings of {spec}: " + ", ".join(f"{k}={v}" for k, v in s.items()) + "\n"
         for spec, s in args.policy_settings.items() if s)
-    (out / "table.md").write_text(f"# {title(args, records)}\n\n{table}\n\nCommand: `tokenselect eval "
+    (out / "table.md").write_text(f"# {title(args)}\n\n{table}\n\nCommand: `tokenselect eval "
                                   f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n{notes}")
     print(table + ("\n" + notes if notes else ""))
     print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json, table.md and plots", file=sys.stderr)
