@@ -5,6 +5,7 @@
 #   here:    benchmarks/before_after_e2e.sh pack COMMIT        -> .carry/before/ (that commit's tokenselect/,
 #                                                                 without the 34 MB embedded model)
 #   device:  benchmarks/before_after_e2e.sh run OUTDIR [LENGTHS] -> OUTDIR/before_after.md and both runs' JSON
+#            (TREE_COMMIT=<commit> names the current tree in the table; else git describe --dirty)
 #            (carry [".carry/before"]; the embedded model of the current tree serves both)
 # Each tree runs `tokenselect bench e2e` at LENGTHS (default 128k) with dense, full, streaming, infllm, tokenselect and
 # TokenSelect's hit path (tokenselect:theta=-1) (or POLICIES), 32 decode steps (STEPS), with E2E_ARGS added (e.g. "--config tiny" to
@@ -31,7 +32,7 @@ case "${1:-}" in
          --lengths "$lengths" --policies "$policies" --decode-steps "${STEPS:-32}" --output "$out" --tag "$tree" ${E2E_ARGS:-}) \
         > "$out/$tree.log" 2>&1 || echo "$tree failed: see $out/$tree.log"
     done
-    python3 - "$out" "$(cat .carry/before/COMMIT)" "$(git rev-parse --short HEAD 2>/dev/null || echo worktree)" <<'PY'
+    python3 - "$out" "$(cat .carry/before/COMMIT)" "${TREE_COMMIT:-$(git describe --always --dirty 2>/dev/null || echo worktree)}" <<'PY'
 import json, sys
 from pathlib import Path
 out, before_commit, after_commit = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -32,10 +32,13 @@ limit=${GPU_TESTS_LIMIT:-540}  # seconds each process may take: the device comma
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 python3 - <<'EOF' > "$out/env.txt" 2>&1
-import subprocess, torch, triton
+import os, subprocess, torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE")
-print("commit", subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+# TREE_COMMIT: what the caller knows the tree to be; a device copy's git metadata may be older than its files,
+# which "-dirty" then shows
+print("commit", os.environ.get("TREE_COMMIT") or subprocess.run(["git", "describe", "--always", "--dirty"],
+                                                                capture_output=True, text=True).stdout.strip()
       or "(no git)")
 EOF
 if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
