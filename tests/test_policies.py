@@ -268,3 +268,24 @@ def test_tokenselect_attends_densely_up_to_its_window_and_selects_past_it(tiny_l
     assert len(out[0].token_ids) == 4 and llm.stats()["selection_cache_misses"] > 0  # past the window: selects
     with pytest.raises(ValueError, match="dense_until must be >= 0"):
         llm.set_attention("tokenselect", dense_until=-1)
+
+
+# ---- small helpers the engine and the benchmarks rely on (issue #34's mutation check) ---------------------------
+
+def test_default_chunk_is_512_or_a_quarter_of_a_small_window_and_at_least_16():
+    from tokenselect.policies import default_chunk
+
+    windows = [32, 64, 68, 130, 256, 2048, 2052, 8192, 1 << 20]
+    chunks = [default_chunk(w) for w in windows]
+    assert chunks == [16, 16, 17, 32, 64, 512, 512, 512, 512]
+    assert all(type(c) is int for c in chunks)
+
+
+def test_policy_stats_add_subtract_and_give_the_hit_rate():
+    from tokenselect.policies import PolicyStats
+
+    a, b = PolicyStats(3, 5), PolicyStats(1, 7)
+    assert a + b == PolicyStats(4, 12) and (a + b) - b == a and a - b == PolicyStats(2, -2)
+    assert PolicyStats().selection_cache_hit_rate == 0.0 and PolicyStats(0, 4).selection_cache_hit_rate == 0.0
+    assert a.selection_cache_hit_rate == 3 / 8
+    assert a.as_dict() == {"selection_cache_hits": 3, "selection_cache_misses": 5, "selection_cache_hit_rate": 3 / 8}
