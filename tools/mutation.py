@@ -112,7 +112,7 @@ SETS: dict[str, dict] = {
         only={"tokenselect/server.py": ["_Request", "CompletionRequest", "ChatRequest", "Guard", "check_text",
                                         "prompt_ids", "check_policy_settings", "check_fields", "resolve_options"]},
         # the tests of the checks (not the server's serving tests: a served model per mutant is slow)
-        tests=["tests/test_cli_settings.py", "tests/test_server_fuzz.py"] + [f"tests/test_server_faults.py::{t}" for t in (
+        tests=["tests/test_server_checks.py", "tests/test_cli_settings.py", "tests/test_server_fuzz.py"] + [f"tests/test_server_faults.py::{t}" for t in (
             "test_lone_surrogate_and_a_refusing_chat_template_get_400_and_the_engine_lives",
             "test_token_ids_outside_the_vocabulary_get_400_and_leak_nothing",
             "test_per_request_policy_settings_are_bounded", "test_size_limits_answer_at_once_and_never_stall_a_stream",
