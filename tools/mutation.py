@@ -216,7 +216,8 @@ def recheck(name: str, work: Path, children: int) -> dict:
     return summarize(name, work)
 
 
-def at_import(name: str, work: Path, patterns: list[str], timeout: float = 600) -> dict:
+def at_import(name: str, work: Path, patterns: list[str], tests: list[str] | None = None,
+              timeout: float = 600) -> dict:
     """Run mutants again, each in a fresh pytest process that has the mutant switched on from its start.
 
     mutmut switches a mutant on after the modules are imported, so a function that only runs at import (one that
@@ -224,7 +225,8 @@ def at_import(name: str, work: Path, patterns: list[str], timeout: float = 600) 
     survive (or have "no tests") whatever the tests check. Here ``MUTANT_UNDER_TEST`` is set in the environment of
     a new process, so the import itself goes through the mutant. ``patterns``: mutant names or fnmatch patterns
     among the set's survivors and no-test mutants (all of them if empty). The set's current tests run (copied
-    into the scratch copy, as ``--recheck`` does); the outcomes go to ``at_import.json`` in the scratch copy and
+    into the scratch copy, as ``--recheck`` does), or ``tests`` (those that reach the mutated code: a fresh process
+    per mutant pays the imports and the collection each time); the outcomes go to ``at_import.json`` in the scratch copy and
     count in the set's summary (a mutant killed here is detected)."""
     import fnmatch
 
@@ -237,7 +239,7 @@ def at_import(name: str, work: Path, patterns: list[str], timeout: float = 600) 
     shutil.copytree(ROOT / "tests", scratch / "mutants" / "tests", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     spec = SETS[name]
-    tests = [t for t in spec["tests"] if Path(ROOT, t.split("::")[0]).exists()]
+    tests = [t for t in (tests or spec["tests"]) if Path(ROOT, t.split("::")[0]).exists()]
     args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"] + [
         arg for test in spec.get("deselect", []) for arg in ("--deselect", test)]
     record_file = scratch / "at_import.json"
@@ -352,6 +354,7 @@ def main() -> int:
                         help="run these survivors / no-test mutants (names or fnmatch patterns; all if none given) "
                              "again, each in a process with the mutant on from its start (mutants of code that "
                              "runs at import)")
+    parser.add_argument("--tests", nargs="+", default=None, help="with --at-import: run these tests (default: the set's)")
     parser.add_argument("--recheck", action="store_true",
                         help="run only the survivors of the sets' last runs again, against the current tests")
     args = parser.parse_args()
@@ -368,7 +371,7 @@ def main() -> int:
         if args.collect:
             rows.append(summarize(n, args.work))
         elif args.at_import is not None:
-            rows.append(at_import(n, args.work, args.at_import))
+            rows.append(at_import(n, args.work, args.at_import, args.tests))
         elif args.recheck:
             rows.append(recheck(n, args.work, args.children))
         else:
