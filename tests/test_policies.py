@@ -289,3 +289,22 @@ def test_policy_stats_add_subtract_and_give_the_hit_rate():
     assert PolicyStats().selection_cache_hit_rate == 0.0 and PolicyStats(0, 4).selection_cache_hit_rate == 0.0
     assert a.selection_cache_hit_rate == 3 / 8
     assert a.as_dict() == {"selection_cache_hits": 3, "selection_cache_misses": 5, "selection_cache_hit_rate": 3 / 8}
+
+
+def test_start_step_gives_the_policy_the_queries_dtype():
+    """InfLLM keeps a prefill chunk's queries in a buffer made in their dtype (bf16 on a GPU), not the default."""
+    from tokenselect.policies import start_step
+
+    cache = KVCache(1, 64, 2, 8, torch.float32, torch.device("cpu"))
+    policy = make_policy("infllm", cache, TORCH, window=256, chunk=16)
+    start_step(policy, 0, cache.allocate(16), 0, 16, False, (16, 4, 8), torch.bfloat16)
+    assert policy.step_buffers(0)[0].dtype == torch.bfloat16 and policy.step_buffers(0)[0].shape == (1, 16, 4, 8)
+
+
+def test_full_attention_runs_as_a_graph_unless_the_values_are_on_the_host():
+    from tokenselect.policies import FullAttention
+
+    on_device = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"))
+    offloaded = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"), offload="values")
+    assert FullAttention(on_device, TORCH).graph_ready(0, 1) and FullAttention(on_device, TORCH).graph_ready(100, 512)
+    assert not FullAttention(offloaded, TORCH).graph_ready(0, 1) and not FullAttention(offloaded, TORCH).graph_ready(100)
