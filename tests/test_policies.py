@@ -225,6 +225,30 @@ def test_reattention_caps_spans_to_the_window():
         ReAttention(cache, TORCH, window=256, n_init=32, n_local=512, chunk=64)
 
 
+@pytest.mark.parametrize("per_block", [1, 3, 16])
+def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block):
+    """A long chunk's scores are computed a block of queries at a time (SCORE_ELEMENTS): every query votes once,
+    whatever the blocks (of 1, of 3 with a partial last one, one block): query i's heads all vote for token
+    20 + 16 i."""
+    from tokenselect.policies import reattention
+
+    gen = torch.Generator().manual_seed(3)
+    t, d, w = 300, 16, 16
+    keys = 0.01 * torch.randn(t, 2, d, generator=gen)
+    q = torch.zeros(w, 4, d)
+    winners = [20 + 16 * i for i in range(w)]
+    for i, token in enumerate(winners):  # query i's heads read dimension i, which only token 20 + 16 i holds
+        q[i, :, i] = 1.0
+        keys[token, :, i] = 5.0
+    cache, slots = cache_with_keys(keys)
+    # 14 spans for 16 tokens of 4 votes each: the earliest 14 win (a query counted twice would win over them)
+    policy = ReAttention(cache, TORCH, window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2, chunk=w)
+    monkeypatch.setattr(reattention, "SCORE_ELEMENTS", 4 * (t + w - 4 - 16) * per_block)  # heads x middle x queries
+    order = step(policy, slots, q, decode=False).order(slots)
+    assert order == list(range(4)) + [x for token in winners[:-2] for x in range(token - 2, token + 2)] + list(
+        range(284, 300))
+
+
 # ---- end to end --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("attention", ["full", "tokenselect", "reattention"])
