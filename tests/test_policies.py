@@ -332,3 +332,15 @@ def test_full_attention_runs_as_a_graph_unless_the_values_are_on_the_host():
     offloaded = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"), offload="values")
     assert FullAttention(on_device, TORCH).graph_ready(0, 1) and FullAttention(on_device, TORCH).graph_ready(100, 512)
     assert not FullAttention(offloaded, TORCH).graph_ready(0, 1) and not FullAttention(offloaded, TORCH).graph_ready(100)
+
+
+def test_tokenselect_graph_state_is_its_selection_cache():
+    """What a whole-step graph records and a check run restores: nothing before the first sequence, then the
+    Selection Cache's entries and counters themselves (a graph reads them at their addresses)."""
+    cache = KVCache(1, 64, 2, 8, torch.float32, torch.device("cpu"))
+    policy = TokenSelect(cache, TORCH, k=4, n_init=1, n_local=1)
+    assert policy.graph_state() == ()
+    policy.prepare(0, cache.allocate(8), 8, 9, True, (1, 4, 8), torch.float32)
+    sc = policy.selection_cache
+    state = policy.graph_state()
+    assert len(state) == 4 and all(a is b for a, b in zip(state, (sc.unit, sc.selection, sc.valid, sc.device_counts)))
