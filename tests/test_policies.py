@@ -344,3 +344,31 @@ def test_tokenselect_graph_state_is_its_selection_cache():
     sc = policy.selection_cache
     state = policy.graph_state()
     assert len(state) == 4 and all(a is b for a, b in zip(state, (sc.unit, sc.selection, sc.valid, sc.device_counts)))
+
+
+def test_score_scale_is_raw_sqrt_d_or_a_number():
+    from tokenselect.policies.tokenselect import resolve_score_scale
+
+    assert resolve_score_scale("raw", 64) == 1.0
+    assert resolve_score_scale("sqrt_d", 64) == 0.125 and resolve_score_scale("sqrt_d", 16) == 0.25
+    assert resolve_score_scale("0.5", 64) == 0.5 and resolve_score_scale(3, 64) == 3.0
+    for bad in ("sqrt", "SQRT_D", None):
+        with pytest.raises(ValueError, match=rf"^score_scale must be 'raw', 'sqrt_d' or a number, not {bad!r}$"):
+            resolve_score_scale(bad, 64)
+
+
+def test_tokenselect_scales_by_its_head_dim_keeps_an_entry_per_layer_and_frees_rows():
+    from tokenselect.kernels import get_kernels
+
+    cache = KVCache(3, 40, 2, 16, torch.float32, torch.device("cpu"))  # 3 layers, 2 kv heads of 16 dimensions
+    policy = TokenSelect(cache, TORCH, k=4, n_init=1, n_local=1, score_scale="sqrt_d")
+    assert policy.scale == 0.25
+    assert policy.selection_cache.n_layers == 3
+    slots = cache.allocate(8)
+    assert policy.prepare(0, slots, 8, 9, True, (1, 4, 16), torch.float32) == 0
+    assert policy.prepare(1, slots, 8, 9, True, (1, 4, 16), torch.float32) == 1
+    policy.release(0)
+    assert policy.prepare(2, slots, 8, 9, True, (1, 4, 16), torch.float32) == 0  # the released row, reused
+    triton = get_kernels("triton")  # the graph store's kernel is the engine's, not the reference
+    chosen = TokenSelect(cache, triton, k=4).selection_cache
+    assert chosen.check is triton.selection_check and chosen.update_kernel is triton.selection_update
