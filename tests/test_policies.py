@@ -372,3 +372,17 @@ def test_tokenselect_scales_by_its_head_dim_keeps_an_entry_per_layer_and_frees_r
     triton = get_kernels("triton")  # the graph store's kernel is the engine's, not the reference
     chosen = TokenSelect(cache, triton, k=4).selection_cache
     assert chosen.check is triton.selection_check and chosen.update_kernel is triton.selection_update
+
+
+def test_a_new_policy_is_not_recorded_as_a_graph_unless_it_says_so():
+    """``AttentionPolicy``'s defaults, which a policy written against the interface inherits: no graph, row 0, no
+    state, no counters."""
+    from tokenselect.policies import AttentionPolicy
+
+    class Minimal(AttentionPolicy):
+        name = "minimal"
+
+    cache = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"))
+    policy = Minimal(cache, TORCH)
+    assert not policy.graph_ready(0) and not policy.graph_ready(10**6, 1)
+    assert policy.graph_state() == () and policy.graph_reads() == () and policy.stats() is None
