@@ -217,6 +217,27 @@ def test_reattention_widens_winners_into_spans():
     assert plan.q_positions.tolist() == [len(order), len(order) + 1]
 
 
+def test_reattention_merges_overlapping_spans_and_closes_up_the_list():
+    """Two winners 2 apart: their spans of 8 overlap into 10 tokens, fewer than the budget of 16; the list closes
+    up (the window follows the spans at once, at the next positions) and attends 4 + 10 + 20 entries."""
+    torch.manual_seed(0)
+    t, d = 400, 16
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(2, 4, d)
+    keys[150] = 5 * q[0].view(2, 2, d).mean(1)
+    keys[152] = 5 * q[1].view(2, 2, d).mean(1)
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=8, n_spans=2, chunk=2)
+    plan = step(policy, slots, q, decode=False)
+    order = plan.order(slots)
+    assert order == list(range(4)) + list(range(146, 156)) + list(range(380, 400))
+    assert plan.positions.tolist() == list(range(34)) and plan.q_positions.tolist() == [34, 35]
+    original = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=8, n_spans=2, chunk=2,
+                           positions="original")
+    plan = step(original, slots, q, decode=False)
+    assert plan.order(slots) == order and plan.positions.tolist() == order and plan.q_positions.tolist() == [400, 401]
+
+
 def test_reattention_caps_spans_to_the_window():
     cache = KVCache(1, 10, 1, 4, torch.float32, torch.device("cpu"))
     policy = ReAttention(cache, TORCH, window=1024, n_init=32, n_local=512, span=32, n_spans=127, chunk=256)
