@@ -217,3 +217,34 @@ def test_check_names_the_settings_a_kind_takes_and_fitted_keeps_a_zero_default()
     assert scaled(TokenSelectSettings, {}, PAPER_WINDOW) == [] and scaled(TokenSelectSettings, {}, 2 * PAPER_WINDOW) == []
     assert scaled(TokenSelectSettings, {"k": 5}, PAPER_WINDOW - 1) == ["n_init", "n_local"]
     assert scaled(QuestSettings, {}, 1024) == ["k", "n_local"]  # n_init's default 0 is not shrunk
+
+
+def test_a_declared_setting_describes_its_default_unit_scaling_and_range():
+    """``setting`` and ``Spec`` on a settings class made here (the shipped ones declare a meaning for every None)."""
+    from dataclasses import dataclass
+
+    from tokenselect.settings import Validated, setting, specs
+
+    @dataclass(frozen=True)
+    class Example(Validated):
+        a: int | None = setting(None, "plain")
+        b: int = setting(4, "a size", unit="tokens", low=1, scales=True, per_request=True)
+        c: float = setting(0.5, "a fraction", high=1.0)
+        d: str = setting("x", "a choice", choices=("x", "y"))
+        e: str = setting("free", "free text")
+        f_g: int | None = setting(None, "off by default", unit="tokens", low=0, kind=int, none="off")
+
+    a, b, c, d, e, fg = specs(Example)
+    assert (a.name, a.default, a.help, a.kind, a.describe_default(), a.describe_range()) == (
+        "a", None, "plain", str, "none", "")
+    assert (b.kind, b.unit, b.scales, b.per_request, b.low, b.high) == (int, "tokens", True, True, 1, None)
+    assert b.describe_default() == "4 tokens x min(1, window/8192)" and b.describe_range() == "[1, inf]"
+    assert (c.kind, c.describe_default(), c.describe_range(), c.scales, c.per_request) == (
+        float, "0.5", "[-inf, 1.0]", False, False)
+    assert (d.choices, d.describe_range(), e.describe_range(), e.kind) == (("x", "y"), "x, y", "", str)
+    assert (fg.flag, fg.kind, fg.none, fg.describe_default()) == ("--f-g", int, "off", "off")
+    assert Example(b=1, c=-3.0, d="y", f_g=None).b == 1
+    for bad, match in (({"b": 0}, "b must be >= 1, not 0"), ({"c": 1.5}, r"c must be in \[.*, 1.0\], not 1.5"),
+                       ({"d": "z"}, "d must be one of x, y, not 'z'"), ({"f_g": -1}, "f_g must be >= 0, not -1")):
+        with pytest.raises(ValueError, match=f"^{match}$"):
+            Example(**bad)
