@@ -243,6 +243,10 @@ def test_resolve_options_caps_a_request_at_half_the_pool_and_the_models_length()
     llm.cache.n_slots = 400
     try:
         assert resolve_options(ServerOptions(), llm).max_model_len == 200
+        llm.cache.n_slots = 401  # half of an odd pool: a whole number of tokens
+        assert type(resolve_options(ServerOptions(), llm).max_model_len) is int
+        assert resolve_options(ServerOptions(), llm).max_prompt_chars == 16 * 200
+        llm.cache.n_slots = 400
         assert resolve_options(ServerOptions(max_model_len=250, max_prompt_chars=7), llm).max_model_len == 250
         assert resolve_options(ServerOptions(max_model_len=250, max_prompt_chars=7), llm).max_prompt_chars == 7
         assert resolve_options(ServerOptions(max_model_len=999), llm).max_model_len == 300
