@@ -60,6 +60,16 @@ def test_streaming_attends_exactly_sinks_and_window():
     assert token_order(short, slots) == list(range(24)) and short.q_positions.tolist() == [24]
 
 
+def test_streaming_with_original_positions_keeps_the_tokens_own():
+    torch.manual_seed(0)
+    cache, slots = cache_with_keys(torch.randn(300, 2, 8))
+    policy = StreamingLLM(cache, TORCH, n_init=4, n_local=20, positions="original")
+    plan = step(policy, slots, decode=False, seq_id=0, q=torch.randn(3, 4, 8))
+    assert token_order(plan, slots) == list(range(4)) + list(range(280, 300))
+    assert plan.positions.tolist() == list(range(4)) + list(range(280, 300))
+    assert plan.q_positions.tolist() == [300, 301, 302]
+
+
 # ---- QUEST -------------------------------------------------------------------------------------------
 
 def quest_expected(q: torch.Tensor, keys: torch.Tensor, middle: range, page_size: int, n_pages: int) -> list[int]:

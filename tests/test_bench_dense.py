@@ -144,6 +144,7 @@ def test_policy_specs_carry_their_own_settings():
     assert policy_spec("tokenselect") == ("tokenselect", {})
     assert policy_spec("tokenselect:theta=-1;k=4096;selector=topk") == (
         "tokenselect", {"theta": -1, "k": 4096, "selector": "topk"})
+    assert policy_spec("tokenselect:score_scale=a=b; k = 8") == ("tokenselect", {"score_scale": "a=b", "k": 8})
     with pytest.raises(ValueError, match="KEY=VALUE"):
         policy_spec("tokenselect:theta")
 

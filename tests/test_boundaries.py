@@ -346,6 +346,30 @@ def test_host_memory_available_reads_memavailable(monkeypatch, tmp_path):
     assert kv_cache.host_memory_available() == 1234567 * 1024
 
 
+def test_host_memory_available_falls_back_to_free_pages_without_proc_meminfo(monkeypatch, tmp_path):
+    """Not Linux (no /proc/meminfo), or a meminfo without MemAvailable: free pages times the page size."""
+    import builtins
+
+    from tokenselect import kv_cache
+
+    pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(kv_cache.os, "sysconf", lambda name: pages[name])
+    real_open = builtins.open
+
+    def no_meminfo(path, *a, **k):
+        if path == "/proc/meminfo":
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    assert kv_cache.host_memory_available() == 1000 * 4096
+    old = tmp_path / "meminfo"  # a kernel older than 3.14 writes no MemAvailable line
+    old.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\n")
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(old if path == "/proc/meminfo" else path,
+                                                                           *a, **k))
+    assert kv_cache.host_memory_available() == 1000 * 4096
+
+
 def test_silu_mul_reference_splits_the_last_dimension():
     from tokenselect.kernels.silu_mul import silu_mul_ref
 

@@ -152,3 +152,99 @@ def test_results_record_the_settings_fitted_to_the_window(tiny_llama):
     llm = LLM(tiny_llama, "tokenselect", k=40)
     assert llm.policy_config["fitted_to_window"] == ["n_init", "n_local"] and llm.policy_config["window"] == 256
     assert (llm.policy_config["k"], llm.policy_config["n_init"]) == (40, 4)
+
+
+def test_a_settings_range_includes_its_ends_and_a_tighter_bound_applies():
+    """``problem``, the one check behind a policy's, the engine's and a request's settings: the ends of a range are
+    valid values, one step past them is not, a tighter upper bound (the server's largest size) wins only where it
+    is tighter, and the message names the setting, the range and the value."""
+    from tokenselect.policies.tokenselect import TokenSelectSettings
+    from tokenselect.settings import EngineSettings, problem, specs
+
+    ts = {spec.name: spec for spec in specs(TokenSelectSettings)}
+    engine_specs = {spec.name: spec for spec in specs(EngineSettings)}
+    theta, k = ts["theta"], ts["k"]
+    assert [problem(theta, v) for v in (-1.0, -1, 0.25, 1, 1.0)] == [None] * 5
+    assert problem(theta, 1.0001) == "theta must be in [-1.0, 1.0], not 1.0001"
+    assert problem(theta, -1.0001) == "theta must be in [-1.0, 1.0], not -1.0001"
+    assert problem(k, 0) is None and problem(k, 10**9) is None
+    assert problem(k, -1) == "k must be >= 0, not -1"
+    assert problem(k, 100, high=100) is None
+    assert problem(k, 101, high=100) == "k must be in [0, 100], not 101"
+    assert problem(theta, 0.5, high=0.5) is None and problem(theta, 0.6, high=0.5) == \
+        "theta must be in [-1.0, 0.5], not 0.6"
+    assert problem(theta, 1.0, high=5) is None and problem(theta, 1.5, high=5) == \
+        "theta must be in [-1.0, 1.0], not 1.5"
+    assert problem(engine_specs["max_num_seqs"], 1) is None
+    assert problem(engine_specs["max_num_seqs"], 0) == "max_num_seqs must be >= 1, not 0"
+    # types: a whole number for a count, a number (not a bool, not a string, not NaN) for a float
+    assert problem(k, 2.0) == "k must be a whole number, not 2.0"
+    assert problem(k, True) == "k must be a whole number, not True"
+    assert problem(theta, False) == "theta must be a number, not False"
+    assert problem(theta, "0.5") == "theta must be a number, not '0.5'"
+    assert problem(theta, float("nan")) == "theta must be a number, not nan"
+    # None: valid where the default is None or None has a declared meaning, else "must be set"
+    assert problem(theta, None) is None and problem(ts["dense_until"], None) is None
+    assert problem(k, None) == "k must be set"
+    assert problem(ts["selector"], "topk") is None
+    assert problem(ts["selector"], "top") == "selector must be one of soft_vote, hard_vote, topk, not 'top'"
+    assert problem(engine_specs["dtype"], "bfloat16") is None  # a free-form string: no range to check
+    with pytest.raises(ValueError, match=r"^k must be >= 0, not -1$"):
+        TokenSelectSettings(k=-1)
+    with pytest.raises(ValueError, match=r"^theta must be in \[-1.0, 1.0\], not 2$"):
+        TokenSelectSettings(theta=2)
+
+
+def test_check_names_the_settings_a_kind_takes_and_fitted_keeps_a_zero_default():
+    from tokenselect.policies.quest import QuestSettings
+    from tokenselect.policies.tokenselect import TokenSelectSettings
+    from tokenselect.settings import PAPER_WINDOW, NoSettings, check, fitted, scaled
+
+    with pytest.raises(ValueError, match=r"^attention 'x' takes no setting a, b \(it takes: k, n_init, n_local, theta, "
+                                         r"selector, score_scale, positions, dense_until\)$"):
+        check(TokenSelectSettings, {"b": 1, "a": 2, "k": 3}, "attention 'x'")
+    with pytest.raises(ValueError, match=r"^attention 'full' takes no setting k \(it takes: none\)$"):
+        check(NoSettings, {"k": 1}, "attention 'full'")
+    with pytest.raises(ValueError, match="^k must be >= 0, not -2$"):
+        check(TokenSelectSettings, {"n_init": 0, "k": -2}, "attention 'x'")
+    check(TokenSelectSettings, {"k": 0, "theta": -1.0}, "attention 'x'")
+    assert fitted(QuestSettings, {}, 1024)["n_init"] == 0  # a zero default is not raised to the floor of 1
+    small = fitted(TokenSelectSettings, {"n_local": 7}, 16)  # 2048 * 16 / 8192 = 4; 128 * 16 / 8192 = 0.25 -> 1
+    assert (small["k"], small["n_init"], small["n_local"], small["theta"]) == (4, 1, 7, 0.9)
+    assert type(small["k"]) is int
+    at_paper = fitted(TokenSelectSettings, {}, PAPER_WINDOW)
+    assert (at_paper["k"], at_paper["n_init"], at_paper["n_local"]) == (2048, 128, 512)
+    assert scaled(TokenSelectSettings, {}, PAPER_WINDOW) == [] and scaled(TokenSelectSettings, {}, 2 * PAPER_WINDOW) == []
+    assert scaled(TokenSelectSettings, {"k": 5}, PAPER_WINDOW - 1) == ["n_init", "n_local"]
+    assert scaled(QuestSettings, {}, 1024) == ["k", "n_local"]  # n_init's default 0 is not shrunk
+
+
+def test_a_declared_setting_describes_its_default_unit_scaling_and_range():
+    """``setting`` and ``Spec`` on a settings class made here (the shipped ones declare a meaning for every None)."""
+    from dataclasses import dataclass
+
+    from tokenselect.settings import Validated, setting, specs
+
+    @dataclass(frozen=True)
+    class Example(Validated):
+        a: int | None = setting(None, "plain")
+        b: int = setting(4, "a size", unit="tokens", low=1, scales=True, per_request=True)
+        c: float = setting(0.5, "a fraction", high=1.0)
+        d: str = setting("x", "a choice", choices=("x", "y"))
+        e: str = setting("free", "free text")
+        f_g: int | None = setting(None, "off by default", unit="tokens", low=0, kind=int, none="off")
+
+    a, b, c, d, e, fg = specs(Example)
+    assert (a.name, a.default, a.help, a.kind, a.describe_default(), a.describe_range()) == (
+        "a", None, "plain", str, "none", "")
+    assert (b.kind, b.unit, b.scales, b.per_request, b.low, b.high) == (int, "tokens", True, True, 1, None)
+    assert b.describe_default() == "4 tokens x min(1, window/8192)" and b.describe_range() == "[1, inf]"
+    assert (c.kind, c.describe_default(), c.describe_range(), c.scales, c.per_request) == (
+        float, "0.5", "[-inf, 1.0]", False, False)
+    assert (d.choices, d.describe_range(), e.describe_range(), e.kind) == (("x", "y"), "x, y", "", str)
+    assert (fg.flag, fg.kind, fg.none, fg.describe_default()) == ("--f-g", int, "off", "off")
+    assert Example(b=1, c=-3.0, d="y", f_g=None).b == 1
+    for bad, match in (({"b": 0}, "b must be >= 1, not 0"), ({"c": 1.5}, r"c must be in \[.*, 1.0\], not 1.5"),
+                       ({"d": "z"}, "d must be one of x, y, not 'z'"), ({"f_g": -1}, "f_g must be >= 0, not -1")):
+        with pytest.raises(ValueError, match=f"^{match}$"):
+            Example(**bad)

@@ -217,12 +217,57 @@ def test_reattention_widens_winners_into_spans():
     assert plan.q_positions.tolist() == [len(order), len(order) + 1]
 
 
+def test_reattention_merges_overlapping_spans_and_closes_up_the_list():
+    """Two winners 2 apart: their spans of 8 overlap into 10 tokens, fewer than the budget of 16; the list closes
+    up (the window follows the spans at once, at the next positions) and attends 4 + 10 + 20 entries."""
+    torch.manual_seed(0)
+    t, d = 400, 16
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(2, 4, d)
+    keys[150] = 5 * q[0].view(2, 2, d).mean(1)
+    keys[152] = 5 * q[1].view(2, 2, d).mean(1)
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=8, n_spans=2, chunk=2)
+    plan = step(policy, slots, q, decode=False)
+    order = plan.order(slots)
+    assert order == list(range(4)) + list(range(146, 156)) + list(range(380, 400))
+    assert plan.positions.tolist() == list(range(34)) and plan.q_positions.tolist() == [34, 35]
+    original = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=8, n_spans=2, chunk=2,
+                           positions="original")
+    plan = step(original, slots, q, decode=False)
+    assert plan.order(slots) == order and plan.positions.tolist() == order and plan.q_positions.tolist() == [400, 401]
+
+
 def test_reattention_caps_spans_to_the_window():
     cache = KVCache(1, 10, 1, 4, torch.float32, torch.device("cpu"))
     policy = ReAttention(cache, TORCH, window=1024, n_init=32, n_local=512, span=32, n_spans=127, chunk=256)
     assert policy.n_spans == (1024 - 32 - 512 - 256) // 32
     with pytest.raises(ValueError, match="window"):
         ReAttention(cache, TORCH, window=256, n_init=32, n_local=512, chunk=64)
+
+
+@pytest.mark.parametrize("per_block", [1, 3, 16])
+def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block):
+    """A long chunk's scores are computed a block of queries at a time (SCORE_ELEMENTS): every query votes once,
+    whatever the blocks (of 1, of 3 with a partial last one, one block): query i's heads all vote for token
+    20 + 16 i."""
+    from tokenselect.policies import reattention
+
+    gen = torch.Generator().manual_seed(3)
+    t, d, w = 300, 16, 16
+    keys = 0.01 * torch.randn(t, 2, d, generator=gen)
+    q = torch.zeros(w, 4, d)
+    winners = [20 + 16 * i for i in range(w)]
+    for i, token in enumerate(winners):  # query i's heads read dimension i, which only token 20 + 16 i holds
+        q[i, :, i] = 1.0
+        keys[token, :, i] = 5.0
+    cache, slots = cache_with_keys(keys)
+    # 14 spans for 16 tokens of 4 votes each: the earliest 14 win (a query counted twice would win over them)
+    policy = ReAttention(cache, TORCH, window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2, chunk=w)
+    monkeypatch.setattr(reattention, "SCORE_ELEMENTS", 4 * (t + w - 4 - 16) * per_block)  # heads x middle x queries
+    order = step(policy, slots, q, decode=False).order(slots)
+    assert order == list(range(4)) + [x for token in winners[:-2] for x in range(token - 2, token + 2)] + list(
+        range(284, 300))
 
 
 # ---- end to end --------------------------------------------------------------------------------------
@@ -268,3 +313,97 @@ def test_tokenselect_attends_densely_up_to_its_window_and_selects_past_it(tiny_l
     assert len(out[0].token_ids) == 4 and llm.stats()["selection_cache_misses"] > 0  # past the window: selects
     with pytest.raises(ValueError, match="dense_until must be >= 0"):
         llm.set_attention("tokenselect", dense_until=-1)
+
+
+# ---- small helpers the engine and the benchmarks rely on (issue #34's mutation check) ---------------------------
+
+def test_default_chunk_is_512_or_a_quarter_of_a_small_window_and_at_least_16():
+    from tokenselect.policies import default_chunk
+
+    windows = [32, 64, 68, 130, 256, 2048, 2052, 8192, 1 << 20]
+    chunks = [default_chunk(w) for w in windows]
+    assert chunks == [16, 16, 17, 32, 64, 512, 512, 512, 512]
+    assert all(type(c) is int for c in chunks)
+
+
+def test_policy_stats_add_subtract_and_give_the_hit_rate():
+    from tokenselect.policies import PolicyStats
+
+    a, b = PolicyStats(3, 5), PolicyStats(1, 7)
+    assert a + b == PolicyStats(4, 12) and (a + b) - b == a and a - b == PolicyStats(2, -2)
+    assert PolicyStats().selection_cache_hit_rate == 0.0 and PolicyStats(0, 4).selection_cache_hit_rate == 0.0
+    assert a.selection_cache_hit_rate == 3 / 8
+    assert a.as_dict() == {"selection_cache_hits": 3, "selection_cache_misses": 5, "selection_cache_hit_rate": 3 / 8}
+
+
+def test_start_step_gives_the_policy_the_queries_dtype():
+    """InfLLM keeps a prefill chunk's queries in a buffer made in their dtype (bf16 on a GPU), not the default."""
+    from tokenselect.policies import start_step
+
+    cache = KVCache(1, 64, 2, 8, torch.float32, torch.device("cpu"))
+    policy = make_policy("infllm", cache, TORCH, window=256, chunk=16)
+    start_step(policy, 0, cache.allocate(16), 0, 16, False, (16, 4, 8), torch.bfloat16)
+    assert policy.step_buffers(0)[0].dtype == torch.bfloat16 and policy.step_buffers(0)[0].shape == (1, 16, 4, 8)
+
+
+def test_full_attention_runs_as_a_graph_unless_the_values_are_on_the_host():
+    from tokenselect.policies import FullAttention
+
+    on_device = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"))
+    offloaded = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"), offload="values")
+    assert FullAttention(on_device, TORCH).graph_ready(0, 1) and FullAttention(on_device, TORCH).graph_ready(100, 512)
+    assert not FullAttention(offloaded, TORCH).graph_ready(0, 1) and not FullAttention(offloaded, TORCH).graph_ready(100)
+
+
+def test_tokenselect_graph_state_is_its_selection_cache():
+    """What a whole-step graph records and a check run restores: nothing before the first sequence, then the
+    Selection Cache's entries and counters themselves (a graph reads them at their addresses)."""
+    cache = KVCache(1, 64, 2, 8, torch.float32, torch.device("cpu"))
+    policy = TokenSelect(cache, TORCH, k=4, n_init=1, n_local=1)
+    assert policy.graph_state() == ()
+    policy.prepare(0, cache.allocate(8), 8, 9, True, (1, 4, 8), torch.float32)
+    sc = policy.selection_cache
+    state = policy.graph_state()
+    assert len(state) == 4 and all(a is b for a, b in zip(state, (sc.unit, sc.selection, sc.valid, sc.device_counts)))
+
+
+def test_score_scale_is_raw_sqrt_d_or_a_number():
+    from tokenselect.policies.tokenselect import resolve_score_scale
+
+    assert resolve_score_scale("raw", 64) == 1.0
+    assert resolve_score_scale("sqrt_d", 64) == 0.125 and resolve_score_scale("sqrt_d", 16) == 0.25
+    assert resolve_score_scale("0.5", 64) == 0.5 and resolve_score_scale(3, 64) == 3.0
+    for bad in ("sqrt", "SQRT_D", None):
+        with pytest.raises(ValueError, match=rf"^score_scale must be 'raw', 'sqrt_d' or a number, not {bad!r}$"):
+            resolve_score_scale(bad, 64)
+
+
+def test_tokenselect_scales_by_its_head_dim_keeps_an_entry_per_layer_and_frees_rows():
+    from tokenselect.kernels import get_kernels
+
+    cache = KVCache(3, 40, 2, 16, torch.float32, torch.device("cpu"))  # 3 layers, 2 kv heads of 16 dimensions
+    policy = TokenSelect(cache, TORCH, k=4, n_init=1, n_local=1, score_scale="sqrt_d")
+    assert policy.scale == 0.25
+    assert policy.selection_cache.n_layers == 3
+    slots = cache.allocate(8)
+    assert policy.prepare(0, slots, 8, 9, True, (1, 4, 16), torch.float32) == 0
+    assert policy.prepare(1, slots, 8, 9, True, (1, 4, 16), torch.float32) == 1
+    policy.release(0)
+    assert policy.prepare(2, slots, 8, 9, True, (1, 4, 16), torch.float32) == 0  # the released row, reused
+    triton = get_kernels("triton")  # the graph store's kernel is the engine's, not the reference
+    chosen = TokenSelect(cache, triton, k=4).selection_cache
+    assert chosen.check is triton.selection_check and chosen.update_kernel is triton.selection_update
+
+
+def test_a_new_policy_is_not_recorded_as_a_graph_unless_it_says_so():
+    """``AttentionPolicy``'s defaults, which a policy written against the interface inherits: no graph, row 0, no
+    state, no counters."""
+    from tokenselect.policies import AttentionPolicy
+
+    class Minimal(AttentionPolicy):
+        name = "minimal"
+
+    cache = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"))
+    policy = Minimal(cache, TORCH)
+    assert not policy.graph_ready(0) and not policy.graph_ready(10**6, 1)
+    assert policy.graph_state() == () and policy.graph_reads() == () and policy.stats() is None

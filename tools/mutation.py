@@ -76,22 +76,53 @@ SETS: dict[str, dict] = {
             "test_scatter_rows_writes_kv_pools_in_one_launch", "test_row_copy_of_a_layer_of_a_pool_and_bad_input",
             "test_row_copy_reference_is_the_definition")],
         launchers=True),
-    # the policies in two sets: the selection path the next issues rewrite, then the baselines
+    # the policies after issue #29 (one ``attend`` path of device tensor ops; settings in ``settings.py``), in two
+    # sets: the selection path, then the baselines. tests/test_whole_graphs.py runs the graph path (``graph_ready``,
+    # ``graph_state``, the fixed-shape steps) on a CPU too, less its two tests through Triton's interpreter (minutes
+    # each, for every surviving mutant; benchmarks/gpu_tests.sh runs them on a GPU)
     "policies": dict(
         mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
-                "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py"],
+                "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py",
+                "tokenselect/policies/rows.py"],
         tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
-               "tests/test_boundaries.py", "tests/test_cli_settings.py"]),
+               "tests/test_boundaries.py", "tests/test_cli_settings.py", "tests/test_toy_policy.py",
+               "tests/test_tail_chunk.py", "tests/test_whole_graphs.py",
+               "tests/test_bench_dense.py::test_policy_specs_carry_their_own_settings"],
+        deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
+                  "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
+    # the baselines in two sets (all three in one would not finish in an hour on 2 shared cores)
     "policies_baselines": dict(
-        mutate=["tokenselect/policies/reattention.py", "tokenselect/policies/quest.py", "tokenselect/policies/infllm.py"],
-        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py"]),
-    # issue #31 rewrites the server's request validation: its score is taken once that lands
+        mutate=["tokenselect/policies/reattention.py", "tokenselect/policies/quest.py"],
+        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py",
+               "tests/test_whole_graphs.py"],
+        deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
+                  "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
+    "policies_infllm": dict(
+        mutate=["tokenselect/policies/infllm.py"],
+        tests=["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
+               "tests/test_whole_graphs.py"],
+        deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
+                  "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
+    # the request validation: the settings' declared ranges and types (settings.py: a policy's, the engine's and a
+    # request's values are checked by ``problem``) and server.py's request parsing (the request models' methods, the
+    # Host / API key / body size guard, the prompt, stop-string, unsupported-field and per-request policy checks);
+    # the rest of server.py (the engine thread, streaming, the routes) is fenced off
     "server_validation": dict(
-        mutate=["tokenselect/server.py"],
-        tests=["tests/test_server.py"]),
+        mutate=["tokenselect/settings.py", "tokenselect/server.py"],
+        only={"tokenselect/server.py": ["_Request", "CompletionRequest", "ChatRequest", "Guard", "check_text",
+                                        "prompt_ids", "check_policy_settings", "check_fields", "resolve_options"]},
+        # the tests of the checks (not the server's serving tests: a served model per mutant is slow)
+        tests=["tests/test_server_checks.py", "tests/test_cli_settings.py", "tests/test_server_fuzz.py"] + [f"tests/test_server_faults.py::{t}" for t in (
+            "test_lone_surrogate_and_a_refusing_chat_template_get_400_and_the_engine_lives",
+            "test_token_ids_outside_the_vocabulary_get_400_and_leak_nothing",
+            "test_per_request_policy_settings_are_bounded", "test_size_limits_answer_at_once_and_never_stall_a_stream",
+            "test_api_key_host_check_and_docs", "test_out_of_range_and_unsupported_parameters_get_400",
+            "test_neutral_values_of_unsupported_fields_are_accepted")] + [f"tests/test_server.py::{t}" for t in (
+            "test_bad_input_gets_an_error_and_the_server_keeps_serving",
+            "test_per_request_policy_settings_equal_an_engine_started_with_them")]),
 }
 
-COPY = ["tokenselect", "tests", "pytest.ini", "pyproject.toml"]
+COPY = ["tokenselect", "tests", "docs", "pytest.ini", "pyproject.toml"]  # docs: test_cli_settings reads docs/settings.md
 ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH="")
 
 
@@ -100,8 +131,9 @@ def mutmut_config(spec: dict) -> str:
     lines = ["", "[tool.mutmut]", 'source_paths = ["tokenselect/"]',
              f"only_mutate = {json.dumps(spec['mutate'])}",
              f"pytest_add_cli_args_test_selection = {json.dumps([t for t in spec['tests'] if Path(ROOT, t.split('::')[0]).exists()])}",
-             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"]',
-             'also_copy = ["pytest.ini"]',
+             "pytest_add_cli_args = " + json.dumps(["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"] + [
+                 arg for test in spec.get("deselect", []) for arg in ("--deselect", test)]),
+             'also_copy = ["pytest.ini", "docs"]',
              "timeout_multiplier = 20.0",  # a shared, loaded machine: a slow test is not an endless loop
              "timeout_constant = 10.0",
              'process_isolation = "forkserver"']
@@ -124,7 +156,23 @@ def prepare(name: str, work: Path) -> Path:
     if SETS[name].get("launchers"):
         for path in SETS[name]["mutate"]:
             fence_launchers(scratch / path)
+    for path, keep in SETS[name].get("only", {}).items():
+        fence_all_but(scratch / path, keep)
     return scratch
+
+
+def fence_all_but(path: Path, keep: list[str]) -> None:
+    """Put every top-level function and class of the file but those named in ``keep`` inside no-mutate pragmas."""
+    import ast
+
+    lines = path.read_text().splitlines(keepends=True)
+    fences = [(min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno)
+              for node in ast.parse("".join(lines)).body
+              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name not in keep]
+    for start, end in sorted(fences, reverse=True):
+        lines[end:end] = ["# pragma: no mutate end\n"]
+        lines[start - 1:start - 1] = ["# pragma: no mutate start\n"]
+    path.write_text("".join(lines))
 
 
 def fence_launchers(path: Path) -> None:
@@ -168,6 +216,48 @@ def recheck(name: str, work: Path, children: int) -> dict:
     return summarize(name, work)
 
 
+def at_import(name: str, work: Path, patterns: list[str], tests: list[str] | None = None,
+              timeout: float = 600) -> dict:
+    """Run mutants again, each in a fresh pytest process that has the mutant switched on from its start.
+
+    mutmut switches a mutant on after the modules are imported, so a function that only runs at import (one that
+    builds a settings dataclass's fields, a module constant made of the flags) runs unmutated and its mutants
+    survive (or have "no tests") whatever the tests check. Here ``MUTANT_UNDER_TEST`` is set in the environment of
+    a new process, so the import itself goes through the mutant. ``patterns``: mutant names or fnmatch patterns
+    among the set's survivors and no-test mutants (all of them if empty). The set's current tests run (copied
+    into the scratch copy, as ``--recheck`` does), or ``tests`` (those that reach the mutated code: a fresh process
+    per mutant pays the imports and the collection each time); the outcomes go to ``at_import.json`` in the scratch copy and
+    count in the set's summary (a mutant killed here is detected)."""
+    import fnmatch
+
+    scratch = work / name
+    res = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=scratch, env=ENV,
+                         capture_output=True, text=True)
+    candidates = [line.strip().rsplit(":", 1)[0] for line in res.stdout.splitlines()
+                  if re.search(r": (survived|no tests)$", line.strip())]
+    chosen = [m for m in candidates if not patterns or any(fnmatch.fnmatchcase(m, p) for p in patterns)]
+    shutil.copytree(ROOT / "tests", scratch / "mutants" / "tests", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    spec = SETS[name]
+    tests = [t for t in (tests or spec["tests"]) if Path(ROOT, t.split("::")[0]).exists()]
+    args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"] + [
+        arg for test in spec.get("deselect", []) for arg in ("--deselect", test)]
+    record_file = scratch / "at_import.json"
+    record = json.loads(record_file.read_text()) if record_file.exists() else {}
+    for mutant in chosen:
+        start = time.time()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", *args, *tests], cwd=scratch / "mutants",
+                                  env=dict(ENV, MUTANT_UNDER_TEST=mutant), capture_output=True, timeout=timeout)
+            outcome = "survived" if proc.returncode == 0 else "killed"
+        except subprocess.TimeoutExpired:
+            outcome = "timeout"
+        record[mutant] = outcome
+        record_file.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{mutant}: {outcome} ({time.time() - start:.0f} s)", flush=True)
+    return summarize(name, work)
+
+
 def summarize(name: str, work: Path) -> dict:
     """The counts and survivors of the set's last run in its scratch copy (mutmut keeps them in mutants/)."""
     scratch = work / name
@@ -182,6 +272,19 @@ def summarize(name: str, work: Path) -> dict:
     survivors = sorted(line.strip().rsplit(":", 1)[0] for line in res.stdout.splitlines()
                        if re.search(r": (survived|suspicious|segfault)$", line.strip()))
     run = json.loads((scratch / "run.json").read_text()) if (scratch / "run.json").exists() else {}
+    # mutants run again with the mutant on from the process's start (``at_import``): those killed there move from
+    # survived / no tests to killed
+    again = json.loads((scratch / "at_import.json").read_text()) if (scratch / "at_import.json").exists() else {}
+    no_tests = {line.strip().rsplit(":", 1)[0] for line in res.stdout.splitlines()
+                if re.search(r": no tests$", line.strip())}
+    caught = {m for m, outcome in again.items() if outcome in ("killed", "timeout")}
+    moved_survived = len(caught & set(survivors))
+    moved_no_tests = len(caught & no_tests)
+    survivors = [m for m in survivors if m not in caught]
+    if stats:
+        stats = dict(stats, killed=stats.get("killed", 0) + moved_survived + moved_no_tests,
+                     survived=stats.get("survived", 0) - moved_survived, no_tests=stats.get("no_tests", 0) - moved_no_tests)
+    run["killed_at_import"] = len(caught)
     help_text = [m for m in survivors if only_help_text(mutant_diff(scratch, m))]
     # a mutant whose tests ran past mutmut's time limit (an endless loop, say) counts as detected, as in mutmut's
     # own score
@@ -247,6 +350,11 @@ def main() -> int:
                         help="do not run: report the sets' last runs from their scratch copies")
     parser.add_argument("--resume", action="store_true",
                         help="continue the sets' last runs: test only the mutants not run yet, with the same tests")
+    parser.add_argument("--at-import", nargs="*", default=None, metavar="MUTANT",
+                        help="run these survivors / no-test mutants (names or fnmatch patterns; all if none given) "
+                             "again, each in a process with the mutant on from its start (mutants of code that "
+                             "runs at import)")
+    parser.add_argument("--tests", nargs="+", default=None, help="with --at-import: run these tests (default: the set's)")
     parser.add_argument("--recheck", action="store_true",
                         help="run only the survivors of the sets' last runs again, against the current tests")
     args = parser.parse_args()
@@ -262,6 +370,8 @@ def main() -> int:
     for n in names:
         if args.collect:
             rows.append(summarize(n, args.work))
+        elif args.at_import is not None:
+            rows.append(at_import(n, args.work, args.at_import, args.tests))
         elif args.recheck:
             rows.append(recheck(n, args.work, args.children))
         else:

@@ -278,7 +278,8 @@ class SelectivePolicy(AttentionPolicy):
         gap = b - count
         source = torch.where(index < n_init + count, index, (index + gap).clamp(max=n - 1))
         n_valid = n - gap
-        key_pos = key_pos.index_select(0, source)
+        if self.positions == "original":  # the entries' own positions move with them; re-indexed ones stay 0, 1, ...
+            key_pos = key_pos.index_select(0, source)
         q_pos = key_pos.index_select(0, n_valid - w + self.cache.arange(w))
         return Attended(frame.index_select(0, source), key_pos, q_pos, n_valid)
 
