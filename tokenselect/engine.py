@@ -140,6 +140,8 @@ class LLM:
                               "fitted_to_window": scaled(POLICIES[attention].Settings, policy_settings, self.window)}
         if getattr(self, "runner", None) is not None:
             self.runner.clear()
+            for policy in self._policies.values():
+                self._forget(policy)
         self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
         # one instance per distinct per-request settings, least recently used first; () is the engine's own
         self._policies: OrderedDict[tuple, AttentionPolicy] = OrderedDict({(): self.policy})
@@ -163,8 +165,13 @@ class LLM:
         ``MAX_IDLE_POLICIES`` (their counters leave ``stats`` with them)."""
         idle = [key for key in self._policies if key and not self._policy_users.get(key)]
         for key in idle[:max(0, len(idle) - MAX_IDLE_POLICIES)]:
-            del self._policies[key]
+            self._forget(self._policies.pop(key))
             self._policy_users.pop(key, None)
+
+    def _forget(self, policy: AttentionPolicy) -> None:
+        """A policy instance goes: the prefix cache drops the snapshots of its state (no other instance reads them)."""
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.drop_states(policy)
 
     def _default_pool_tokens(self, kv_offload: str) -> int:
         """Pool slots that fit: on a GPU, K and V (and the selection keys' copy) in its free memory, or with

@@ -17,8 +17,15 @@ What may be reused depends on how the keys and values were computed (``reuse_rul
   chunk's mean query (and StreamingLLM's window, and dynamic NTK's frequencies, follow the chunk's end), so
   the KV of a prompt is the same only if the chunks start at the same tokens: grain = the prefill chunk.
   Full attention computes each query row alone: grain 1.
-- InfLLM is not reused: its block representatives come from the attention the prompt's *queries* gave
-  inside the local window, which a reused prefix never computed (the cache holds keys and values only).
+- *state*: InfLLM's memory (block representatives chosen by the attention the prompt's *queries* gave inside the
+  local window) is not in the keys and values. Its policy (``prefix_state``) snapshots a sequence's memory at
+  chosen chunk boundaries of its prompt (``Scheduler.computed``); the node that ends there keeps it (``Node.state``)
+  and a match for such a policy ends only at a node with a snapshot of the sequence's policy instance, which the
+  sequence's memory then starts from. A snapshot goes with its node's tokens when they are evicted, and the
+  least recently used go first when they hold more than ``max_state_bytes``.
+- *generated tokens*: a finished sequence's prompt and answer are cached where a decode step's KV is what a
+  prefill of the same tokens computes (the policy's ``generated_reuse``: full attention at grain 1), so that a
+  chat's next turn reuses the previous answer too.
 
 Invariant the scheduler keeps with ``locked_tokens``: the slots running sequences may still need, plus the
 locked tokens, fit in the pool, so that eviction of unlocked nodes can always make room for them.
@@ -36,12 +43,16 @@ import torch
 from .kv_cache import KVCache
 from .policies import POLICIES
 
+STATE_SHARE = 16  # policy snapshots may hold at most this share (1/16) of the KV pool's bytes by default
+
 @dataclass(frozen=True)
 class Reuse:
     """How one sequence may share prompt KV: namespace (policy and settings), grain (a match's multiple)."""
 
     namespace: Hashable
     grain: int
+    stateful: bool = False  # the policy's per-sequence state goes with the prefix (``Node.state``)
+    generated: bool = False  # generated tokens are cached too
 
 
 def reuse_rule(attention: str, settings: dict, rope_kind: str, chunk: int) -> Reuse | None:
@@ -51,7 +62,9 @@ def reuse_rule(attention: str, settings: dict, rope_kind: str, chunk: int) -> Re
     if reuse is None:
         return None
     grain = 1 if reuse == "token" and rope_kind != "dynamic" else chunk  # dynamic NTK follows each chunk's end
-    return Reuse((attention, repr(sorted(settings.items()))), grain)
+    policy = POLICIES[attention]
+    return Reuse((attention, repr(sorted(settings.items()))), grain, policy.prefix_state,
+                 policy.generated_reuse and grain == 1)
 
 
 @dataclass(eq=False)
@@ -66,6 +79,7 @@ class Node:
     locks: int = 0
     used: int = 0
     depth: int = 0  # tokens from the root to the end of this node
+    state: object = None  # the policy's snapshot at this node's end (``prefix_state`` policies), or None
 
 
 def common_length(a: list[int], b: list[int]) -> int:
@@ -79,13 +93,18 @@ def common_length(a: list[int], b: list[int]) -> int:
 class PrefixCache:
     """The tree of cached prompt prefixes over the slots of ``cache``. Counters: ``cached_tokens`` (tokens
     held), ``locked_tokens`` (held for running sequences), ``hit_tokens`` (prompt tokens served from here
-    instead of computed), ``evicted_tokens``."""
+    instead of computed), ``evicted_tokens``, ``state_bytes`` (what the policies' snapshots hold, at most
+    ``max_state_bytes``: default a sixteenth of the KV pool's bytes)."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, max_state_bytes: int | None = None):
         self.cache = cache
         self._roots: dict[Hashable, Node] = {}
         self._clock = itertools.count(1)
         self.cached_tokens = self.locked_tokens = self.hit_tokens = self.evicted_tokens = 0
+        pool = 2 * cache.k.numel() * cache.k.element_size()
+        self.max_state_bytes = pool // STATE_SHARE if max_state_bytes is None else max_state_bytes
+        self.state_bytes = 0
+        self._states: dict[Node, int] = {}  # the nodes with a snapshot -> its bytes
 
     @property
     def evictable_tokens(self) -> int:
@@ -98,11 +117,13 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------------
 
-    def match(self, start: Node, tokens: list[int], limit: int, grain: int) -> Node:
+    def match(self, start: Node, tokens: list[int], limit: int, grain: int, state_of=None) -> Node:
         """The deepest node below ``start`` (a root, or a node the caller holds) along ``tokens`` (the whole
         prompt: token i is at depth i), at most ``limit`` deep and at a multiple of ``grain`` (or ``start``'s
-        own depth); a node is split so that one ends exactly there."""
+        own depth); a node is split so that one ends exactly there. With ``state_of`` (a policy instance): the
+        deepest such node whose snapshot that instance made (or ``start``)."""
         node, depth = start, start.depth
+        stated = start
         while depth < limit:  # how far the cached tokens go
             child = node.children.get(tokens[depth])
             if child is None:
@@ -112,6 +133,10 @@ class PrefixCache:
             if n < len(child.key):
                 break
             node = child
+            if child.depth <= limit and child.depth % grain == 0 and getattr(child.state, "owner", None) is state_of:
+                stated = child
+        if state_of is not None:
+            return stated
         target = max(min(depth, limit) // grain * grain, start.depth)
         node = start
         while node.depth < target:
@@ -172,6 +197,32 @@ class PrefixCache:
             node = leaf
         return node, m
 
+    def set_state(self, node: Node, state) -> None:
+        """Keep ``state`` (a policy snapshot at ``node``'s end, replacing any) with the node; the least recently used
+        other snapshots are dropped while they hold more than ``max_state_bytes`` together."""
+        self.drop_state(node)
+        nbytes = state.nbytes
+        for other in sorted(self._states, key=lambda n: n.used):
+            if self.state_bytes + nbytes <= self.max_state_bytes:
+                break
+            self.drop_state(other)
+        if self.state_bytes + nbytes > self.max_state_bytes:
+            state.release()  # larger than the whole budget: not kept
+            return
+        node.state, self._states[node] = state, nbytes
+        self.state_bytes += nbytes
+
+    def drop_state(self, node: Node) -> None:
+        if node.state is not None:
+            node.state.release()
+            node.state = None
+            self.state_bytes -= self._states.pop(node)
+
+    def drop_states(self, owner) -> None:
+        """Drop the snapshots of policy instance ``owner`` (one the engine no longer uses)."""
+        for node in [n for n in self._states if n.state.owner is owner]:
+            self.drop_state(node)
+
     def _split(self, child: Node, n: int) -> Node:
         """Cut ``child`` after its first ``n`` tokens; returns the new upper part (its locks are the child's)."""
         top = Node(child.key[:n], child.slots[:n], child.parent, {child.key[n]: child}, child.locks, child.used,
@@ -195,6 +246,7 @@ class PrefixCache:
             take = min(n - count, len(node.key))
             freed.append(node.slots[len(node.key) - take:])
             count += take
+            self.drop_state(node)  # its end goes
             if take < len(node.key):
                 node.key, node.slots = node.key[:-take], node.slots[:-take]
                 node.depth -= take
@@ -226,4 +278,4 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return {"prefix_cache_tokens": self.cached_tokens, "prefix_cache_hit_tokens": self.hit_tokens,
-                "prefix_cache_evicted_tokens": self.evicted_tokens}
+                "prefix_cache_evicted_tokens": self.evicted_tokens, "prefix_cache_state_bytes": self.state_bytes}

@@ -9,8 +9,16 @@ prompt's last tokens are one more chunk of their own (the boundary before them i
 With a prefix cache (``prefix_cache.py``) a sequence starts after the longest cached prefix of its prompt
 (looked up when it is admitted, and again before each prefill chunk while it has computed nothing of its
 own, so that ten questions queued behind one document reuse it once the first has computed it), and hands
-its prompt's computed chunks to the cache as they complete. A sequence's slot table then begins with
-``n_shared`` slots the cache owns (locked while it runs), followed by slots of its own.
+its prompt's computed chunks to the cache as they complete (and, where the policy allows, its generated tokens
+when it finishes). A sequence's slot table then begins with ``n_shared`` slots the cache owns (locked while it
+runs), followed by slots of its own.
+
+A policy with per-sequence state built from the prompt's queries (InfLLM, ``prefix_state``) snapshots it at a
+chunk boundary its prompt's prefill passes when a later prompt is likely to stop there: the last two boundaries
+of what it caches (the same document with another question ends its match at one of them unless the question
+runs past a chunk), and the boundary its own match wanted but found no snapshot at (the point where its prompt
+leaves a cached one: the next prompt that shares as much finds one there). A snapshot costs a copy of the local
+scores of the window (``policies/infllm.py``), so not every boundary gets one.
 
 A request is admitted only when its own slots (prompt + max_tokens, less the reused prefix) fit in the pool
 next to what the running sequences may still take and the cached tokens they lock: unlocked cached tokens
@@ -88,22 +96,41 @@ class Scheduler:
         """After a step: give the cache the prompt tokens ``seq`` has computed (to the grain's multiple) and
         hold them as its prefix; where another sequence cached some of them meanwhile, its own duplicate slots
         go back to the pool and the cache's take their place."""
+        self._cache(seq, seq.prompt_ids, min(seq.n_cached, self._cacheable(seq)))
+
+    def _cache(self, seq: Sequence, tokens: list[int], n: int) -> None:
+        """Give the cache ``tokens[:n]`` of ``seq`` (their KV computed), cut to the grain; with a ``prefix_state``
+        policy, its state goes with them where the cut is the step's end and a snapshot is wanted there."""
         if self.prefix is None or seq.reuse is None or seq not in self.running:
             return
-        n = min(seq.n_cached, len(seq.prompt_ids)) // seq.reuse.grain * seq.reuse.grain
+        grain = seq.reuse.grain
+        n = n // grain * grain
         if n <= seq.n_shared:
             return
         start = seq.prefix_node or self.prefix.root(seq.reuse.namespace)
-        node, m = self.prefix.insert(start, seq.prompt_ids, seq.slots[:n], n)
+        node, m = self.prefix.insert(start, tokens, seq.slots[:n], n)
         if m > seq.n_shared:
             self.cache.free(seq.slots[seq.n_shared:m].clone())
             seq.slots[seq.n_shared:m] = self.prefix.slots(node)[seq.n_shared:m]
         self._hold(seq, node)
+        if (seq.reuse.stateful and n == seq.n_cached and getattr(node.state, "owner", None) is not seq.policy
+                and (n in seq.snapshot_at or n >= self._cacheable(seq) // grain * grain - grain)):
+            self.prefix.set_state(node, seq.policy.snapshot(seq.id, seq.slots, n))
+
+    def _cacheable(self, seq: Sequence) -> int:
+        """How many prompt tokens of ``seq`` (at most) are computed as any prompt computes them: at a grain of a
+        chunk, not those of a ``tail_chunk`` (a chunk of its own there, aligned elsewhere in a longer prompt)."""
+        if seq.reuse is not None and seq.reuse.grain > 1 and self.tail_chunk:
+            return max(len(seq.prompt_ids) - self.tail_chunk, 0)
+        return len(seq.prompt_ids)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's slots and reservation: its computed prompt stays cached."""
+        """Release a finished or aborted sequence's slots and reservation: its computed prompt stays cached, and
+        where the policy allows (``Reuse.generated``) its generated tokens too (not after an error)."""
         if seq in self.running:
             self.computed(seq)
+            if seq.reuse is not None and seq.reuse.generated and seq.finish_reason != "error":
+                self._cache(seq, seq.prompt_ids + seq.output_ids, seq.n_cached)
             self.running.remove(seq)
             self.cache.free(seq.slots[seq.n_shared:seq.n_cached])
             if seq.prefix_node is not None:
@@ -116,11 +143,18 @@ class Scheduler:
 
     def _match(self, seq: Sequence):
         """The deepest cached node of ``seq``'s prompt (None without reuse). At most the prompt less its last
-        token: that one is always computed, for the logits of the first new token."""
+        token: that one is always computed, for the logits of the first new token (and not into a tail chunk,
+        ``_cacheable``). With a ``prefix_state`` policy, the deepest with a snapshot of its policy; where the
+        tokens went further, the sequence snapshots the point they reached when its prefill passes it."""
         if self.prefix is None or seq.reuse is None:
             return None
         start = seq.prefix_node or self.prefix.root(seq.reuse.namespace)
-        return self.prefix.match(start, seq.prompt_ids, len(seq.prompt_ids) - 1, seq.reuse.grain)
+        limit = min(len(seq.prompt_ids) - 1, self._cacheable(seq))
+        node = self.prefix.match(start, seq.prompt_ids, limit, seq.reuse.grain)
+        if seq.reuse.stateful:
+            seq.snapshot_at.add(node.depth)
+            node = self.prefix.match(start, seq.prompt_ids, limit, seq.reuse.grain, seq.policy)
+        return node
 
     def _admit(self, seq: Sequence) -> bool:
         node = self._match(seq)
@@ -136,6 +170,8 @@ class Scheduler:
         if node is None or node.depth <= seq.n_shared:
             return
         seq.slots[seq.n_shared:node.depth] = self.prefix.slots(node, seq.prefix_node)
+        if seq.reuse.stateful:
+            seq.policy.restore(seq.id, node.state)
         seq.cached_tokens += node.depth - seq.n_cached
         self.prefix.hit_tokens += node.depth - seq.n_cached
         seq.n_cached = node.depth

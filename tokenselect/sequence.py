@@ -50,6 +50,7 @@ class Sequence:
         self.prefix_node = None
         self.n_shared = 0
         self.cached_tokens = 0
+        self.snapshot_at: set[int] = set()  # prompt lengths at which its policy's state goes into the cache too
         self.detokenizer = IncrementalText(tokenizer) if tokenizer is not None else None  # None: no text
         self.finish_reason: str | None = None  # "stop", "length", "abort", or "error" (then ``error`` says why)
         self.error: BaseException | None = None

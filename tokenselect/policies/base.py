@@ -111,9 +111,15 @@ class AttentionPolicy:
     Settings = NoSettings  # the settings dataclass of the policy (``settings.py``)
     # how a prompt's KV computed under this policy may be reused by a later prompt with the same first tokens
     # (``prefix_cache.py``): "chunk" (matches cut to a multiple of the prefill chunk: a policy that chooses per
-    # chunk), "token" (every query row computed alone) or None (never: per-sequence state that needs the
-    # prompt's queries, which a reused prefix never computed)
+    # chunk), "token" (every query row computed alone) or None (never)
     prefix_reuse: str | None = "chunk"
+    # True where a decode step's K and V are what a prefill chunk of the same tokens computes (full attention): a
+    # finished sequence's generated tokens are cached too, for a chat's next turn. Not where a decode step attends
+    # its own choice (a selecting policy's per-token selection, a window that slides per token)
+    generated_reuse = False
+    # True: per-sequence state built from the prompt's queries (InfLLM's memory) goes with a reused prefix: the
+    # policy takes it at a chunk boundary (``snapshot``) and gives it to a sequence that starts there (``restore``)
+    prefix_state = False
 
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels
@@ -140,6 +146,15 @@ class AttentionPolicy:
 
     def release(self, seq_id: int) -> None:
         """Forget the per-sequence state of a finished sequence."""
+
+    def snapshot(self, seq_id: int, slots: torch.Tensor, t: int):
+        """(``prefix_state`` policies) The sequence's state after its first ``t`` tokens, the end of its last step:
+        an object with ``release()`` and ``nbytes`` that a prefix cache node keeps."""
+        raise NotImplementedError
+
+    def restore(self, seq_id: int, state) -> None:
+        """(``prefix_state`` policies) Start sequence ``seq_id`` from a ``snapshot`` of this instance."""
+        raise NotImplementedError
 
     def stats(self) -> PolicyStats | None:
         """The policy's counters; None for a policy that keeps none."""

@@ -10,6 +10,7 @@ from .base import Attended, AttentionPolicy, SeqStep
 class FullAttention(AttentionPolicy):
     name = "full"
     prefix_reuse = "token"
+    generated_reuse = True  # every query row attends every token before it, in decode as in prefill
 
     def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
         return self.whole_table(step, own.numel())

@@ -29,6 +29,12 @@ blocks that leave the window are given their representatives on the host before 
 every ``block_size`` decode steps, a chunk's worth before a chunk. A decode step counts its own query's
 attention on the device. A prefill chunk leaves its queries and each layer's list in the sequence's ``saved``
 buffers, and its attention is counted from them on the host, at the sequence's next step.
+
+Prefix reuse (``prefix_cache.py``): a reused prefix has its keys and values but never ran its queries, so the
+memory they built comes with it: ``snapshot`` takes a sequence's memory at a chunk boundary (its last chunk's
+attention counted, the blocks that a step there closes closed): the pool blocks of its closed blocks, shared
+(counted in ``refs``, never copied: a closed block's representatives do not change), and the local scores of the
+tokens after them (a copy). ``restore`` gives a new sequence that memory, as if it had computed the prefix itself.
 """
 
 from __future__ import annotations
@@ -91,9 +97,36 @@ class InfLLMSettings(Validated):
     positions: str = positions_setting("fixed", ("fixed", "reindex", "original"))
 
 
+@dataclass(eq=False)
+class InfLLMState:
+    """A sequence's memory after its first ``t`` tokens (``InfLLM.snapshot``): ``closed`` blocks per layer, held in
+    the pool blocks ``blocks`` of ``owner`` (one reference each), and the local scores of tokens
+    n_init + closed * block_size .. t-1, ``ring`` [layers, tokens, H] fp32."""
+
+    owner: "InfLLM"
+    t: int
+    closed: int
+    blocks: tuple[int, ...]
+    ring: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        """The device memory the state holds: its scores, and its blocks' representatives (shared with the other
+        states and sequences that hold them: counted in full by each)."""
+        reprs = self.owner.reprs
+        per_block = reprs[:, :1].numel() * reprs.element_size()
+        return (self.ring.numel() * self.ring.element_size() if self.ring is not None else 0) + len(self.blocks) * per_block
+
+    def release(self) -> None:
+        """Drop the state (its block references go back to the owner). Once only."""
+        if self.ring is not None:
+            self.owner._unref(self.blocks)
+            self.ring = None
+
+
 class InfLLM(SelectivePolicy):
     name = "infllm"
-    prefix_reuse = None  # its block representatives come from the prompt's queries
+    prefix_state = True  # a reused prefix needs the memory its queries built: ``snapshot`` / ``restore``
     POSITIONS = ("fixed", "reindex", "original")
     Settings = InfLLMSettings
 
@@ -113,6 +146,7 @@ class InfLLM(SelectivePolicy):
         self.ring = self.budget + n_local + 2 * (chunk + block_size)
         self.reprs: torch.Tensor | None = None  # [layers, pool blocks, H, d] fp32: the representatives
         self.free: list[int] = []  # pool blocks no sequence holds
+        self.refs: dict[int, int] = {}  # pool block -> its holders (a sequence, a prefix snapshot), for held ones
         self.table: torch.Tensor | None = None  # [rows, blocks] int64: each sequence's pool blocks, in order
         self.mass: torch.Tensor | None = None  # [rows, layers, ring, H] fp32: the local scores
         self.rows = Rows()
@@ -171,6 +205,7 @@ class InfLLM(SelectivePolicy):
             self.reprs = grown(self.reprs, 1, size)
             self.free.extend(range(size - 1, have - 1, -1))
         taken = [self.free.pop() for _ in range(new)]
+        self.refs.update(dict.fromkeys(taken, 1))
         self.table[seq.row, len(seq.blocks):n] = to_device(taken, self.table.device)
         seq.blocks.extend(taken)
 
@@ -299,8 +334,56 @@ class InfLLM(SelectivePolicy):
         memory = self._memory.pop(seq_id, None)
         self.rows.release(seq_id)
         if memory is not None:
-            self.free.extend(reversed(memory.blocks))
+            self._unref(memory.blocks)
             self._give_back(memory)
+
+    def _unref(self, blocks) -> None:
+        """One holder less for each of ``blocks``: those no one holds go back to the free list."""
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                del self.refs[block]
+                self.free.append(block)
+
+    # ---- prefix reuse ------------------------------------------------------------------------------
+
+    def snapshot(self, seq_id: int, slots: torch.Tensor, t: int) -> InfLLMState:
+        """The memory of sequence ``seq_id`` (slots: its table) after its first ``t`` tokens, the last step's (a
+        prefill chunk ending at t): the chunk's attention is counted and the blocks a step after t closes are closed
+        now, as the sequence's next ``prepare`` would (it then finds nothing left to do)."""
+        memory = self._memory[seq_id]
+        for layer, mem in enumerate(memory.layers):
+            if mem.pending is not None:
+                self.count_attention(layer, slots, mem)
+            self.track(mem, t)
+            if self.mode(t, 1) == SELECT:
+                self.close_blocks(layer, memory, slots, mem, self.closed_before(t))
+        closed = memory.layers[0].closed
+        spans = self.ring_spans(self.tracked_from(memory.layers[0]), t)
+        ring = torch.cat([self.mass[memory.row, :, entries] for entries, _ in spans], dim=1) if spans else \
+            self.mass.new_zeros(self.n_layers, 0, self.mass.shape[-1])
+        blocks = tuple(memory.blocks[:closed])
+        for block in blocks:
+            self.refs[block] += 1
+        return InfLLMState(self, t, closed, blocks, ring.clone())
+
+    def restore(self, seq_id: int, state: InfLLMState) -> None:
+        """Give sequence ``seq_id``, which has computed nothing of its own, the memory ``state`` (of this instance)
+        holds, as its memory after the first ``state.t`` tokens."""
+        assert state.owner is self and state.ring is not None, "a prefix snapshot of another InfLLM instance"
+        self.release(seq_id)
+        n_layers, _, n_heads = state.ring.shape
+        memory = self.memory(seq_id, n_heads, state.ring.device)
+        memory.blocks = list(state.blocks)
+        for block in state.blocks:
+            self.refs[block] += 1
+        self._reserve_table(len(state.blocks))
+        if state.blocks:
+            self.table[memory.row, :len(state.blocks)] = to_device(list(state.blocks), self.table.device)
+        for mem in memory.layers:
+            mem.closed, mem.tracked = state.closed, max(state.t, self.n_init)
+        for entries, part in self.ring_spans(self.tracked_from(memory.layers[0]), state.t):
+            self.mass[memory.row, :, entries] = state.ring[:, part]
 
     def closed_before(self, t: int) -> int:
         """The blocks a step after ``t`` cached tokens finds closed (the middle's full blocks)."""
