@@ -93,25 +93,73 @@ def test_locked_prefixes_survive_eviction_and_the_least_recently_used_leaf_goes_
 
 
 def test_reuse_rules():
-    assert reuse_rule("full", {}, "default", 512) == Reuse(("full", "[]"), 1)
+    assert reuse_rule("full", {}, "default", 512) == Reuse(("full", "[]"), 1, generated=True)
     assert reuse_rule("full", {}, "dynamic", 512).grain == 512  # dynamic NTK follows each chunk's end
     assert reuse_rule("tokenselect", {"k": 8}, "default", 512).grain == 512
     assert reuse_rule("tokenselect", {"k": 8}, "default", 512) != reuse_rule("tokenselect", {"k": 9}, "default", 512)
-    assert reuse_rule("infllm", {}, "default", 512) is None
+    assert reuse_rule("infllm", {}, "default", 512) == Reuse(("infllm", "[]"), 512, stateful=True)
+    assert reuse_rule("full", {}, "default", 512).generated and not reuse_rule("full", {}, "dynamic", 512).generated
+    assert not any(reuse_rule(p, {}, "default", 512).generated for p in ("tokenselect", "quest", "infllm"))
+
+
+class FakeState:
+    """A policy snapshot as the tree sees it: its owner, its bytes, whether it was released."""
+
+    def __init__(self, nbytes: int, owner="policy"):
+        self.nbytes, self.owner, self.released = nbytes, owner, False
+
+    def release(self):
+        assert not self.released
+        self.released = True
+
+
+def test_snapshots_go_with_their_nodes_and_the_least_recently_used_go_past_the_budget():
+    cache, pc = tree(64)
+    pc.max_state_bytes = 100
+    a = cache_prompt(pc, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    mid = pc.match(pc.root("ns"), [1, 2, 3, 4, 0], 4, 1)  # a node ends at 4 now
+    states = [FakeState(40), FakeState(40), FakeState(40)]
+    pc.set_state(a, states[0]), pc.set_state(mid, states[1])
+    assert pc.state_bytes == 80 and pc.stats()["prefix_cache_state_bytes"] == 80
+    # a match for a policy ends at the deepest node holding its own snapshot, at the grain, within the limit
+    assert pc.match(pc.root("ns"), [1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 1, "policy") is a
+    assert pc.match(pc.root("ns"), [1, 2, 3, 4, 5, 6, 7, 8, 9], 7, 1, "policy") is mid
+    assert pc.match(pc.root("ns"), [1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 8, "policy") is a
+    assert pc.match(pc.root("ns"), [1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 3, "policy") is pc.root("ns")
+    assert pc.match(pc.root("ns"), [1, 2, 3, 4, 5, 6, 7, 8, 9], 8, 1, "another") is pc.root("ns")
+    pc.lock(mid), pc.unlock(mid)  # mid used last: a's snapshot is the least recently used
+    b = cache_prompt(pc, cache, [1, 2, 3, 4, 9, 9, 9, 9])
+    pc.set_state(b, states[2])  # 120 bytes > 100: a's goes
+    assert states[0].released and a.state is None and pc.state_bytes == 80 and not states[1].released
+    pc.set_state(b, FakeState(200))  # more than the budget alone: not kept (b's old one is replaced: released)
+    assert states[2].released and b.state is None and pc.state_bytes == 40
+    last = FakeState(30)
+    pc.set_state(a, last)
+    assert pc.evict(1) == 1 and last.released and a.state is None  # a, least recently used, lost its end: its snapshot
+    assert pc.state_bytes == 40 and mid.state is states[1]
+    pc.drop_states("another")
+    assert mid.state is states[1]
+    pc.drop_states("policy")  # the engine dropped the policy instance: its snapshots go
+    assert states[1].released and pc.state_bytes == 0
+    pc.set_state(mid, FakeState(10))
+    pc.clear()
+    assert pc.state_bytes == 0 and mid.state is None
 
 
 # ---- the engine ----------------------------------------------------------------------------------
 
 def engine(path, attention: str, reuse: bool = True, **settings) -> LLM:
-    extra = SELECTING if attention == "tokenselect" else {}
+    extra = SELECTING if attention == "tokenselect" else INFLLM if attention == "infllm" else {}
     return LLM(path, attention, chunk_size=CHUNK, prefix_cache=reuse, **{**extra, **settings})
 
 
 DOC = prompt(200, 1)
 QUESTIONS = [DOC + prompt(5 + 3 * i, 10 + i) for i in range(4)]
+# InfLLM selecting inside the tiny model's window: past n_init + 39 + 16 tokens, blocks of 8 tokens
+INFLLM = dict(n_local=16, k=32, block_size=8)
 
 
-@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+@pytest.mark.parametrize("attention", ["full", "tokenselect", "infllm"])
 def test_questions_in_turn_reuse_the_document_and_answer_as_without(tiny_llama, attention):
     grain = 1 if attention == "full" else CHUNK
     without = engine(tiny_llama, attention, reuse=False)
@@ -128,7 +176,7 @@ def test_questions_in_turn_reuse_the_document_and_answer_as_without(tiny_llama, 
     assert without.stats().get("prefix_cache_hit_tokens") is None and without.cache.num_free == without.cache.n_slots
 
 
-@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+@pytest.mark.parametrize("attention", ["full", "tokenselect", "infllm"])
 def test_questions_at_once_reuse_what_the_first_computed(tiny_llama, batch_invariant_matmuls, attention):
     """Queued together: the first prefills the document, the others (still waiting for the step's chunk budget)
     find it cached before their first chunk, and the batched answers equal the ones computed alone."""
@@ -159,7 +207,7 @@ def test_prompt_asked_again_computes_its_last_token(tiny_llama, attention):
 @pytest.mark.parametrize("attention", ["quest", "reattention", "streaming", "infllm"])
 def test_every_policy_answers_as_without_reuse(tiny_llama, attention):
     """Quest's page bounds are rebuilt from the reused keys, ReAttention and StreamingLLM keep no state;
-    InfLLM's representatives need the prompt's queries, so it computes every prompt (cached_tokens 0)."""
+    InfLLM's memory (built from the prompt's queries) comes from the snapshot kept with the prefix."""
     settings = dict(n_local=16, k=32) if attention in ("quest", "infllm") else dict(n_local=16)
     if attention == "infllm":
         settings["block_size"] = 8
@@ -168,14 +216,19 @@ def test_every_policy_answers_as_without_reuse(tiny_llama, attention):
     llm = engine(tiny_llama, attention, **settings)
     outs = [llm.generate(q, GREEDY)[0] for q in QUESTIONS[:2]]
     assert [o.token_ids for o in outs] == expected
-    assert outs[1].cached_tokens == (0 if attention == "infllm" else 192)
+    assert outs[1].cached_tokens == 192
 
 
-@pytest.mark.parametrize("kv", [dict(kv_dtype="fp8"), dict(kv_offload="values"), dict(select_dtype="fp8")])
-def test_reuse_with_fp8_and_offloaded_values(tiny_llama, kv):
-    expected = [engine(tiny_llama, "tokenselect", reuse=False, **kv).generate(q, GREEDY)[0].token_ids
+@pytest.mark.parametrize("attention, kv", [
+    ("tokenselect", dict(kv_dtype="fp8")), ("tokenselect", dict(kv_offload="values")),
+    ("tokenselect", dict(select_dtype="fp8")), ("infllm", dict(kv_dtype="fp8")),
+    ("infllm", dict(kv_offload="values", cuda_graphs=True))])
+def test_reuse_with_fp8_and_offloaded_values(tiny_llama, attention, kv):
+    """(cuda_graphs on a CPU: the graphs' step functions, run eagerly)"""
+    kv = {**kv, **(INFLLM if attention == "infllm" else {})}
+    expected = [engine(tiny_llama, attention, reuse=False, **kv).generate(q, GREEDY)[0].token_ids
                 for q in QUESTIONS[:2]]
-    llm = engine(tiny_llama, "tokenselect", **kv)
+    llm = engine(tiny_llama, attention, **kv)
     outs = [llm.generate(q, GREEDY)[0] for q in QUESTIONS[:2]]
     assert [o.token_ids for o in outs] == expected and outs[1].cached_tokens == 192
 
@@ -313,7 +366,7 @@ def test_many_questions_over_one_document_with_the_embedded_model():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+@pytest.mark.parametrize("attention", ["full", "tokenselect", "infllm"])
 def test_reuse_in_cuda_graphs_answers_as_without(tiny_llama, attention):
     """Steps as CUDA graphs (decode and full prefill chunks whole, the rest per layer) over a reused prefix."""
     long_doc = prompt(CHUNK * 20, 5)  # a long prompt (16 chunks or more): its full chunks run as whole-step graphs
@@ -325,6 +378,124 @@ def test_reuse_in_cuda_graphs_answers_as_without(tiny_llama, attention):
     assert [o.token_ids for o in turns] == expected and turns[2].cached_tokens >= len(long_doc) - CHUNK
     assert llm.runner.graphs.whole_steps > 0 and llm.runner.graphs.failure is None
     assert [o.token_ids for o in llm.generate(questions, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("attention", ["tokenselect", "quest"])
+def test_a_prompt_that_leaves_a_cached_one_inside_a_chunk_keeps_its_own_kv_there(tiny_llama, attention):
+    """Both prompts compute the chunk 192..224 and part at 200: past layer 0 the KV of 192..199 depends on the rest
+    of the chunk, so the second keeps its own (the cache keeps the first's chunk) and answers as without reuse."""
+    first, second = DOC + prompt(60, 30), DOC + prompt(26, 37)
+    llm = engine(tiny_llama, attention)
+    llm.generate(first, GREEDY)
+    out = llm.generate(second, GREEDY)[0]
+    assert out.cached_tokens == 192
+    assert out.token_ids == engine(tiny_llama, attention, reuse=False).generate(second, GREEDY)[0].token_ids
+    assert llm.stats()["prefix_cache_tokens"] == len(first) // CHUNK * CHUNK  # nothing of the second's past 192
+
+
+# ---- InfLLM: its memory goes with the prefix --------------------------------------------------------
+
+# ten questions over DOC; the first runs past two more chunk boundaries (224, 256), the last three past 224
+TEN = [DOC + prompt(60, 30)] + [DOC + prompt(5 + 3 * i, 30 + i) for i in range(1, 10)]
+
+
+def test_infllm_ten_questions_in_turn_and_at_once_answer_as_without_reuse(tiny_llama, batch_invariant_matmuls):
+    """The first question snapshots InfLLM's memory at the last two chunk boundaries of its prompt (224, 256). The
+    second wants the document's last boundary (192), finds no snapshot there, computes its prompt and leaves one;
+    the eight others start there. Then all ten at once: the first finds its whole prompt cached, the others the
+    document (the last three computed the chunk 192..224 too, but the cache holds the first's there)."""
+    expected = [engine(tiny_llama, "infllm", reuse=False).generate(q, GREEDY)[0].token_ids for q in TEN]
+    llm = engine(tiny_llama, "infllm")
+    turns = [llm.generate(q, GREEDY)[0] for q in TEN]
+    assert [o.token_ids for o in turns] == expected
+    assert [o.cached_tokens for o in turns] == [0, 0] + [192] * 8
+    at_once = llm.generate(TEN, GREEDY)
+    assert [o.token_ids for o in at_once] == expected
+    assert [o.cached_tokens for o in at_once] == [256] + [192] * 9
+    prefix, policy = llm.scheduler.prefix, llm.policy
+    assert prefix.locked_tokens == 0 and not policy._memory and 0 < prefix.state_bytes <= prefix.max_state_bytes
+    prefix.clear()  # the snapshots held the only references to their pool blocks: all of them are free again
+    assert prefix.state_bytes == 0 and not policy.refs and sorted(policy.free) == list(range(policy.reprs.shape[1]))
+
+
+def test_infllm_restored_memory_is_the_memory_a_prefill_builds(tiny_llama):
+    """A sequence starting after the cached document (192 tokens) has, before its first step, the memory a sequence
+    that computed the document has there: the same closed blocks and representatives, the same local scores."""
+    llm = engine(tiny_llama, "infllm")
+    llm.generate(QUESTIONS[0], GREEDY)
+    seq = llm.add_request(QUESTIONS[1], GREEDY)
+    with torch.inference_mode():
+        llm.scheduler.schedule()  # admitted: it starts after 192 tokens, from the snapshot there
+    assert seq.n_cached == 192
+    ref = engine(tiny_llama, "infllm", reuse=False)
+    own = ref.add_request(QUESTIONS[1], GREEDY)
+    while own.n_cached < 192:
+        ref.step()
+    cfg, n = llm.config, len(QUESTIONS[1])
+    shape = (n - 192, cfg.n_heads, cfg.head_dim)
+    for engine_, s in ((llm, seq), (ref, own)):  # what the first step of the rest sees (the last chunk counted)
+        s.slots[192:n] = engine_.scheduler.allocate(n - 192)
+        with torch.inference_mode():
+            engine_.policy.prepare(s.id, s.slots, 192, n, False, shape, torch.float32)
+    a, b = llm.policy._memory[seq.id], ref.policy._memory[own.id]
+    assert len(a.layers) == cfg.n_layers
+    for layer, (mine, theirs) in enumerate(zip(a.layers, b.layers)):
+        assert (mine.closed, mine.tracked) == (theirs.closed, theirs.tracked) and mine.closed == (192 - 4 - 16) // 8
+        torch.testing.assert_close(llm.policy.representatives(seq.id, layer),
+                                   ref.policy.representatives(own.id, layer), rtol=0, atol=0)
+        live = [entries for entries, _ in llm.policy.ring_spans(llm.policy.tracked_from(mine), 192)]
+        assert sum(e.stop - e.start for e in live) == 192 - 4 - mine.closed * 8 > 0
+        for entries in live:
+            assert mine.ring[entries].abs().sum() > 0
+            torch.testing.assert_close(mine.ring[entries], theirs.ring[entries], rtol=0, atol=0)
+
+
+def test_infllm_eviction_drops_the_snapshot_and_a_match_falls_back_to_the_one_before(tiny_llama):
+    llm = engine(tiny_llama, "infllm")
+    llm.generate(QUESTIONS[0], GREEDY)  # snapshots at 160 and 192, the last two chunk boundaries of its prompt
+    prefix, policy = llm.scheduler.prefix, llm.policy
+    both = prefix.state_bytes
+    assert both > 0 and policy.refs  # pool blocks held by the snapshots alone
+    assert prefix.evict(1) == 1  # the document's last cached token: the snapshot at 192 goes with it
+    assert 0 < prefix.state_bytes < both
+    out = llm.generate(QUESTIONS[1], GREEDY)[0]
+    assert out.cached_tokens == 160
+    assert out.token_ids == engine(tiny_llama, "infllm", reuse=False).generate(QUESTIONS[1], GREEDY)[0].token_ids
+    prefix.clear()
+    assert prefix.state_bytes == 0 and not policy.refs and sorted(policy.free) == list(range(policy.reprs.shape[1]))
+    # another policy instance does not read this one's snapshots: they go with it
+    llm.generate(QUESTIONS[0], GREEDY)
+    assert prefix.state_bytes > 0
+    llm.set_attention("infllm", **INFLLM)
+    assert prefix.state_bytes == 0 and llm.generate(QUESTIONS[1], GREEDY)[0].cached_tokens == 0
+
+
+# ---- generated tokens --------------------------------------------------------------------------------------
+
+def test_a_chats_next_turn_reuses_the_previous_answer_where_decode_computes_what_prefill_does(
+        tiny_llama, batch_invariant_matmuls):
+    """Full attention caches a finished sequence's prompt and answer (but its last token, whose KV was never
+    computed): the next turn (prompt + answer + a new message) computes only its new message, with the same output.
+    A selecting policy's decode step attends its own per-token choice, so the answer's KV past layer 0 is not what a
+    prefill chunk of the same tokens computes: it caches the prompt only."""
+    turn1 = QUESTIONS[0]
+    for attention in ("full", "tokenselect"):
+        llm = engine(tiny_llama, attention)
+        answer = llm.generate(turn1, GREEDY)[0].token_ids
+        turn2 = turn1 + answer + prompt(7, 99)
+        out = llm.generate(turn2, GREEDY)[0]
+        assert out.token_ids == engine(tiny_llama, attention, reuse=False).generate(turn2, GREEDY)[0].token_ids
+        assert out.cached_tokens == (len(turn1) + len(answer) - 1 if attention == "full" else 192)
+        # the answer's keys in layer 1, computed by decode steps, and by the prefill of the next turn
+        ref = engine(tiny_llama, attention, reuse=False)
+        seqs, keys = [], []
+        for ids in (turn1, turn2):
+            seqs.append(ref.add_request(ids, GREEDY))
+            while not seqs[-1].finished:
+                ref.step()
+            keys.append(ref.cache.k[1][seqs[-1].slots[len(turn1):len(turn1) + len(answer) - 1]].clone())
+        assert seqs[0].output_ids == answer
+        assert torch.allclose(keys[0], keys[1], atol=1e-5) == (attention == "full")
 
 
 def test_benchmark_script_runs_at_a_tiny_size(tmp_path):

@@ -202,13 +202,13 @@ class PrefixCache:
         other snapshots are dropped while they hold more than ``max_state_bytes`` together."""
         self.drop_state(node)
         nbytes = state.nbytes
+        if nbytes > self.max_state_bytes:
+            state.release()  # larger than the whole budget: not kept
+            return
         for other in sorted(self._states, key=lambda n: n.used):
             if self.state_bytes + nbytes <= self.max_state_bytes:
                 break
             self.drop_state(other)
-        if self.state_bytes + nbytes > self.max_state_bytes:
-            state.release()  # larger than the whole budget: not kept
-            return
         node.state, self._states[node] = state, nbytes
         self.state_bytes += nbytes
 

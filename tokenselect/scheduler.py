@@ -108,6 +108,13 @@ class Scheduler:
         if n <= seq.n_shared:
             return
         start = seq.prefix_node or self.prefix.root(seq.reuse.namespace)
+        if grain > 1:  # cached tokens that end inside a chunk are another prompt's chunk (or what eviction left of
+            # one): past layer 0 their KV depends on that chunk's other tokens, so they are not this one's duplicates
+            depth = self.prefix.match(start, tokens, n, 1).depth
+            if depth % grain:
+                n = depth // grain * grain
+                if n <= seq.n_shared:
+                    return
         node, m = self.prefix.insert(start, tokens, seq.slots[:n], n)
         if m > seq.n_shared:
             self.cache.free(seq.slots[seq.n_shared:m].clone())
