@@ -393,6 +393,20 @@ def test_a_prompt_that_leaves_a_cached_one_inside_a_chunk_keeps_its_own_kv_there
     assert llm.stats()["prefix_cache_tokens"] == len(first) // CHUNK * CHUNK  # nothing of the second's past 192
 
 
+def test_tail_chunks_are_not_reused(tiny_llama):
+    """With ``tail_chunk`` a prompt's last tokens run as a chunk of their own, and the chunk before them stops short:
+    neither is what a longer prompt computes there, so neither is cached, and no match reaches into a tail."""
+    first, second = QUESTIONS[0], DOC + prompt(60, 30)  # 205 tokens: chunks ..., 160..189, the tail 189..205
+    llm = engine(tiny_llama, "tokenselect", tail_chunk=16)
+    assert llm.generate(first, GREEDY)[0].cached_tokens == 0 and llm.stats()["prefix_cache_tokens"] == 160
+    out = llm.generate(second, GREEDY)[0]
+    assert out.cached_tokens == 160
+    assert out.token_ids == engine(tiny_llama, "tokenselect", reuse=False, tail_chunk=16).generate(
+        second, GREEDY)[0].token_ids
+    again = llm.generate(first, GREEDY)[0]  # all of it cached up to 224 now, but its match stops before its tail
+    assert again.cached_tokens == 160 and again.token_ids == llm.generate(first, GREEDY)[0].token_ids
+
+
 # ---- InfLLM: its memory goes with the prefix --------------------------------------------------------
 
 # ten questions over DOC; the first runs past two more chunk boundaries (224, 256), the last three past 224
