@@ -57,6 +57,24 @@ def test_questions_and_turns_over_one_document_report_their_cached_tokens(reusin
     assert health["prefix_cache_evicted_tokens"] == 0
 
 
+def test_a_chats_next_turn_reuses_the_previous_answer_with_full_attention(checkpoint):  # noqa: F811
+    """Full attention caches the answer too (a decode step computes the KV a prefill would): the next turn reuses
+    the previous prompt and its answer but the answer's last token (whose KV was never computed). The chat template
+    writes the answer's text back, and the tokenizer gives the generated ids again (checked: else fewer are
+    reused)."""
+    llm = LLM(checkpoint, **{**SETTINGS, "attention": "full"})
+    with running_server(llm) as (url, _):
+        first = [{"role": "system", "content": "Answer from this lease.\n" + DOC},
+                 {"role": "user", "content": "When is the rent due?"}]
+        body = chat(url, first)
+        answer, generated = body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+        turn = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And in month 3?"}]
+        ids, previous = llm.chat_prompt(turn), llm.chat_prompt(first)
+        assert ids[:len(previous)] == previous and generated == 6
+        assert llm.tokenizer(answer, add_special_tokens=False)["input_ids"] == ids[len(previous):len(previous) + 6]
+        assert chat(url, turn)["usage"]["prompt_tokens_details"]["cached_tokens"] == len(previous) + generated - 1
+
+
 def test_openai_client_sees_cached_tokens_and_streams_report_them(reusing):
     openai = pytest.importorskip("openai")
     url, llm = reusing
