@@ -257,18 +257,21 @@ def test_another_policy_on_the_same_engine_computes_its_own(tiny_llama):
 
 
 def test_a_request_is_never_refused_for_room_that_eviction_frees(tiny_llama):
-    """A pool full of cached prompts: a request needing almost all of it evicts them and runs."""
+    """A pool full of cached prompts (and, with full attention, their answers): a request needing almost all of it
+    evicts them and runs."""
     llm = engine(tiny_llama, "full", kv_cache_tokens=256)
     for seed in range(3):
         llm.generate(prompt(70, seed), GREEDY)
-    assert llm.stats()["prefix_cache_tokens"] == 210 and llm.cache.num_free == 256 - 210
+    held = 3 * (70 + GREEDY.max_tokens - 1)  # prompts and answers, but each answer's last token (never fed back)
+    assert llm.stats()["prefix_cache_tokens"] == held == 231 and llm.cache.num_free == 256 - held
     big = prompt(256 - GREEDY.max_tokens, 9)  # exactly the pool's capacity with its max_tokens
     out = llm.generate(big, GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_tokens
-    # it took 255 slots (its last new token is never fed back): 209 cached tokens went, one stays, and its own
-    # prompt is cached now
+    # it took 255 slots (its last new token is never fed back): 230 cached tokens went, one stays, and its own
+    # prompt and answer are cached now
     assert out.cached_tokens == 0
-    assert llm.stats()["prefix_cache_evicted_tokens"] == 209 and llm.stats()["prefix_cache_tokens"] == 1 + len(big)
+    assert llm.stats()["prefix_cache_evicted_tokens"] == held - 1
+    assert llm.stats()["prefix_cache_tokens"] == 1 + len(big) + GREEDY.max_tokens - 1
     assert out.token_ids == engine(tiny_llama, "full", reuse=False, kv_cache_tokens=256).generate(
         big, GREEDY)[0].token_ids
 

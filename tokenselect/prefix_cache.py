@@ -16,7 +16,9 @@ What may be reused depends on how the keys and values were computed (``reuse_rul
 - the *grain*: a match is cut to a multiple of it. A selective policy chooses per prefill chunk with the
   chunk's mean query (and StreamingLLM's window, and dynamic NTK's frequencies, follow the chunk's end), so
   the KV of a prompt is the same only if the chunks start at the same tokens: grain = the prefill chunk.
-  Full attention computes each query row alone: grain 1.
+  Full attention computes each query row alone: grain 1. So only whole chunks are shared: a sequence gives the
+  cache nothing past cached tokens that end inside a chunk (another prompt's chunk: its KV is not this one's),
+  nor its ``tail_chunk`` (chunked unlike a longer prompt there; ``Scheduler._cacheable``).
 - *state*: InfLLM's memory (block representatives chosen by the attention the prompt's *queries* gave inside the
   local window) is not in the keys and values. Its policy (``prefix_state``) snapshots a sequence's memory at
   chosen chunk boundaries of its prompt (``Scheduler.computed``); the node that ends there keeps it (``Node.state``)

@@ -365,7 +365,7 @@ class InfLLM(SelectivePolicy):
         blocks = tuple(memory.blocks[:closed])
         for block in blocks:
             self.refs[block] += 1
-        return InfLLMState(self, t, closed, blocks, ring.clone())
+        return InfLLMState(self, t, closed, blocks, ring)  # (torch.cat copies)
 
     def restore(self, seq_id: int, state: InfLLMState) -> None:
         """Give sequence ``seq_id``, which has computed nothing of its own, the memory ``state`` (of this instance)
