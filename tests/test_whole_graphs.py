@@ -369,9 +369,11 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
 
 def test_the_next_prompt_replays_infllm_prefill_graph(tiny_llama, monkeypatch):
     """A prefill graph writes the chunk's queries and lists into its sequence's buffers; a finished prompt's buffers
-    pass to the next prompt, so that its chunks replay the graph recorded for the first (no recording per prompt)."""
+    pass to the next prompt, so that its chunks replay the graph recorded for the first (no recording per prompt).
+    Without the prefix cache: its snapshots of InfLLM's memory hold pool blocks, so the next prompt's graph step,
+    which reserves blocks for its whole padded table, grows the pool (and records the graph again) now and then."""
     monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
-    llm = LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=True, dtype="float32",
+    llm = LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=True, dtype="float32", prefix_cache=False,
               **dict(small_sizes("infllm"), k=16, block_size=4))
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     recorded = []

@@ -28,11 +28,14 @@ for room that eviction could free.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from .kv_cache import KVCache
 from .prefix_cache import PrefixCache
 from .sequence import Sequence
+
+log = logging.getLogger("tokenselect.scheduler")
 
 
 class Scheduler:
@@ -122,7 +125,12 @@ class Scheduler:
         self._hold(seq, node)
         if (seq.reuse.stateful and n == seq.n_cached and getattr(node.state, "owner", None) is not seq.policy
                 and (n in seq.snapshot_at or n >= self._cacheable(seq) // grain * grain - grain)):
-            self.prefix.set_state(node, seq.policy.snapshot(seq.id, seq.slots, n))
+            try:  # after the step's pass: a failure here (out of memory) must not fail the step, only skip the snapshot
+                state = seq.policy.snapshot(seq.id, seq.slots, n)
+            except Exception:
+                log.warning("no prefix snapshot of sequence %d at %d tokens", seq.id, n, exc_info=True)
+                return
+            self.prefix.set_state(node, state)
 
     def _cacheable(self, seq: Sequence) -> int:
         """How many prompt tokens of ``seq`` (at most) are computed as any prompt computes them: at a grain of a
