@@ -101,7 +101,9 @@ class InfLLMSettings(Validated):
 class InfLLMState:
     """A sequence's memory after its first ``t`` tokens (``InfLLM.snapshot``): ``closed`` blocks per layer, held in
     the pool blocks ``blocks`` of ``owner`` (one reference each), and the local scores of tokens
-    n_init + closed * block_size .. t-1, ``ring`` [layers, tokens, H] fp32."""
+    n_init + closed * block_size .. t-1, ``ring`` [layers, tokens, H] fp32. For Llama-3-8B (32 layers, 32 heads of
+    128) at the defaults: the scores of at most n_local + block_size = 4224 tokens once InfLLM selects, 4 KiB each
+    (16.5 MiB), and the shared representatives, 512 KiB per 128-token block (4 KiB per token; the bf16 KV is 128)."""
 
     owner: "InfLLM"
     t: int
