@@ -11,7 +11,7 @@ import pytest
 
 from tokenselect.eval.cli import add_parser
 from tokenselect.eval.metrics import score
-from tokenselect.eval.runner import max_tokens
+from tokenselect.eval.tasks import MAX_NEW_TOKENS
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -37,7 +37,7 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
         # and independently of the metric's code: passkey is 1 exactly when the first number written is the key
         first = re.search(r"\d+", r["prediction"])
         assert r["score"] == float(first is not None and first.group() == r["answers"][0])
-        budget = r["target_tokens"] - max_tokens(r["task"])  # the length holds the prompt and the answer
+        budget = r["target_tokens"] - MAX_NEW_TOKENS[r["task"]]  # the length holds the prompt and the answer
         assert 0.8 * budget <= r["prompt_tokens"] <= budget
     # every policy answered the very same prompts
     by_policy = {}

@@ -9,6 +9,7 @@ from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import make_policy
+from tokenselect.policies.base import ALL
 from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.tokenselect import TokenSelect
 
@@ -298,9 +299,9 @@ def test_tokenselect_attends_densely_up_to_its_window_and_selects_past_it(tiny_l
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16)
     policy = llm.policy
     assert isinstance(policy, TokenSelect) and policy.dense_until == llm.window == 256
-    assert policy.attends_all(255, 1) and policy.attends_all(224, 32)  # last position 255: inside
-    assert not policy.attends_all(256, 1) and not policy.attends_all(225, 32)  # one past the window
-    assert policy.attends_all(36, 1)  # below n_init + k + n_local the list holds everything anyway
+    assert policy.mode(255, 1) == ALL and policy.mode(224, 32) == ALL  # last position 255: inside
+    assert policy.mode(256, 1) != ALL and policy.mode(225, 32) != ALL  # one past the window
+    assert policy.mode(36, 1) == ALL  # below n_init + k + n_local the list holds everything anyway
     ids = list(range(2, 200))
     dense = llm.prompt_logits(ids)
     assert llm.stats()["selection_cache_hits"] + llm.stats()["selection_cache_misses"] == 0

@@ -26,19 +26,12 @@ kernels per layer as by the GPU's work. ``GraphCache`` keeps two kinds of graph,
   tokens) when it has at least PREFILL_MIN_CHUNKS of them: run eagerly, a long prompt's chunks are bound by
   the host's Python. (Not with value offload for full attention: it would stage the table's whole capacity.)
 
-Each whole-step graph checks itself when recorded: the step is also run eagerly, and the replay must reproduce
-its output and the policy's state (the Selection Cache's entries and counts). If recording fails or the two
-differ, a warning says why and every later step goes back to the pieces; the step is answered from the eager
-run, its cache rows restored. The final norm and the vocabulary projection run eagerly on the rows that need
-logits. Without CUDA (or with ``capture=False``) the same step functions run eagerly over the same buffers,
-which is how the tests exercise them on a CPU.
-
-Every graph is recorded in two calls: ``warm_up(fn)`` runs fn once on a side stream (lazy initialisation, cuBLAS
-workspaces, Triton compiles happen outside the capture; its result is the eager reference a caller may check the
-replay against), then ``capture(fn, pool)`` records it into a graph whose replay reruns the same kernels on the
-same buffers.
-Graphs of one kind share a memory pool (``GraphPool``), renewed once a graph recorded into it has died: capturing
-into the pool of dropped graphs fails PyTorch 2.11's caching allocator ("use_count > 0 INTERNAL ASSERT FAILED").
+Each whole-step graph is checked when it is recorded (``_WholeStep.record``): if recording fails or the replay
+differs from the eager step, a warning says why, the step is answered from the eager run and every later step
+goes back to the pieces. The final norm and the vocabulary projection run eagerly on the rows that need logits.
+Without CUDA (or with ``capture=False``) the same step functions run eagerly over the same buffers, which is how
+the tests exercise them on a CPU. Every graph is recorded in two calls, ``warm_up(fn)`` then ``capture(fn,
+pool)``; graphs of one kind share a memory pool (``GraphPool``).
 """
 
 from __future__ import annotations
@@ -61,7 +54,9 @@ PREFILL_MIN_CHUNKS = 16  # shorter prompts (in chunks) prefill through the piece
 
 
 def warm_up(fn: Callable):
-    """fn() on a side stream, the current stream waiting for it: what a capture needs to have run once."""
+    """fn() on a side stream, the current stream waiting for it: what a capture needs to have run once (lazy
+    initialisation, cuBLAS workspaces and Triton compiles happen outside the capture). Its result is the eager
+    reference a caller may check the replay against."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -71,7 +66,8 @@ def warm_up(fn: Callable):
 
 
 class GraphPool:
-    """A graph memory pool, renewed once a graph recorded into it has died."""
+    """A graph memory pool, renewed once a graph recorded into it has died: capturing into the pool of dropped
+    graphs fails PyTorch 2.11's caching allocator ("use_count > 0 INTERNAL ASSERT FAILED")."""
 
     def __init__(self):
         self.handle = torch.cuda.graph_pool_handle()

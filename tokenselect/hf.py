@@ -1,6 +1,7 @@
 """TokenSelect (and the engine's other policies) inside Hugging Face transformers: attention functions and a
 cache, through transformers' own extension points (``AttentionInterface.register``,
-``AttentionMaskInterface.register``, a ``DynamicCache`` subclass); no model file is patched.
+``AttentionMaskInterface.register``, a ``DynamicCache`` subclass); no model file is patched. What is supported,
+and why (standard RoPE over the whole head, prefill chunks, padded batches): docs/methods.md, "In transformers".
 
     import tokenselect.hf
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tokenselect")
@@ -10,45 +11,20 @@ cache, through transformers' own extension points (``AttentionInterface.register
     cache = tokenselect.hf.PolicyCache("quest", k=1024, page_size=16)      # a baseline, with a cache object
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False, prefill_chunk_size=512)
 
-Policies: ``tokenselect``, ``streaming``, ``quest``, ``infllm``, ``reattention`` (and ``full``: SDPA). Their
-selection is the engine's own code: the cache builds the engine's policy object
-(``tokenselect.policies.make_policy``) over the un-rotated keys and asks it, for each layer's step, the engine's
-one question (``AttentionPolicy.attend(layer, SeqStep, q, own) -> Attended``: which cached tokens, at which
-positions).
-Settings a user leaves out take the engine's defaults, fitted to the model's window
-(``config.max_position_embeddings``) as the engine fits them. Without a cache object, the attention
-implementation's policy runs with those defaults: ``"tokenselect"`` is TokenSelect, ``"tokenselect_streaming"``,
-``"tokenselect_quest"``, ``"tokenselect_infllm"``, ``"tokenselect_reattention"`` the baselines; a cache object's
-policy wins over the name's.
+Without a cache object the implementation's policy runs with the engine's defaults fitted to
+``config.max_position_embeddings``: ``"tokenselect"``, or ``"tokenselect_streaming"``, ``"tokenselect_quest"``,
+``"tokenselect_infllm"``, ``"tokenselect_reattention"``; a cache object's policy wins over the name's.
 
 How it fits together. transformers calls ``cache.update(keys, values, layer_idx)`` and then the registered
 attention function ``attention(module, query [B, H, c, d], key [B, H_kv, T, d], value, mask, scaling, ...)``
 with the whole cache (T = t past columns + the c new ones). ``PolicyCache.update`` records which layer is
 running, so the attention function finds its cache there. With transformers' own ``DynamicCache`` (no cache
 object given) the state lives with the model instead (``default_state(model)``), and a step that finds fewer
-cached tokens than its state has seen (a new ``generate``) starts a fresh one.
-
-Post-RoPE keys. transformers caches keys after RoPE, at their positions (``position_ids``). The engine's
-policies score un-rotated keys and place the attended list at positions they choose. So the state keeps a second
-copy of the keys, un-rotated (rotated back by -p in fp32 with the model's inverse frequencies; once per token,
-when first seen), and the attention runs the engine's kernels on it: ``sparse_attention`` rotates each listed
-key to the position the policy gave it -- the relative rotation by the difference, done as un-rotate then
-rotate. This needs standard RoPE whose frequencies do not depend on the length and whose cos/sin are not scaled:
-rope types default, linear and llama3, over the whole head (no partial rotary). Other models raise
-``UnsupportedModel`` at their first step through a policy. The un-rotation rounds (fp32: ~1e-7 relative), so
-logits past the budget match the engine's to rounding.
-
-When a step attends every token at its own position (inside the budget, or below ``dense_until``), and on
-sliding-window layers, the attention is transformers' own SDPA attention with transformers' mask: exactly
-ordinary attention. Prefill: ``generate`` prefills the whole prompt in one step (which a policy attends densely,
-t = 0) unless given ``prefill_chunk_size``; with it, each chunk selects as in the engine (InfLLM needs it for
-prompts longer than its chunk). A one-token step is a decode step (the Selection Cache); a last prefill chunk of
-one token is taken for one too.
-
-Batches. Rows are padded on the left (transformers' default for decoder-only models); each row is one sequence
-to the policy (its own selection, Selection Cache entries and memory), whose tokens are the columns the mask lets
-its last query see. Rows attend as they would alone; when every row attends densely the batch is one SDPA call.
-
+cached tokens than its state has seen (a new ``generate``) starts a fresh one. The state builds the engine's
+policy object (``make_policy``) over a second, un-rotated copy of the keys (``KeyPools``: transformers caches
+them after RoPE) and asks it, for each layer's step, the engine's one question (``AttentionPolicy.attend``); the
+engine's ``sparse_attention`` then rotates each listed key to the position the policy gave it. A step that
+attends every token at its own position, and a sliding-window layer, is transformers' own SDPA attention.
 Kernels: the PyTorch references on the CPU, the Triton kernels on CUDA (``kernels.get_kernels``).
 """
 

@@ -92,6 +92,10 @@ def internal_error() -> APIError:
     return APIError(500, INTERNAL_ERROR, type="server_error")
 
 
+def unavailable_error(why: str) -> APIError:
+    return APIError(503, f"the engine is unavailable: {why}", type="server_error", code="engine_unavailable")
+
+
 class ClientGone(Exception):
     """The client closed its connection before its answer was ready."""
 
@@ -239,8 +243,7 @@ class EngineWorker:
             if self._closed is None:
                 self.inbox.put(("add", job))
                 return
-        job.send(APIError(503, f"the engine is unavailable: {self._closed}", type="server_error",
-                          code="engine_unavailable"))
+        job.send(unavailable_error(self._closed))
 
     def abort(self, job: Job) -> None:
         self.inbox.put(("abort", job))
@@ -265,8 +268,7 @@ class EngineWorker:
         finally:
             with self._lock:
                 self._closed = closed
-            self._fail_all(APIError(503, f"the engine is unavailable: {closed}", type="server_error",
-                                    code="engine_unavailable"))
+            self._fail_all(unavailable_error(closed))
 
     def _commands(self, wait: float = 0):
         """The inbox's commands until it is empty, waiting up to ``wait`` seconds for the first."""
@@ -578,13 +580,13 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                 break
             loc.append(str(part))
         if first["type"] == "json_invalid":
-            return await api_error(request, APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json"))
+            return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json").response()
         param = ".".join(loc) or None
-        return await api_error(request, APIError(400, f"{param or 'body'}: {first['msg']}", param=param))
+        return APIError(400, f"{param or 'body'}: {first['msg']}", param=param).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return await api_error(request, APIError(e.status_code, str(e.detail), type="invalid_request_error"))
+        return APIError(e.status_code, str(e.detail)).response()
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception):

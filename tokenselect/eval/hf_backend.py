@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Logits
 
 from .. import hf as tshf
 from ..policies import POLICIES, default_chunk, policy_kwargs, policy_settings
-from .runner import hit_counts, max_tokens, names, prompts, record, split_policy
+from .runner import hit_counts, names, prompts, record, split_policy
+from .tasks import MAX_NEW_TOKENS
 
 
 def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -69,7 +70,7 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
             ids = torch.tensor([cell["prompt"]], device=device)
             start = time.perf_counter()
             with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=max_tokens(cell["task"]), do_sample=False,
+                out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS[cell["task"]], do_sample=False,
                                      logits_processor=LogitsProcessorList([FirstLogits()]),
                                      pad_token_id=tokenizer.eos_token_id, prefill_chunk_size=chunk,
                                      **({} if cache is None else {"past_key_values": cache}))

@@ -11,10 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def is_needle_task(task: str) -> bool:
-    """Tasks with a needle at a chosen depth: InfiniteBench retrieval and RULER niah_*."""
-    return task.startswith("niah") or task in ("passkey", "number_string", "kv_retrieval")
+from .tasks import NEEDLE_TASKS  # noqa: E402
 
 
 def _mean(values: list[float]) -> float:
@@ -76,7 +73,7 @@ def plot_all(records: list[dict], out: Path) -> list[Path]:
     score_vs_length(records, f"mean over {len({r['task'] for r in records})} task(s)", written[0])
     for task in dict.fromkeys(r["task"] for r in records):
         rows = [r for r in records if r["task"] == task]
-        if is_needle_task(task):
+        if task in NEEDLE_TASKS:
             for policy in dict.fromkeys(r["policy"] for r in rows):
                 path = out / f"heatmap_{task}_{policy.replace(':', '-').replace('@', '+')}.png"
                 heatmap([r for r in rows if r["policy"] == policy], task, policy, path)

@@ -34,11 +34,8 @@ from ..models.registry import home, resolve_model
 from ..policies import POLICIES, policy_kwargs, policy_settings, policy_spec
 from ..sampling import SamplingParams
 from .metrics import score
-from .tasks import TASKS, Sample, make_sample
+from .tasks import MAX_NEW_TOKENS, TASKS, Sample, make_sample
 
-# new tokens per task, as the benchmarks set them (InfiniteBench ``src/eval_utils.py``, RULER ``synthetic.yaml``)
-MAX_TOKENS = {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "vt": 30, "cwe": 120, "fwe": 50}
-NIAH_MAX_TOKENS = 128
 PROMPT_FORMAT = 2  # bump when a generator or the prompt format changes: cached prompts then go stale
 
 
@@ -78,13 +75,8 @@ def format_prompt(tokenizer, sample, chat: bool) -> list[int]:
     turn and the answer prefix opening the assistant's (as RULER does)."""
     if not chat:
         return tokenizer(sample.input)["input_ids"]
-    question = sample.input[: len(sample.input) - len(sample.answer_prefix)]
     prefix = tokenizer(sample.answer_prefix.lstrip(), add_special_tokens=False)["input_ids"]
-    return chat_token_ids(tokenizer, [{"role": "user", "content": question}]) + prefix
-
-
-def max_tokens(task: str) -> int:
-    return MAX_TOKENS.get(task, NIAH_MAX_TOKENS)
+    return chat_token_ids(tokenizer, [{"role": "user", "content": sample.question}]) + prefix
 
 
 def build_cell(tokenizer, chat: bool, seed: int, cell: dict) -> dict:
@@ -95,7 +87,7 @@ def build_cell(tokenizer, chat: bool, seed: int, cell: dict) -> dict:
     overhead = len(format_prompt(tokenizer, Sample("", []), chat)) - len(tokenizer("")["input_ids"])
     count = lambda text: len(tokenizer(text)["input_ids"]) + overhead  # noqa: E731
     task, tokens, i = cell["task"], cell["target_tokens"], cell["sample"]
-    sample = make_sample(task, tokens - max_tokens(task), cell["depth"], random.Random(f"{seed}/{task}/{tokens}/{i}"),
+    sample = make_sample(task, tokens - MAX_NEW_TOKENS[task], cell["depth"], random.Random(f"{seed}/{task}/{tokens}/{i}"),
                          count)
     return {**cell, "prompt": format_prompt(tokenizer, sample, chat), "answers": sample.answers}
 
@@ -116,9 +108,9 @@ def make_samples(tokenizer, window: int, tasks: list[str], lengths: list[str], n
     for task in tasks:
         for length in lengths:
             tokens = parse_length(length, window)
-            if tokens - max_tokens(task) < 64:
+            if tokens - MAX_NEW_TOKENS[task] < 64:
                 raise ValueError(f"length {length} ({tokens} tokens) leaves no room for a {task} prompt "
-                                 f"next to its {max_tokens(task)}-token answer budget")
+                                 f"next to its {MAX_NEW_TOKENS[task]}-token answer budget")
             cells += [{"task": task, "length": length, "target_tokens": tokens, "sample": i, "depth": depth}
                       for i, depth in enumerate(depths(n_samples))]
     folder = None if cache is None else Path(cache) / prompt_cache_key(tokenizer, chat, seed)
@@ -180,7 +172,7 @@ def hit_counts(hits: int, misses: int) -> dict:
 def generate_all(llm, cells: list[dict], progress) -> list:
     """Greedy answers for every cell, all queued at once so the engine batches them (its scheduler
     admits as many as the KV pool holds). -> one RequestOutput per cell, in order."""
-    seqs = [llm.add_request(c["prompt"], SamplingParams(max_tokens=max_tokens(c["task"]), temperature=0))
+    seqs = [llm.add_request(c["prompt"], SamplingParams(max_tokens=MAX_NEW_TOKENS[c["task"]], temperature=0))
             for c in cells]
     done = 0
     try:

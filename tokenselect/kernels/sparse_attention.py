@@ -38,18 +38,9 @@ LOG2E = 1.4426950408889634
 INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
-def sparse_attention_ref(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
-    key_pos: torch.Tensor,
-    q_pos: torch.Tensor,
-    inv_freq: torch.Tensor,
-    rope_scale: float = 1.0,
-    sm_scale: float | None = None,
-    n_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+def sparse_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                         key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float = 1.0,
+                         sm_scale: float | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """q: [c, n_heads, d] un-rotated; k_pool, v_pool: [n_slots, n_kv_heads, d]; slots, key_pos: [n];
     q_pos: [c]; inv_freq: [d // 2] fp32; n_valid: None, or int64 [] on q's device: only the list's first
     n_valid entries are attended (the chunk's own tokens are the last c of those), as a graph whose list
@@ -286,18 +277,9 @@ MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of p
 DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def sparse_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
-    key_pos: torch.Tensor,
-    q_pos: torch.Tensor,
-    inv_freq: torch.Tensor,
-    rope_scale: float = 1.0,
-    sm_scale: float | None = None,
-    n_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                     key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float = 1.0,
+                     sm_scale: float | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding). With
     ``n_valid`` the grid is planned for all n entries; the kernels read the live length on the device and
     share it out among the splits."""

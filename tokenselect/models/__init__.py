@@ -1,6 +1,6 @@
-"""Decoder models that read Hugging Face checkpoint folders."""
+"""Decoder models read from Hugging Face checkpoint folders and GGUF files (``loader.Checkpoint``)."""
 
 from .llama import CausalLM
-from .loader import load_model, load_tokenizer
+from .loader import load_tokenizer
 
-__all__ = ["CausalLM", "load_model", "load_tokenizer"]
+__all__ = ["CausalLM", "load_tokenizer"]

@@ -128,11 +128,6 @@ class Checkpoint:
         return self.gguf.tokenizer() if self.gguf is not None else load_tokenizer(self.path)
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """The model of a checkpoint folder or GGUF file, its weights in ``dtype`` on ``device``."""
-    return Checkpoint(path).load(dtype, device)
-
-
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     """A model of ``cfg``'s shape with random weights (std 0.02, norms at 1), built on ``device``."""
     with torch.device(device):

@@ -14,6 +14,7 @@ middle (``SelectivePolicy.choose``); the list and its positions are assembled he
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -98,9 +99,7 @@ class PolicyStats:
         return self.selection_cache_hits / looked_up if looked_up else 0.0
 
     def as_dict(self) -> dict:
-        return {"selection_cache_hits": self.selection_cache_hits,
-                "selection_cache_misses": self.selection_cache_misses,
-                "selection_cache_hit_rate": self.selection_cache_hit_rate}
+        return {**dataclasses.asdict(self), "selection_cache_hit_rate": self.selection_cache_hit_rate}
 
 
 class AttentionPolicy:
@@ -242,9 +241,6 @@ class SelectivePolicy(AttentionPolicy):
         if t <= self.n_init + self.budget + self.n_local or t + w <= self.dense_until:
             return ALL
         return SELECT
-
-    def attends_all(self, t: int, w: int) -> bool:
-        return self.mode(t, w) == ALL
 
     def graph_ready(self, t: int, w: int = 1) -> bool:
         """Once it selects (the list's length no longer moves), and while it attends every token: that list is

@@ -9,7 +9,7 @@ length, the selection (a fixed-width int64 vector: what the policy reuses) and w
 decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
 hits and misses there; a decode step gates its selection work with it (``policies/tokenselect.py``) and
 stores or reuses in one more kernel (``update``, ``kernels/selection_update.py``), eagerly or inside a CUDA
-graph alike. ``lookup`` and ``store`` are the host-side form the transformers backend (``hf.py``) uses.
+graph alike. ``lookup`` and ``store`` are its eager, host-side form (one host read a lookup).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ NEEDLE_TASKS = frozenset(TASKS) - {"vt", "cwe", "fwe"}
 # Benchmark of each task, which picks its scorer and its generation budget.
 BENCHMARK = {name: "infinitebench" if name in ("passkey", "number_string", "kv_retrieval") else "ruler"
              for name in TASKS}
-# New tokens each benchmark lets the model write (InfiniteBench: 6 / 12 / 50; RULER: per task).
+# New tokens each benchmark lets the model write (InfiniteBench ``src/eval_utils.py``: 6 / 12 / 50; RULER
+# ``synthetic.yaml``: per task).
 MAX_NEW_TOKENS = {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "vt": 30, "cwe": 120, "fwe": 50,
                   **{name: 128 for name in niah.CONFIGS}}
 

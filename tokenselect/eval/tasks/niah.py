@@ -58,21 +58,12 @@ def prompt_template(cfg: NiahConfig) -> tuple[str, str, str]:
     return template, prefix, type_v
 
 
-def _insert_lines(lines: list[str], needles: list[str], fractions: list[float]) -> str:
-    """Put each needle on its own line before line int(fraction * len(lines)) of the haystack."""
-    slots = [int(f * len(lines)) for f in fractions]
+def _insert(parts: list[str], needles: list[str], fractions: list[float]) -> list[str]:
+    """``parts`` (haystack lines or sentences) with each needle put before part int(fraction * len(parts))."""
+    slots = [int(f * len(parts)) for f in fractions]
     for slot, needle in sorted(zip(slots, needles), key=lambda x: x[0], reverse=True):
-        lines.insert(slot, needle)
-    return "\n".join(lines)
-
-
-def _insert_sentences(text: str, needles: list[str], fractions: list[float]) -> str:
-    """Put the needles between sentences of ``text``, at int(fraction * number of sentences)."""
-    sentences = split_sentences(text)
-    slots = [int(f * len(sentences)) for f in fractions]
-    for slot, needle in sorted(zip(slots, needles), key=lambda x: x[0], reverse=True):
-        sentences.insert(slot, needle)
-    return " ".join(sentences)
+        parts.insert(slot, needle)
+    return parts
 
 
 def build(cfg: NiahConfig, n: int, depth: float, rng: random.Random) -> Sample:
@@ -91,14 +82,14 @@ def build(cfg: NiahConfig, n: int, depth: float, rng: random.Random) -> Sample:
     start = rng.randrange(len(prose_words())) if cfg.haystack == "essay" else 0
 
     if cfg.haystack == "essay":
-        context = _insert_sentences(prose_slice(n, start), texts, fractions)
+        context = " ".join(_insert(split_sentences(prose_slice(n, start)), texts, fractions))
     else:
         if cfg.haystack == "noise":
             lines = [NOISE] * n
         else:
             lines = [NEEDLE.format(type_needle_v=cfg.type_v, key=random_value(cfg.type_k, rng),
                                    value=random_value(cfg.type_v, rng)) for _ in range(n)]
-        context = _insert_lines(lines, texts, fractions)
+        context = "\n".join(_insert(lines, texts, fractions))
 
     query_keys = [keys[i] for i in queried]
     query = ", ".join(query_keys[:-1]) + ", and " + query_keys[-1] if len(query_keys) > 1 else query_keys[0]
