@@ -93,3 +93,15 @@ def test_eval_help_and_bad_names(capsys):
     with pytest.raises(ValueError, match="magic"):
         args = parse(["--attention", "full,magic"])
         args.func(args)
+
+
+def test_name_lists_are_checked_as_they_are_read():
+    """A trailing comma or spaces in --task / --attention are no item, for the check as for the run (``names``);
+    an unknown name among them is still refused, with its name."""
+    from tokenselect.eval.runner import check_names
+
+    check_names(parse(["--task", "passkey, niah_single_1,", "--attention", " full ,tokenselect:k=64,"]))
+    with pytest.raises(ValueError, match=r"^unknown task or policy: nope$"):
+        check_names(parse(["--task", "passkey, nope ,"]))
+    with pytest.raises(ValueError, match=r"^tokenselect:kk=1: tokenselect takes no setting kk$"):
+        check_names(parse(["--attention", "full, tokenselect:kk=1 ,"]))

@@ -335,13 +335,14 @@ def write_outputs(records: list[dict], scores: dict, config: dict, out: Path,
 
 def check_names(args: argparse.Namespace) -> None:
     """ValueError for an unknown task or policy, or fewer than one sample."""
-    unknown = [t for t in args.task.split(",") if t.strip() not in TASKS]
-    unknown += [a for a in args.attention.split(",") if split_policy(a.strip())[0] not in POLICIES]
-    for spec in args.attention.split(","):
-        name, own, _ = split_policy(spec.strip())
+    # the lists as ``evaluate`` reads them (``names``: a trailing comma or spaces are no item)
+    unknown = [t for t in names(args.task) if t not in TASKS]
+    unknown += [a for a in names(args.attention) if split_policy(a)[0] not in POLICIES]
+    for spec in names(args.attention):
+        name, own, _ = split_policy(spec)
         bad = sorted(set(own) - set(policy_settings(name))) if name in POLICIES else []
         if bad:
-            raise ValueError(f"{spec.strip()}: {name} takes no setting {', '.join(bad)}")
+            raise ValueError(f"{spec}: {name} takes no setting {', '.join(bad)}")
     if unknown:
         raise ValueError(f"unknown task or policy: {', '.join(unknown)}")
     if args.samples < 1:
