@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -286,12 +287,15 @@ def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
     with ``build`` (``worker_main``). A process already in a group (a spawned rank) reuses it."""
     if world == 1:
         return None
-    if dist.is_initialized():  # a spawned rank: ``worker_main`` joined before building its engine
+    if _spawned:  # a spawned rank: ``worker_main`` joined before building its engine
         rank = dist.get_rank()
         return TensorParallel(rank, world, rank_device(device_type, _local_rank(rank)))
     if device_type == "cuda" and world > torch.cuda.device_count() and not under_torchrun(world):
         raise ValueError(f"tensor_parallel_size {world} exceeds the {torch.cuda.device_count()} GPU(s) of this host "
                          "(several hosts: start every rank with torchrun, docs/tensor_parallel.md)")
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a torch.distributed group (another tensor-parallel engine "
+                           "still open?): one at a time per process; close the other first (LLM.close())")
     if under_torchrun(world):
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
         device = rank_device(device_type, local)
@@ -325,6 +329,9 @@ def _local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
+_spawned = False  # whether this process is a rank that ``start`` spawned (``worker_main``)
+
+
 def _exit_with_parent(parent: int) -> None:
     """A spawned rank whose rank 0 has gone (killed, so that its own exit could not stop it) exits too."""
     while True:
@@ -336,7 +343,11 @@ def _exit_with_parent(parent: int) -> None:
 def worker_main(rank: int, world: int, device_type: str, address: str, build: tuple, parent: int) -> None:
     """A spawned rank: join the group, build the engine as rank 0 did (``build``: the engine's constructor and
     its arguments), serve rank 0's steps until it stops, exit."""
+    global _spawned
+    _spawned = True
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    # Ctrl-C in a terminal reaches every process of the group: rank 0 stops the others itself (``LLM.close``)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
     rank_device(device_type, rank)
