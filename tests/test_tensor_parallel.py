@@ -62,8 +62,8 @@ def test_rank_local_votes_run_in_lockstep(checkpoint):
         assert [len(t) for t in out] == [PARAMS.max_tokens] * 2
         with pytest.raises(RuntimeError, match="one at a time per process"):
             LLM(checkpoint, "full", tensor_parallel_size=2, **ENGINE)
-        # each rank chooses by its own heads: not what one process chooses over all four (the global votes' test
-        # above has teeth), here from the first token on
+        # each rank chooses by its own heads: not what one process chooses over all four (so the global votes'
+        # equality below has teeth), here from the first token on
         assert out != tokens(LLM(checkpoint, "tokenselect", **ENGINE, **SETTINGS["tokenselect"]))
     finally:
         llm.close()
