@@ -5,18 +5,39 @@
 # values in pinned host memory (what fits 1M tokens on one 80 GB GPU; the same for every row, so the rows compare).
 # One device call on a 2-GPU machine (kind nvidia-h100-x2), about 8 minutes; if it runs short of time, run the parts
 # one per call (tp1, then tp2, then table: each part leaves its JSON in OUTDIR).
-# Usage: benchmarks/gpu_tensor_parallel.sh OUTDIR [all|tp1|tp2|table]
+# Usage: benchmarks/gpu_tensor_parallel.sh OUTDIR [all|smoke|tp1|tp2|table]   (smoke: the shipped model on both GPUs
+#   against one, greedy tokens compared, under a minute; all: smoke, tp1, tp2, table)
 # Writes OUTDIR/e2e_tp1_1m_h100.{md,json}, OUTDIR/e2e_tp2_h100.{md,json} and OUTDIR/tensor_parallel_h100.md:
 #   | GPUs | tokens | prefill s | decode ms/token | peak GB per GPU |
 # (peak GB: torch's peak allocation on rank 0's GPU; the ranks hold equal shares of weights and KV; NCCL's own
 # buffers are not counted).
 set -euo pipefail
-out=${1:?usage: benchmarks/gpu_tensor_parallel.sh OUTDIR [all|tp1|tp2|table]}
+out=${1:?usage: benchmarks/gpu_tensor_parallel.sh OUTDIR [all|smoke|tp1|tp2|table]}
 part=${2:-all}
 mkdir -p "$out"
 e2e=(python3 -m tokenselect.cli bench e2e --config llama3-8b --decode-steps 16 --kv-dtype fp8 --kv-offload values
      --policies "tokenselect:theta=null" --output "$out")
 nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/tensor_parallel_gpus.csv" || true
+if [[ $part == all || $part == smoke ]]; then  # under a minute: both ranks on the GPUs, NCCL inside CUDA graphs
+  python3 - <<'PY' 2>&1 | tee "$out/tensor_parallel_smoke.log"
+import time
+from tokenselect import LLM, SamplingParams
+from tokenselect.bench.e2e import text_prompt
+
+ids = text_prompt(8192, None)  # prose, the shipped model's tokenizer (its window is 1K: TokenSelect selects)
+params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+runs = {}
+for tp in (1, 2):
+    start = time.perf_counter()
+    llm = LLM(None, "tokenselect", k=128, n_init=16, n_local=64, dense_until=0, tensor_parallel_size=tp)
+    runs[tp] = llm.generate([ids], params)[0].token_ids
+    print(f"TP={tp}: {time.perf_counter() - start:.1f} s, whole-step graphs {getattr(llm.runner.graphs, 'whole_steps', None)}, "
+          f"tokens {runs[tp]}", flush=True)
+    llm.close()
+same = next((i for i, (a, b) in enumerate(zip(runs[1], runs[2])) if a != b), len(runs[1]))
+print(f"TP=2 equals TP=1 for the first {same} of {len(runs[1])} greedy tokens (bf16: summation order may differ)")
+PY
+fi
 if [[ $part == all || $part == tp1 ]]; then
   "${e2e[@]}" --lengths 1m --tag tp1_1m_h100 2>&1 | tee "$out/tp1.log" | tail -5
 fi

@@ -76,7 +76,7 @@ def engines(checkpoint):
     two = LLM(checkpoint, "full", tensor_parallel_size=2, **ENGINE)
     yield one, two
     two.close()
-    assert all(not child.is_alive() for child in two.tp.children)
+    assert all(child.poll() is not None for child in two.tp.children)
 
 
 def tokens(llm, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:

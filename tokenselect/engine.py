@@ -519,6 +519,7 @@ class LLM:
         events, self._events = [sent(event) for event in self._events], []
         self.tp.broadcast(events + [("stop",)] if stop else events)
 
+    @torch.inference_mode()
     def serve_rank(self) -> None:
         """A rank other than 0: replay rank 0's changes and run its steps on this rank's shard until it stops."""
         while True:

@@ -31,10 +31,14 @@ import dataclasses
 import datetime
 import logging
 import os
+import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -195,11 +199,13 @@ class TensorParallel:
         self.rank, self.world, self.device = rank, world, device
         self.group = dist.group.WORLD
         self.messages = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # a first collective now, eagerly: NCCL sets up its communicator here rather than inside a graph's capture
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
         self.children = list(children)
         self.closed = False
         self.lock = threading.Lock()  # a step's collectives against ``close`` from another thread
-        if rank == 0 and self.children:
-            threading.Thread(target=self._watch, name="tokenselect-tp-watch", daemon=True).start()
+        for child in self.children:
+            threading.Thread(target=self._watch, args=(child,), name="tokenselect-tp-watch", daemon=True).start()
 
     def reduce(self, selection: str) -> HeadReduce:
         """The policies' reduction over heads for ``tp_selection``."""
@@ -226,11 +232,12 @@ class TensorParallel:
             return
         self.closed = True
         for child in self.children:
-            child.join(JOIN_SECONDS)
-            if child.is_alive():
+            try:
+                child.wait(JOIN_SECONDS)
+            except subprocess.TimeoutExpired:
                 log.warning("tensor-parallel rank process %s did not exit; terminating it", child.pid)
                 child.terminate()
-                child.join(5)
+                child.wait(5)
         try:
             dist.destroy_process_group()
         except Exception:  # already gone (the interpreter is exiting)
@@ -241,28 +248,23 @@ class TensorParallel:
         self.closed = True
         for child in self.children:
             child.kill()
-            child.join(5)
+            child.wait(5)
         try:
             dist.destroy_process_group()
         except Exception:
             pass
 
-    def _watch(self) -> None:
+    def _watch(self, child: subprocess.Popen) -> None:
         """Rank 0 of spawned ranks: a rank that dies leaves the others waiting in a collective for ever, so this
-        process ends too (its own children with it), with the reason in the log."""
-        from multiprocessing.connection import wait
-
-        sentinels = {child.sentinel: child for child in self.children}
-        while sentinels:
-            for ready in wait(list(sentinels)):
-                child = sentinels.pop(ready)
-                if not self.closed:
-                    log.critical("tensor-parallel rank process %s exited (code %s); stopping: the other ranks cannot "
-                                 "go on without it", child.pid, child.exitcode)
-                    for other in self.children:
-                        if other.is_alive():
-                            other.kill()
-                    os._exit(1)
+        process ends too (its other ranks with it), with the reason in the log."""
+        code = child.wait()
+        if not self.closed:
+            log.critical("tensor-parallel rank process %s exited (code %s); stopping: the other ranks cannot go on "
+                         "without it", child.pid, code)
+            for other in self.children:
+                if other.poll() is None:
+                    other.kill()
+            os._exit(1)
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -301,17 +303,19 @@ def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
         device = rank_device(device_type, local)
         _init(rank, world, device_type, None)
         return TensorParallel(rank, world, device)
-    import multiprocessing
-
     if device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    context = multiprocessing.get_context("spawn")
     address = f"tcp://127.0.0.1:{free_port()}"
+    # each rank a fresh interpreter that imports tokenselect alone (not multiprocessing's spawn, which re-runs the
+    # caller's main script: a script without a ``__main__`` guard, or one read from stdin, would not start)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     children = []
     for rank in range(1, world):
-        child = context.Process(target=worker_main, args=(rank, world, device_type, address, build, os.getpid()),
-                                name=f"tokenselect-tp{rank}", daemon=True)
-        child.start()
+        child = subprocess.Popen([sys.executable, "-c", "from tokenselect.parallel import worker_entry; worker_entry()"],
+                                 stdin=subprocess.PIPE, env=env)
+        child.stdin.write(pickle.dumps((rank, world, device_type, address, build, os.getpid())))
+        child.stdin.close()
         children.append(child)
     try:
         device = rank_device(device_type, 0)
@@ -338,6 +342,11 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(1)
         if os.getppid() != parent:
             os._exit(1)
+
+
+def worker_entry() -> None:
+    """A spawned rank's process: its arguments come pickled on stdin (``start``)."""
+    worker_main(*pickle.loads(sys.stdin.buffer.read()))
 
 
 def worker_main(rank: int, world: int, device_type: str, address: str, build: tuple, parent: int) -> None:
