@@ -182,7 +182,7 @@ def test_flags_reach_the_engine():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2",
                                       "--tp-selection", "local"])
     assert policy_kwargs(args) == {"tensor_parallel_size": 2, "tp_selection": "local"}
-    for command in (["serve"], ["eval", "--tasks", "passkey"]):
+    for command in (["serve"], ["eval", "--task", "passkey"], ["demo"]):
         args = build_parser().parse_args([*command, "--tensor-parallel-size", "2"])
         assert policy_kwargs(args)["tensor_parallel_size"] == 2
 
