@@ -194,7 +194,7 @@ def cli(*args: str, **kwargs):
                           timeout=300, **kwargs)
 
 
-def test_generate_command_with_two_ranks_prints_what_one_process_prints():
+def test_generate_command_with_two_ranks_prints_what_one_process_prints_spawned_or_under_torchrun():
     args = ["generate", "--prompt", "Once upon a time there was a little fox who", "--max-tokens", "10",
             "--device", "cpu", "--attention", "tokenselect", "--k", "8", "--n-init", "2", "--n-local", "4",
             "--dense-until", "0"]
@@ -203,6 +203,13 @@ def test_generate_command_with_two_ranks_prints_what_one_process_prints():
     one = cli(*args)
     assert one.returncode == 0, one.stderr
     assert two.stdout == one.stdout and two.stdout.strip()
+    # the same ranks started by torchrun (one host here; several hosts: docs/tensor_parallel.md): every process runs
+    # the command, rank 1 serves rank 0 inside LLM(...) and exits when it closes
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                               str(parallel.free_port()), "-m", "tokenselect.cli", *args, "--tensor-parallel-size", "2"],
+                              capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == one.stdout
 
 
 def test_server_with_two_ranks_answers_and_leaves_no_process(checkpoint):
