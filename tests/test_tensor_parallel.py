@@ -160,6 +160,25 @@ def test_global_votes_choose_as_one_process_and_local_votes_by_the_rank_heads():
     assert local[0] != local[1]
 
 
+def test_shards_put_back_together_give_the_checkpoint_tensors():
+    w = torch.arange(6 * 4.0).view(6, 4)
+    for name, dim in (("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.1.mlp.up_proj.bias", 0),
+                      ("model.layers.0.self_attn.o_proj.weight", 1), ("model.layers.0.mlp.down_proj.weight", 1)):
+        t = w if name.endswith("weight") else w[:, 0]
+        assert torch.equal(torch.cat([parallel.shard_tensor(name, t, r, 2) for r in range(2)], dim=dim), t)
+    bias = torch.ones(4)  # a row-parallel bias is added once: rank 0's, the others' zero
+    assert [float(parallel.shard_tensor("model.layers.0.self_attn.o_proj.bias", bias, r, 2).sum()) for r in range(2)] \
+        == [4.0, 0.0]
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 6 rows over 4 ranks: 2, 2, 2 and 0, zero-padded
+        parts = [parallel.shard_tensor(name, w, r, 4) for r in range(4)]
+        assert all(p.shape == (2, 4) for p in parts) and torch.equal(torch.cat(parts)[:6], w)
+        assert not parts[3].any()
+    norm = w[0]
+    assert parallel.shard_tensor("model.norm.weight", norm, 1, 2) is norm  # every rank holds it whole
+    with pytest.raises(ValueError, match="does not split evenly"):
+        parallel.shard_tensor("model.layers.0.self_attn.k_proj.weight", w[:5], 0, 2)
+
+
 # ---- bad input --------------------------------------------------------------------------------------
 
 def test_bad_sizes_are_clear_errors_before_any_process_starts(tiny_llama):

@@ -78,8 +78,7 @@ VOCAB = ("embed_tokens", "lm_head")  # split by vocabulary rows, the last part p
 
 def shard_tensor(name: str, tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s part of the checkpoint tensor ``name`` (Hugging Face names)."""
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
-    leaf = name.rsplit(".", 1)[-1]
+    *_, module, leaf = ["", *name.split(".")]  # ...q_proj.weight -> q_proj, weight
     if module in COLUMN:
         return tensor.chunk(world, dim=0)[rank].contiguous() if tensor.shape[0] % world == 0 else _bad(name, tensor)
     if module in ROW:
