@@ -148,7 +148,7 @@ class LLM:
             raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
         self.kv_dtype = KV_DTYPES[s.kv_dtype] if s.kv_dtype != "auto" else self.dtype
         self.select_dtype = SELECT_DTYPES[s.select_dtype] or self.kv_dtype  # the keys a selection reads
-        n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload)
+        n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload, cfg)
         if self.tp is not None:  # every rank schedules alike, so every rank's pool has the smallest one's slots
             n_slots = self.tp.min(n_slots)
         # the policies' reduction over heads across the ranks (``parallel.HeadReduce``), None in one process
@@ -220,11 +220,12 @@ class LLM:
             del self._policies[key]
             self._policy_users.pop(key, None)
 
-    def _default_pool_tokens(self, kv_offload: str) -> int:
+    def _default_pool_tokens(self, kv_offload: str, cfg: ModelConfig | None = None) -> int:
         """Pool slots that fit: on a GPU, K and V (and the selection keys' copy) in its free memory, or with
         value offload K (and the copy) alone there and V in the available host memory; on the CPU, all of them
-        in CPU_POOL_BYTES."""
-        cfg = self.model.config
+        in CPU_POOL_BYTES. cfg: the model's as this process holds it (a tensor-parallel rank's heads; default
+        ``config``)."""
+        cfg = cfg or self.config
         per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8  # K or V
         per_copy = per_pool // self.kv_dtype.itemsize * self.select_dtype.itemsize  # the selection keys' copy
         copy = 0 if self.select_dtype == self.kv_dtype else per_copy
