@@ -7,6 +7,7 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import parallel
 from .attention import Chunk, RopeFrequencies
 from .config import ModelConfig
 from .data import default_model_path
@@ -64,17 +66,24 @@ class LLM:
         full prefill chunks as one graph each where the policy is graph-ready, other steps' layers as graphs around
         attention; default on CUDA; on a CPU the same code runs eagerly), prefix_cache (default True: keep the KV
         of computed prompts and start a request that shares a prefix with one after it, ``prefix_cache.py``)
-        (engine) and the policy's own settings."""
+        (engine) and the policy's own settings; tensor_parallel_size N > 1 splits the model across N processes
+        (``parallel.py``: this one is rank 0), tp_selection how their policies vote over heads."""
         self.path = resolve_model(model if model is not None else default_model_path())
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # the device its tensors report: cuda:0, not cuda
             self.device = torch.device("cuda", torch.cuda.current_device())
         checkpoint = Checkpoint(self.path)
         self.config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer()
-        self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
-        self.model = checkpoint.load(self.dtype, self.device)
-        self._start(attention, dtype=dtype, device=device, **settings)
+        self.tp = self._parallel(attention, settings, (type(self), (str(self.path), attention),
+                                                       dict(dtype=dtype, device=device, **settings)))
+        try:
+            self.tokenizer = checkpoint.tokenizer()
+            self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
+            self.model = checkpoint.load(self.dtype, self.device, self.tp)
+            self._start(attention, dtype=dtype, device=device, **settings)
+        except BaseException as error:
+            self._abandon(error)
+            raise
 
     @classmethod
     def random(cls, config: dict, attention: str = "full", *, dtype: str = "auto", device: str | None = None,
@@ -85,18 +94,45 @@ class LLM:
         llm.path, llm.tokenizer = None, None
         llm.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         llm.config = ModelConfig.from_dict(config)
-        llm.dtype = resolve_dtype(dtype, llm.device)
-        llm.model = random_model(llm.config, llm.dtype, llm.device, seed)
-        llm._start(attention, dtype=dtype, device=device, **settings)
+        llm.tp = llm._parallel(attention, settings, (cls.random, (config, attention),
+                                                     dict(dtype=dtype, device=device, seed=seed, **settings)))
+        try:
+            llm.dtype = resolve_dtype(dtype, llm.device)
+            llm.model = random_model(llm.config, llm.dtype, llm.device, seed, llm.tp)
+            llm._start(attention, dtype=dtype, device=device, **settings)
+        except BaseException as error:
+            llm._abandon(error)
+            raise
         return llm
+
+    def _parallel(self, attention: str, settings: dict, build: tuple) -> "parallel.TensorParallel | None":
+        """With ``tensor_parallel_size`` N > 1, this process's place among N ranks (``parallel.start``: rank 0
+        starts the others, each of which builds its engine with ``build``), its device the rank's; None for 1.
+        The settings are checked first, so that a mistake raises here rather than in every rank."""
+        engine = {f.name for f in dataclasses.fields(EngineSettings)}
+        checked = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
+        world = checked.tensor_parallel_size
+        if world == 1:
+            return None
+        fitted_settings(attention, {key: value for key, value in settings.items() if key not in engine},
+                        self.config.window)
+        parallel.check_shape(self.config, world)
+        tp = parallel.start(world, self.device.type, build)
+        self.device = tp.device
+        return tp
+
+    def _abandon(self, error: BaseException) -> None:
+        """Rank 0 could not finish starting: stop the ranks it started (theirs fail alike, or wait for it)."""
+        if getattr(self, "tp", None) is not None and not isinstance(error, SystemExit):
+            self.tp.abandon()
 
     def _start(self, attention: str, **settings) -> None:
         """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
         engine = {f.name for f in dataclasses.fields(EngineSettings)}
         self.settings = s = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
         policy_settings = {key: value for key, value in settings.items() if key not in engine}
-        cfg = self.config
-        self.window = cfg.window
+        cfg = self.model.config  # a tensor-parallel rank's: its share of the heads (``parallel.local_config``)
+        self.window = self.config.window
         rope = cfg.rope
         if s.rope_scaling:
             kind, _, factor = s.rope_scaling.partition(":")
@@ -112,7 +148,11 @@ class LLM:
             raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
         self.kv_dtype = KV_DTYPES[s.kv_dtype] if s.kv_dtype != "auto" else self.dtype
         self.select_dtype = SELECT_DTYPES[s.select_dtype] or self.kv_dtype  # the keys a selection reads
-        n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload)
+        n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload, cfg)
+        if self.tp is not None:  # every rank schedules alike, so every rank's pool has the smallest one's slots
+            n_slots = self.tp.min(n_slots)
+        # the policies' reduction over heads across the ranks (``parallel.HeadReduce``), None in one process
+        self.heads = self.tp.reduce(s.tp_selection) if self.tp is not None else None
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
                              s.kv_offload, self.select_dtype)
         self.max_model_len = min(s.max_model_len or n_slots, n_slots)
@@ -127,6 +167,18 @@ class LLM:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_ids = eos
+        # tensor parallel: rank 0's changes since its last step, which the other ranks replay (``_sync``), and a
+        # rank's live sequences by id
+        self._events: list[tuple] = []
+        self._live: dict[int, Sequence] = {}
+        if self.tp is not None and self.tp.rank == 0:
+            atexit.register(self.close)
+        elif self.tp is not None:  # the other ranks follow rank 0's steps until it closes, then their process ends
+            try:
+                self.serve_rank()
+            finally:
+                self.tp.close()
+            raise SystemExit(0)
 
     def set_attention(self, attention: str, **policy_settings) -> None:
         """Switch the attention policy (e.g. to compare methods on one loaded model). Only between
@@ -142,7 +194,9 @@ class LLM:
             self.runner.clear()
             for policy in self._policies.values():
                 self._forget(policy)
-        self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings)
+        self._record("set_attention", attention, policy_settings)
+        self.policy = make_policy(attention, self.cache, self.kernels, self.window, self.chunk_size, policy_settings,
+                                  self.heads)
         # one instance per distinct per-request settings, least recently used first; () is the engine's own
         self._policies: OrderedDict[tuple, AttentionPolicy] = OrderedDict({(): self.policy})
         self._policy_users: dict[tuple, set[int]] = {}  # settings -> ids of the live sequences using them
@@ -156,7 +210,7 @@ class LLM:
         if key not in self._policies:
             settings = {**self.policy_settings, **dict(key)}
             self._policies[key] = make_policy(self.attention, self.cache, self.kernels, self.window,
-                                              self.chunk_size, settings)
+                                              self.chunk_size, settings, self.heads)
         self._policies.move_to_end(key)
         return key, self._policies[key]
 
@@ -173,11 +227,12 @@ class LLM:
         if self.scheduler.prefix is not None:
             self.scheduler.prefix.drop_states(policy)
 
-    def _default_pool_tokens(self, kv_offload: str) -> int:
+    def _default_pool_tokens(self, kv_offload: str, cfg: ModelConfig | None = None) -> int:
         """Pool slots that fit: on a GPU, K and V (and the selection keys' copy) in its free memory, or with
         value offload K (and the copy) alone there and V in the available host memory; on the CPU, all of them
-        in CPU_POOL_BYTES."""
-        cfg = self.config
+        in CPU_POOL_BYTES. cfg: the model's as this process holds it (a tensor-parallel rank's heads; default
+        ``config``)."""
+        cfg = cfg or self.config
         per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8  # K or V
         per_copy = per_pool // self.kv_dtype.itemsize * self.select_dtype.itemsize  # the selection keys' copy
         copy = 0 if self.select_dtype == self.kv_dtype else per_copy
@@ -237,6 +292,7 @@ class LLM:
                                    self.chunk_size)
         self._policy_users.setdefault(key, set()).add(seq.id)
         self.scheduler.add(seq)
+        self._record("add", seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -244,6 +300,7 @@ class LLM:
         if not seq.finished:
             seq.finish_reason = "abort"
         self._release(seq)
+        self._record("abort", seq.id)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -265,7 +322,17 @@ class LLM:
 
         If the batch's pass raises, its sequences run again one at a time, so that only a sequence whose
         own pass raises ends (finish_reason "error", ``seq.error`` the exception; returned too) and the
-        others advance as usual. A failed pass returns every KV slot it took."""
+        others advance as usual. A failed pass returns every KV slot it took.
+
+        With tensor parallelism, rank 0 first sends the other ranks what changed since its last step (``_sync``);
+        every rank then runs the same step on its shard."""
+        if self.tp is not None and self.tp.rank == 0:
+            with self.tp.lock:
+                self._sync()
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -312,6 +379,7 @@ class LLM:
             for slots in new_slots:  # the sequences' n_cached did not move: these slots are nobody's
                 self.cache.free(slots)
             raise
+        tokens = self._sample(chunks, logits)
         stepped = []
         for ch, row_logits in zip(chunks, logits):
             seq = ch.seq
@@ -322,14 +390,37 @@ class LLM:
                 seq.logits.append(row_logits)
             if seq.n_cached == seq.n_tokens:
                 try:  # e.g. NaN logits make the sampler raise: that ends this sequence only
-                    token = sample(row_logits[-1], seq.params, seq.generator)
-                    if seq.logprobs is not None:
-                        seq.logprobs.append(token_logprobs(row_logits[-1], token, seq.params.logprobs))
+                    token = tokens[seq.id]
+                    if isinstance(token, BaseException):
+                        raise token
                     self._append(seq, token)
                 except Exception as error:
                     self._fail(seq, error)
                 stepped.append(seq)
         return stepped
+
+    def _sample(self, chunks: list[Chunk], logits: list[torch.Tensor]) -> dict[int, int | Exception]:
+        """The next token of every sequence of the step that reached the end of what it knows, by sequence id (an
+        exception where its sampling raised), with its logprobs recorded. With tensor parallelism rank 0 samples
+        and sends the tokens, so that every rank appends the same."""
+        tokens: dict[int, int | Exception] = {}
+        if self.tp is None or self.tp.rank == 0:
+            for ch, row_logits in zip(chunks, logits):
+                seq = ch.seq
+                if ch.past + ch.length != seq.n_tokens:
+                    continue
+                try:
+                    tokens[seq.id] = sample(row_logits[-1], seq.params, seq.generator)
+                    if seq.logprobs is not None:
+                        seq.logprobs.append(token_logprobs(row_logits[-1], tokens[seq.id], seq.params.logprobs))
+                except Exception as error:
+                    tokens[seq.id] = error
+        if self.tp is None:
+            return tokens
+        sent = self.tp.broadcast({i: t if isinstance(t, int) else None for i, t in tokens.items()}
+                                 if self.tp.rank == 0 else None)
+        return tokens if self.tp.rank == 0 else {
+            i: RuntimeError("rank 0 could not sample this token") if t is None else t for i, t in sent.items()}
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -410,6 +501,75 @@ class LLM:
         between requests; turning it off frees every cached prompt's slots."""
         if self.scheduler.has_work():
             raise RuntimeError("set_prefix_cache while requests are running")
+        self._record("set_prefix_cache", enabled)
         if self.scheduler.prefix is not None:
             self.scheduler.prefix.clear()
         self.scheduler.prefix = PrefixCache(self.cache) if enabled else None
+
+    # ---- tensor parallel: rank 0 leads, the other ranks replay ----------------------------------
+
+    def _record(self, kind: str, *args) -> None:
+        """Rank 0: note a change that the other ranks must make too, before their next step (``_sync``)."""
+        if getattr(self, "tp", None) is not None and self.tp.rank == 0 and hasattr(self, "_events"):
+            self._events.append((kind, *args))
+
+    def _sync(self, stop: bool = False) -> None:
+        """Rank 0: send the other ranks the changes since the last step (and, with ``stop``, that no step follows).
+        A request goes as what a rank needs to run it alike: its id, prompt, sampling, settings, how it reuses
+        cached prompts and whether it records logits."""
+        def sent(event: tuple) -> tuple:
+            if event[0] != "add":
+                return event
+            seq = event[1]
+            return "add", dict(id=seq.id, ids=seq.prompt_ids, params=seq.params, policy=dict(seq.policy_key),
+                               reuse=seq.reuse, logits=seq.logits is not None)
+
+        events, self._events = [sent(event) for event in self._events], []
+        self.tp.broadcast(events + [("stop",)] if stop else events)
+
+    @torch.inference_mode()
+    def serve_rank(self) -> None:
+        """A rank other than 0: replay rank 0's changes and run its steps on this rank's shard until it stops."""
+        while True:
+            for kind, *args in self.tp.broadcast():
+                if kind == "stop":
+                    return
+                self._replay(kind, *args)
+            for seq in self._step():
+                if seq.finished:
+                    self._live.pop(seq.id, None)
+
+    def _replay(self, kind: str, *args) -> None:
+        if kind == "add":
+            a = args[0]
+            key, policy = self.policy_for(a["policy"])
+            seq = Sequence(a["id"], a["ids"], a["params"], self.device, policy, self.tokenizer)
+            seq.policy_key, seq.reuse, seq.logits = key, a["reuse"], [] if a["logits"] else None
+            self._policy_users.setdefault(key, set()).add(seq.id)
+            self.scheduler.add(seq)
+            self._live[seq.id] = seq
+        elif kind == "abort":
+            seq = self._live.pop(args[0], None)
+            if seq is not None:
+                self.abort(seq)
+        elif kind == "set_attention":
+            self.set_attention(args[0], **args[1])
+        elif kind == "set_prefix_cache":
+            self.set_prefix_cache(args[0])
+        else:
+            raise ValueError(f"unknown tensor-parallel event {kind!r}")
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (rank 0; at exit without a call). Nothing to do
+        in a single process. The engine takes no request after it."""
+        tp = getattr(self, "tp", None)
+        if tp is None or tp.closed or tp.rank != 0:
+            return
+        if tp.lock.acquire(timeout=parallel.JOIN_SECONDS):  # a step still running on another thread: let it end
+            try:
+                self._sync(stop=True)
+            except Exception:
+                log.exception("could not tell the other ranks to stop")
+            finally:
+                tp.lock.release()
+        tp.close()

@@ -200,6 +200,13 @@ class EngineSettings(Validated):
                                        "starting with the same tokens (another question about the same document, a "
                                        "chat's next turn) starts its prefill after them; --no-prefix-cache computes "
                                        "every prompt in full", kind=bool)
+    tensor_parallel_size: int = setting(1, "GPUs (processes) the model is split across, by heads: one process per "
+                                           "rank, started by the engine (or by torchrun across hosts, "
+                                           "docs/tensor_parallel.md); NCCL on CUDA, gloo on a CPU", low=1)
+    tp_selection: str = setting("global", "with tensor_parallel_size > 1, how a policy's vote over heads spans the "
+                                          "ranks: global (summed over every rank's heads: the choice one GPU "
+                                          "makes) or local (each rank chooses by its own heads, no collective)",
+                                choices=("global", "local"))
 
 
 @dataclass(frozen=True)

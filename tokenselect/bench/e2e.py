@@ -248,7 +248,8 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
         llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, kv_offload=args.kv_offload,
                          select_dtype=args.select_dtype, kv_cache_tokens=slots,
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
-                         prefix_cache=False)  # the timed prompt starts with the warm-up's: it would be reused
+                         prefix_cache=False,  # the timed prompt starts with the warm-up's: it would be reused
+                         tensor_parallel_size=args.tensor_parallel_size)
     except (torch.OutOfMemoryError, HostMemoryError) as e:
         where = "on the GPU" if isinstance(e, torch.OutOfMemoryError) else "in host memory"
         for policy in policies:
@@ -261,7 +262,8 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
-        row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config}
+        row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
+               "tensor_parallel_size": args.tensor_parallel_size}  # peak_gb: rank 0's GPU (the ranks' shares match)
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
             row["error"] = f"skipped: would copy {copies / 1e9:,.0f} GB of values from host"
@@ -278,6 +280,7 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
                 row["error"] = "out of memory"
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         yield row
+    llm.close()  # a tensor-parallel engine's ranks, before the next length's start
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -341,7 +344,9 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
     title = (f"{args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, KV offload {args.kv_offload}, "
              f"selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
-             f"{'CUDA graphs' if graphs else 'eager'}")
+             f"{'CUDA graphs' if graphs else 'eager'}"
+             + (f", tensor parallel over {args.tensor_parallel_size}" if getattr(args, "tensor_parallel_size", 1) > 1
+                else ""))
     return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload},
                 rows)
 
@@ -427,6 +432,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run steps through CUDA graphs captured around attention, dense included (default: on with CUDA)")
     p.add_argument("--device", default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the engine's model across this many GPUs (docs/tensor_parallel.md); dense stays on one")
     p.add_argument("--output", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix for the output files")
     p.add_argument("--merge", nargs="+", metavar="JSON",

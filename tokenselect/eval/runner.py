@@ -230,6 +230,7 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
             stats = llm.stats()  # the policy's own counters: set_attention started them afresh
             if "selection_cache_hits" in stats:
                 selection_cache[spec] = hit_counts(stats["selection_cache_hits"], stats["selection_cache_misses"])
+        llm.close()  # a tensor-parallel engine's ranks, before the next group's engine starts
     progress.close()
     return records, selection_cache
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .. import parallel
 from ..config import ModelConfig
 from ..errors import CheckpointError
 from .gguf import GGUFCheckpoint, is_gguf
@@ -72,13 +73,19 @@ def _safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def build_model(cfg: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, where: str) -> CausalLM:
+def build_model(cfg: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, where: str,
+                tp=None) -> CausalLM:
     """Build the model for ``cfg`` and fill it from ``tensors``, (Hugging Face name, tensor) pairs read one
     at a time. A stacked projection is allocated once on the device and each of its parts copied into its
     rows as it arrives (``checkpoint_parts``), so loading holds no second copy of the weights.
-    ``where`` names the checkpoint in errors."""
+    ``where`` names the checkpoint in errors. tp: a ``parallel.TensorParallel``: the rank's shard of the model,
+    each tensor cut to the rank's part as it is read (``parallel.shard_tensor``)."""
+    if tp is not None:
+        tensors = ((name, parallel.shard_tensor(name, t, tp.rank, tp.world)) for name, t in tensors)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg if tp is None else parallel.local_config(cfg, tp.world))
+        if tp is not None:
+            parallel.parallelize(model, tp, cfg.vocab_size)
     expected = dict(model.named_parameters())
     parts = {name: (param, rows) for param in expected for name, rows in checkpoint_parts(model, param)}
     state: dict[str, torch.Tensor] = {}
@@ -120,18 +127,25 @@ class Checkpoint:
         self.config = (ModelConfig.from_dict(self.gguf.config) if self.gguf is not None
                        else ModelConfig.from_folder(self.path))
 
-    def load(self, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    def load(self, dtype: torch.dtype, device: torch.device, tp=None) -> CausalLM:
+        """The model (with ``tp``, a ``parallel.TensorParallel``: this rank's shard of it)."""
         tensors = self.gguf.tensors() if self.gguf is not None else _safetensors(self.path)
-        return build_model(self.config, tensors, dtype, device, str(self.path))
+        return build_model(self.config, tensors, dtype, device, str(self.path), tp)
 
     def tokenizer(self):
         return self.gguf.tokenizer() if self.gguf is not None else load_tokenizer(self.path)
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
-    """A model of ``cfg``'s shape with random weights (std 0.02, norms at 1), built on ``device``."""
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0, tp=None) -> CausalLM:
+    """A model of ``cfg``'s shape with random weights (std 0.02, norms at 1), built on ``device``. With ``tp``
+    (``parallel.TensorParallel``) the rank's shard, drawn from a seed of its own (not a shard of the model one
+    process would draw: the benchmarks time it, whatever its values)."""
+    if tp is not None:
+        vocab, cfg, seed = cfg.vocab_size, parallel.local_config(cfg, tp.world), seed + tp.rank
     with torch.device(device):
         model = CausalLM(cfg).to(dtype)
+    if tp is not None:
+        parallel.parallelize(model, tp, vocab)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

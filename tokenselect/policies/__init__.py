@@ -49,12 +49,16 @@ def fitted_settings(name: str, settings: dict, window: int) -> dict:
 
 
 def make_policy(name: str, cache: KVCache, kernels: Kernels, window: int, chunk: int,
-                settings: dict | None = None) -> AttentionPolicy:
-    """Build policy ``name`` with ``fitted_settings``; those that need them get the window and the chunk."""
+                settings: dict | None = None, heads=None) -> AttentionPolicy:
+    """Build policy ``name`` with ``fitted_settings``; those that need them get the window and the chunk.
+    heads: the reduction over heads across tensor-parallel ranks (``parallel.HeadReduce``; None: this process's)."""
     values = fitted_settings(name, dict(settings or {}), window)
     params = inspect.signature(POLICIES[name].__init__).parameters
     extra = {key: value for key, value in (("window", window), ("chunk", chunk)) if key in params}
-    return POLICIES[name](cache, kernels, **extra, **values)
+    policy = POLICIES[name](cache, kernels, **extra, **values)
+    if heads is not None:
+        policy.across_ranks(heads)
+    return policy
 
 
 def policy_spec(text: str) -> tuple[str, dict]:

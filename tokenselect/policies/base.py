@@ -22,6 +22,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
+from ..parallel import NO_REDUCE, HeadReduce
 from ..settings import NoSettings, setting
 from ..transfer import to_device
 
@@ -120,8 +121,16 @@ class AttentionPolicy:
     # policy takes it at a chunk boundary (``snapshot``) and gives it to a sequence that starts there (``restore``)
     prefix_state = False
 
+    # the reduction over heads of the policy's choice, across tensor-parallel ranks (``parallel.HeadReduce``: none in
+    # a single process): where a policy sums or maxes a score over heads, it passes the result through ``heads``
+    heads: HeadReduce = NO_REDUCE
+
     def __init__(self, cache: KVCache, kernels: Kernels):
         self.cache, self.kernels = cache, kernels
+
+    def across_ranks(self, heads: HeadReduce) -> None:
+        """Reduce the policy's votes over heads with ``heads`` (``make_policy``, for tensor-parallel ranks)."""
+        self.heads = heads
 
     def mode(self, t: int, w: int) -> str:
         """What a step of ``w`` tokens after ``t`` cached ones does (``SeqStep.mode``), decided on the host."""

@@ -460,6 +460,7 @@ class InfLLM(SelectivePolicy):
         # the blocks: scored against this sequence's representatives, read where the pool holds them
         query = q[0].float() if step.decode else selection_query(q)
         scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, query.flatten(), n_full)
+        self.heads.sum(scores)  # summed over every rank's heads (``parallel.HeadReduce``)
         blocks = self.kernels.topk(scores, nb, n_full)
         tokens = (blocks[:, None] * bs + self.cache.arange(bs)[None, :]).flatten() + n_init
         torch.index_select(step.table, 0, tokens, out=slots[chosen])

@@ -89,7 +89,7 @@ class Quest(SelectivePolicy):
         lo.index_copy_(0, at, keys.masked_fill(~live_tail, float("inf")).amin(dim=0, keepdim=True))
         hi.index_copy_(0, at, keys.masked_fill(~live_tail, float("-inf")).amax(dim=0, keepdim=True))
         n_pages = (live + ps - 1) // ps
-        scores = self.page_scores(selection_query(q), lo, hi)
+        scores = self.heads.max(self.page_scores(selection_query(q), lo, hi))  # the best head of every rank
         pages = self.kernels.topk(scores, self.k // ps, n_pages)
         tokens = (pages[:, None] * ps + self.cache.arange(ps)[None, :]).flatten()
         # ascending: the live tokens first (the partial page's dead end and pages past the live ones after them)

@@ -72,6 +72,7 @@ class ReAttention(SelectivePolicy):
             scores = self.kernels.paged_dot(rows, k_pool, middle).masked_fill_(dead, float("-inf"))  # [rows, M]
             picks = torch.topk(scores, min(self.top, m), dim=1).indices.flatten()
             votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
+        self.heads.sum(votes)  # every rank's heads' votes (``parallel.HeadReduce``)
         # the n_spans most-voted tokens among those with a vote, of equal votes the earliest (so that the choice
         # does not depend on the table's padding)
         winners = torch.topk(votes * (m + 1) - self.cache.arange(m), min(self.n_spans, m)).indices

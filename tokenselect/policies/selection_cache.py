@@ -20,6 +20,7 @@ import torch
 
 from ..kernels.selection_check import EPS, selection_check_ref
 from ..kernels.selection_update import selection_update_ref
+from ..parallel import NO_REDUCE
 from .rows import Rows, grown
 
 FIRST_ROWS = 4  # rows allocated at first; the arrays double when more sequences are live
@@ -38,6 +39,9 @@ class SelectionCache:
         self.selection: torch.Tensor | None = None  # [rows, n_layers, width] int64
         self.valid: torch.Tensor | None = None  # [rows, n_layers] bool
         self.device_counts: torch.Tensor | None = None  # [2] int64: hits, misses
+        # tensor-parallel ranks (``parallel.HeadReduce``): a query is one rank's heads, the cosine spans all of them
+        self.heads = NO_REDUCE
+        self._norm: torch.Tensor | None = None  # the last ``miss``'s query norm over every rank, for ``update``
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -68,7 +72,21 @@ class SelectionCache:
         (any float dtype: the kernel computes in fp32). None when the cache is off (always select)."""
         if self.theta is None:
             return None
+        if self.heads.spans_ranks:
+            return self._miss_across_ranks(q.flatten().float(), row, layer)
         return self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
+
+    def _miss_across_ranks(self, q: torch.Tensor, row: torch.Tensor, layer: int) -> torch.Tensor:
+        """``miss`` for a query split across tensor-parallel ranks by heads: each rank's unit entry is its part of
+        the cached query over the whole query's norm, so the dot products and squared norms summed over the
+        ranks give the one-GPU cosine (``selection_check_ref``'s test, in PyTorch, one all-reduce)."""
+        index = row.view(1)
+        dot = torch.dot(self.unit[:, layer].index_select(0, index)[0], q)
+        total = self.heads.sum(torch.stack([dot, torch.dot(q, q)]))
+        self._norm = total[1].sqrt().clamp_min(EPS)
+        miss = ~(self.valid[:, layer].index_select(0, index)[0] & (total[0] >= self.theta * self._norm))
+        self.device_counts += torch.stack([~miss, miss])
+        return miss
 
     def lookup(self, seq_id: int, layer: int, q: torch.Tensor) -> torch.Tensor | None:
         """The eager check (one host read). q: [n_heads, head_dim] fp32. Returns the stored selection
@@ -92,7 +110,18 @@ class SelectionCache:
         """A decode step's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
         device, from ``miss``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
         device). Returns the entry after that, [width] (``selection`` on a miss, the cached one on a hit)."""
+        if self.heads.spans_ranks:  # the entry is the rank's part of the query over the whole query's norm
+            return self._update_across_ranks(q.flatten().float() / self._norm, row, layer, selection, miss)
         return self.update_kernel(q.flatten(), self.unit, self.selection, self.valid, row, layer, selection, miss)
+
+    def _update_across_ranks(self, unit_q: torch.Tensor, row: torch.Tensor, layer: int, selection: torch.Tensor,
+                             miss: torch.Tensor) -> torch.Tensor:
+        """``selection_update_ref`` with the unit query given (scaled by the norm over every rank's heads)."""
+        index = row.view(1)
+        for table, value in ((self.unit[:, layer], unit_q), (self.selection[:, layer], selection)):
+            table.index_copy_(0, index, torch.where(miss, value, table.index_select(0, index)[0])[None])
+        self.valid[:, layer].index_copy_(0, index, self.valid[:, layer].index_select(0, index) | miss)
+        return self.selection[:, layer].index_select(0, index)[0]
 
     # ---- counters -----------------------------------------------------------------------------
 

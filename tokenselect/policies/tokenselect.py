@@ -78,6 +78,11 @@ class TokenSelect(SelectivePolicy):
                 q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
         return self.selection_cache.row(seq_id, q_shape[1] * q_shape[2], slots.device)
 
+    def across_ranks(self, heads) -> None:
+        """The vote and the Selection Cache's cosine (over the query's every head) span the ranks' heads."""
+        super().across_ranks(heads)
+        self.selection_cache.heads = heads
+
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         sc = self.selection_cache
         return () if sc.unit is None else (sc.unit, sc.selection, sc.valid, sc.device_counts)
@@ -88,8 +93,8 @@ class TokenSelect(SelectivePolicy):
         pool's, which may be fp8), k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32.
         live: None, or int64 []: only middle[:live] are candidates, the others vote -inf."""
         kern = self.kernels
-        if self.selector == "soft_vote":
-            return kern.head_soft_vote(query, k_pool, middle, self.scale, live)
+        if self.selector == "soft_vote":  # summed over every rank's heads (``heads``), as over one GPU's
+            return self.heads.sum(kern.head_soft_vote(query, k_pool, middle, self.scale, live))
         scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
         dead = None if live is None else self.cache.arange(middle.numel()) >= live
         if dead is not None:
@@ -100,7 +105,7 @@ class TokenSelect(SelectivePolicy):
             per_head = torch.topk(scores, min(self.k, scores.shape[1]), dim=1).indices  # [H, k]
             vote = torch.zeros(scores.shape[1], device=scores.device).scatter_add_(
                 0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
-        return vote if dead is None else vote.masked_fill(dead, float("-inf"))
+        return self.heads.sum(vote if dead is None else vote.masked_fill(dead, float("-inf")))
 
     def top(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
             live: torch.Tensor | None = None) -> torch.Tensor:
