@@ -85,7 +85,8 @@ def quest_expected(q: torch.Tensor, keys: torch.Tensor, middle: range, page_size
             k = keys[page, h // (n_heads // n_kv)]  # [tokens, d]
             lo, hi = k.min(dim=0).values, k.max(dim=0).values
             bounds.append(sum(max(query[h, c] * lo[c], query[h, c] * hi[c]) for c in range(k.shape[1])))
-            assert bounds[-1] >= (k @ query[h]).max() - 1e-5  # it is an upper bound
+            best = (k @ query[h]).max()
+            assert bounds[-1] >= best - 1e-6 * (1 + best.abs())  # an upper bound (up to fp32 rounding)
         scores.append(max(bounds))
     best = sorted(range(len(pages)), key=lambda p: -scores[p])[:n_pages]
     return [token for p in sorted(best) for token in pages[p]]
@@ -100,6 +101,33 @@ def test_quest_selects_the_pages_with_the_highest_bound():
     policy = Quest(cache, TORCH, k=3 * ps, page_size=ps, n_init=n_init, n_local=n_local)
     plan = step(policy, slots, decode=False, seq_id=0, q=q)
     chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 3)
+    assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t))
+    assert plan.positions.tolist() == list(range(plan.slots.numel()))
+
+
+@pytest.mark.parametrize("partial", [1, 2, 7, 15, 16])
+@pytest.mark.parametrize("decode", [False, True])
+def test_quest_partial_last_page_competes_with_bounds_from_its_live_keys(partial, decode):
+    """The middle ends in a page of ``partial`` live tokens (16: none partial), whose first token holds a key loud
+    along the query (bound 40 per |q| unit, half of it from the page's minima on the query's negative dims, half from
+    its maxima); a full page holds one of 25. With one page of budget the last page wins only if both its minima and
+    its maxima come from its live keys, not from the entries past the live end (here the local window's first key,
+    loud against the query). Every choice equals the rule's definition (``quest_expected``)."""
+    torch.manual_seed(partial)
+    n_init, n_local, ps, full_pages = 3, 5, 16, 6
+    t = n_init + full_pages * ps + partial + n_local
+    keys = torch.randn(t + 1, 2, 8)
+    q = torch.randn(1 if decode else 3, 4, 8)
+    along = torch.sign(q.mean(dim=0)[::2])  # [n_kv, d]: heads 0 and 2 read kv heads 0 and 1
+    first = n_init + full_pages * ps  # the last page's first token
+    keys[first] = 40 * along
+    keys[n_init + 2 * ps + 5] = 25 * along  # in full page 2
+    keys[t - n_local] = -80 * along  # the local window's first key: not a middle key
+    cache, slots = cache_with_keys(keys)
+    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local)
+    plan = step(policy, slots[:t], decode=decode, seq_id=0, q=q)
+    chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 1)
+    assert first in chosen
     assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t))
     assert plan.positions.tolist() == list(range(plan.slots.numel()))
 
