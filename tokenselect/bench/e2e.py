@@ -42,6 +42,7 @@ from ..engine import KV_DTYPES, LLM
 from ..eval.runner import parse_length
 from ..kv_cache import HostMemoryError
 from ..models import load_tokenizer
+from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, policy_spec
 from ..sampling import SamplingParams
 from .dense import DenseRunner
@@ -249,7 +250,7 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
                          select_dtype=args.select_dtype, kv_cache_tokens=slots,
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
                          prefix_cache=False,  # the timed prompt starts with the warm-up's: it would be reused
-                         tensor_parallel_size=args.tensor_parallel_size)
+                         tensor_parallel_size=args.tensor_parallel_size, tp_selection=args.tp_selection)
     except (torch.OutOfMemoryError, HostMemoryError) as e:
         where = "on the GPU" if isinstance(e, torch.OutOfMemoryError) else "in host memory"
         for policy in policies:
@@ -263,7 +264,7 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
         row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
-               "tensor_parallel_size": args.tensor_parallel_size}  # peak_gb: rank 0's GPU (the ranks' shares match)
+               "tensor_parallel_size": args.tensor_parallel_size, "tp_selection": args.tp_selection}  # peak_gb: rank 0's GPU (the ranks' shares match)
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
             row["error"] = f"skipped: would copy {copies / 1e9:,.0f} GB of values from host"
@@ -345,8 +346,8 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
     title = (f"{args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, KV offload {args.kv_offload}, "
              f"selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
              f"{'CUDA graphs' if graphs else 'eager'}"
-             + (f", tensor parallel over {args.tensor_parallel_size}" if getattr(args, "tensor_parallel_size", 1) > 1
-                else ""))
+             + (f", tensor parallel over {args.tensor_parallel_size} ({args.tp_selection} selection)"
+               if getattr(args, "tensor_parallel_size", 1) > 1 else ""))
     return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload},
                 rows)
 
@@ -434,6 +435,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the engine's model across this many GPUs (docs/tensor_parallel.md); dense stays on one")
+    p.add_argument("--tp-selection", default="global", choices=SELECTIONS,
+                   help="with --tensor-parallel-size > 1: global (the vote over heads spans every rank, an all-reduce "
+                        "a layer) or local (each rank votes over its own heads)")
     p.add_argument("--output", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix for the output files")
     p.add_argument("--merge", nargs="+", metavar="JSON",
