@@ -225,33 +225,33 @@ class TensorParallel:
         return int(t)
 
     def close(self) -> None:
-        """Rank 0: tell the other ranks to stop (``Lockstep``'s stop message is sent by the engine first) and wait
-        for the processes it spawned; every rank: leave the group."""
+        """Every rank, once no step follows (rank 0 after ``Lockstep``'s stop message, which the engine sends first;
+        the others on receiving it): leave the group, then, on rank 0, wait for the processes it spawned. Leaving
+        comes first because NCCL's communicator teardown is collective: each rank's ``destroy_process_group`` waits
+        for the others' (a rank 0 that waited for its children to exit first would wait for ever)."""
         if self.closed:
             return
         self.closed = True
+        leave_group(JOIN_SECONDS)
         for child in self.children:
             try:
                 child.wait(JOIN_SECONDS)
             except subprocess.TimeoutExpired:
                 log.warning("tensor-parallel rank process %s did not exit; terminating it", child.pid)
                 child.terminate()
-                child.wait(5)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # already gone (the interpreter is exiting)
-            pass
+                try:
+                    child.wait(5)
+                except subprocess.TimeoutExpired:
+                    child.kill()
 
     def abandon(self) -> None:
-        """Rank 0 failed while starting: end the processes it spawned and leave the group."""
+        """Rank 0 failed while starting: end the processes it spawned and leave the group (without them: NCCL's
+        teardown may wait for ranks that are gone, so it gets a few seconds)."""
         self.closed = True
         for child in self.children:
             child.kill()
             child.wait(5)
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        leave_group(5)
 
     def _watch(self, child: subprocess.Popen) -> None:
         """Rank 0 of spawned ranks: a rank that dies leaves the others waiting in a collective for ever, so this
@@ -264,6 +264,22 @@ class TensorParallel:
                 if other.poll() is None:
                     other.kill()
             os._exit(1)
+
+
+def leave_group(seconds: float) -> None:
+    """``destroy_process_group``, given ``seconds``: it waits for every other rank to leave too (NCCL), which a rank
+    that died never does; then this process goes on without it, and the group's resources go with the process."""
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # already gone (the interpreter is exiting)
+            pass
+
+    leaving = threading.Thread(target=destroy, name="tokenselect-tp-leave", daemon=True)
+    leaving.start()
+    leaving.join(seconds)
+    if leaving.is_alive():
+        log.warning("the other tensor-parallel ranks did not leave the group within %s s; leaving without them", seconds)
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
