@@ -36,6 +36,7 @@ pool)``; graphs of one kind share a memory pool (``GraphPool``).
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from typing import Callable
@@ -219,6 +220,16 @@ class GraphCache:
         ``GraphPool``). The pieces do not depend on a policy: they stay."""
         for key in self.whole_keys():
             del self.graphs[key]
+
+    def release(self) -> None:
+        """Drop every graph, the pieces too, and wait until the GPU has let go of them: a graph that captured an
+        NCCL collective holds its communicator, whose teardown (tensor parallel, ``parallel.leave_group``) waits
+        until that graph is destroyed. Later steps run eagerly."""
+        self.graphs.clear()
+        self.sizes = ()
+        if self.capture:
+            gc.collect()  # graphs in reference cycles
+            torch.cuda.synchronize()
 
 
 class _Pieces:

@@ -177,7 +177,7 @@ class LLM:
             try:
                 self.serve_rank()
             finally:
-                self.tp.close()
+                self._leave()
             raise SystemExit(0)
 
     def set_attention(self, attention: str, **policy_settings) -> None:
@@ -572,4 +572,11 @@ class LLM:
                 log.exception("could not tell the other ranks to stop")
             finally:
                 tp.lock.release()
-        tp.close()
+        self._leave()
+
+    def _leave(self) -> None:
+        """Every rank, once no step follows: drop the CUDA graphs, which hold the NCCL communicator that the group's
+        teardown destroys (it waits for them), then leave the group."""
+        if hasattr(self, "runner"):
+            self.runner.release()
+        self.tp.close()

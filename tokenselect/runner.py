@@ -50,3 +50,9 @@ class ModelRunner:
         """Drop the whole-step graphs (the policies they were recorded for are being replaced)."""
         if self.graphs is not None:
             self.graphs.clear()
+
+    def release(self) -> None:
+        """Drop every CUDA graph (``GraphCache.release``); later steps run eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
