@@ -21,7 +21,7 @@ mkdir -p "$out"
 e2e=(python3 -m tokenselect.cli bench e2e --config llama3-8b --decode-steps 16 --kv-dtype fp8 --kv-offload values
      --policies "tokenselect:theta=null" --output "$out")
 nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$out/tensor_parallel_gpus.csv" || true
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H200 && echo h200 || echo h100)
+gpu=${TP_GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H200 && echo h200 || echo h100)}  # TP_GPU: the table of runs copied from elsewhere
 if [[ $part == all || $part == smoke ]]; then  # about a minute: both ranks on the GPUs, NCCL inside CUDA graphs
   timeout 300 python3 - <<'PY' 2>&1 | tee "$out/tensor_parallel_smoke.log"
 import time

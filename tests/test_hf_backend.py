@@ -410,3 +410,15 @@ def test_eval_backend_transformers_writes_a_table_for_gemma3(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["selection_cache"]["tokenselect"]["misses"] >= 2  # one layer selects (the other slides)
     assert "| tokenselect" in capsys.readouterr().out
+
+
+def test_eval_backend_transformers_refuses_tensor_parallel(tmp_path, capsys):
+    """The transformers backend runs on one device: asking it for two ranks is an error before anything loads
+    (not a run on one GPU that the user believes split)."""
+    from tokenselect.cli import main
+
+    argv = ["eval", "--backend", "transformers", "--model", str(tmp_path), "--task", "passkey", "--lengths", "512",
+            "--output", str(tmp_path / "run")]
+    assert main(argv + ["--tensor-parallel-size", "2"]) == 2
+    assert "--backend transformers runs on one device" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -53,8 +53,10 @@ def checkpoint(checkpoint_factory):
 
 
 def test_rank_local_votes_run_in_lockstep(checkpoint):
-    """(First: one tensor-parallel engine per process at a time, and the module's pair lives to the end.)"""
-    llm = LLM(checkpoint, "tokenselect", tensor_parallel_size=2, tp_selection="local", **ENGINE,
+    """(First: one tensor-parallel engine per process at a time, and the module's pair lives to the end.) With
+    CUDA graphs' step functions (run eagerly on a CPU); closing drops them before the group is left, as NCCL needs
+    (a graph that captured a collective keeps the communicator whose teardown waits for it)."""
+    llm = LLM(checkpoint, "tokenselect", tensor_parallel_size=2, tp_selection="local", cuda_graphs=True, **ENGINE,
               **SETTINGS["tokenselect"])
     try:
         assert llm.settings.tp_selection == "local" and llm.heads is NO_REDUCE and llm.policy.heads is NO_REDUCE
@@ -65,8 +67,11 @@ def test_rank_local_votes_run_in_lockstep(checkpoint):
         # each rank chooses by its own heads: not what one process chooses over all four (so the global votes'
         # equality below has teeth), here from the first token on
         assert out != tokens(LLM(checkpoint, "tokenselect", **ENGINE, **SETTINGS["tokenselect"]))
+        assert llm.runner.graphs.whole_steps > 0
     finally:
         llm.close()
+    assert llm.runner.graphs is None and not dist.is_initialized()
+    assert all(child.poll() is not None for child in llm.tp.children)
 
 
 @pytest.fixture(scope="module")

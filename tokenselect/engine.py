@@ -8,6 +8,7 @@ what it knows. ``add_request`` / ``step`` / ``abort`` are the pieces a server dr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -76,14 +77,11 @@ class LLM:
         self.config = checkpoint.config
         self.tp = self._parallel(attention, settings, (type(self), (str(self.path), attention),
                                                        dict(dtype=dtype, device=device, **settings)))
-        try:
+        with self._stop_ranks_on_failure():
             self.tokenizer = checkpoint.tokenizer()
             self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
             self.model = checkpoint.load(self.dtype, self.device, self.tp)
             self._start(attention, dtype=dtype, device=device, **settings)
-        except BaseException as error:
-            self._abandon(error)
-            raise
 
     @classmethod
     def random(cls, config: dict, attention: str = "full", *, dtype: str = "auto", device: str | None = None,
@@ -96,13 +94,10 @@ class LLM:
         llm.config = ModelConfig.from_dict(config)
         llm.tp = llm._parallel(attention, settings, (cls.random, (config, attention),
                                                      dict(dtype=dtype, device=device, seed=seed, **settings)))
-        try:
+        with llm._stop_ranks_on_failure():
             llm.dtype = resolve_dtype(dtype, llm.device)
             llm.model = random_model(llm.config, llm.dtype, llm.device, seed, llm.tp)
             llm._start(attention, dtype=dtype, device=device, **settings)
-        except BaseException as error:
-            llm._abandon(error)
-            raise
         return llm
 
     def _parallel(self, attention: str, settings: dict, build: tuple) -> "parallel.TensorParallel | None":
@@ -121,10 +116,16 @@ class LLM:
         self.device = tp.device
         return tp
 
-    def _abandon(self, error: BaseException) -> None:
-        """Rank 0 could not finish starting: stop the ranks it started (theirs fail alike, or wait for it)."""
-        if getattr(self, "tp", None) is not None and not isinstance(error, SystemExit):
-            self.tp.abandon()
+    @contextlib.contextmanager
+    def _stop_ranks_on_failure(self):
+        """Around the rest of starting: if it fails, rank 0 stops the ranks it started (theirs fail alike, or wait
+        for it). A rank other than 0 ends with SystemExit once rank 0 closes: that is no failure."""
+        try:
+            yield
+        except BaseException as error:
+            if self.tp is not None and not isinstance(error, SystemExit):
+                self.tp.abandon()
+            raise
 
     def _start(self, attention: str, **settings) -> None:
         """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
