@@ -132,6 +132,81 @@ def test_quest_partial_last_page_competes_with_bounds_from_its_live_keys(partial
     assert plan.positions.tolist() == list(range(plan.slots.numel()))
 
 
+@pytest.mark.parametrize("partial", [1, 7, 15])
+@pytest.mark.parametrize("decode", [False, True])
+def test_quest_partial_page_bounds_read_neither_the_full_page_before_it_nor_the_entries_after_it(partial, decode):
+    """Two pages of budget; the last full page holds a key loud along the query (40), page 2 one of 30, and the
+    entry just past the live middle (the local window's first key) one of 80. The partial last page's own keys are
+    quiet: its bounds must come from them alone, not from the full page before it nor the entries after it (either
+    would lift it over page 2)."""
+    torch.manual_seed(10 + partial)
+    n_init, n_local, ps, full_pages = 3, 5, 16, 6
+    t = n_init + full_pages * ps + partial + n_local
+    keys = 0.1 * torch.randn(t, 2, 8)
+    q = torch.randn(1 if decode else 3, 4, 8)
+    along = torch.sign(q.mean(dim=0)[::2])  # [n_kv, d]: heads 0 and 2 read kv heads 0 and 1
+    keys[n_init + 2 * ps + 5] = 30 * along
+    keys[n_init + (full_pages - 1) * ps + 3] = 40 * along
+    keys[t - n_local] = 80 * along
+    cache, slots = cache_with_keys(keys)
+    policy = Quest(cache, TORCH, k=2 * ps, page_size=ps, n_init=n_init, n_local=n_local)
+    plan = step(policy, slots, decode=decode, seq_id=0, q=q)
+    chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 2)
+    assert chosen == list(range(n_init + 2 * ps, n_init + 3 * ps)) + list(
+        range(n_init + (full_pages - 1) * ps, n_init + full_pages * ps))
+    assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t))
+
+
+def test_quest_chooses_a_partial_last_page_with_no_local_window():
+    """n_local = 0: the middle runs to the table's end, and the chosen partial page's entries past it are not
+    read (only its 2 live tokens are attended)."""
+    torch.manual_seed(3)
+    n_init, ps = 2, 8
+    t = n_init + 5 * ps + 2
+    keys = 0.1 * torch.randn(t, 2, 8)
+    q = torch.randn(1, 4, 8)
+    keys[t - 1] = 20 * torch.sign(q[0, ::2])
+    cache, slots = cache_with_keys(keys)
+    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=0)
+    plan = step(policy, slots, decode=True, seq_id=0, q=q)
+    assert token_order(plan, slots) == list(range(n_init)) + [t - 2, t - 1]
+
+
+def test_quest_kept_bounds_follow_the_rule_step_after_step():
+    """One sequence decoding from its first selecting step (one full page and a partial one) to 3x longer, a fresh
+    query each step: every choice equals the rule's definition, with the bounds kept and extended across steps.
+    Page 0 (keys of +-5 in every channel: bound 5 sum|q| for any query) wins until page 5 (+-8) enters the middle;
+    the sinks outnumber the window (n_init 8, n_local 2)."""
+    torch.manual_seed(6)
+    n_init, n_local, ps, d = 8, 2, 4, 8
+    keys = 0.1 * torch.randn(48, 2, d)
+    keys[n_init], keys[n_init + 1] = 5.0, -5.0
+    keys[n_init + 5 * ps + 1], keys[n_init + 5 * ps + 2] = 8.0, -8.0
+    cache, slots = cache_with_keys(keys)
+    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local)
+    winners = []
+    for t in range(n_init + ps + n_local + 1, 48):  # the first step that selects: 5 middle tokens
+        q = torch.randn(1, 4, d)
+        plan = step(policy, slots[:t], decode=True, seq_id=0, q=q)
+        chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 1)
+        assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t)), t
+        winners.append(chosen[0])
+    assert winners[0] == n_init and winners[-1] == n_init + 5 * ps
+
+
+def test_quest_original_positions_reach_the_policy():
+    """``positions="original"``: the attended keys keep their own positions, and the query its own."""
+    torch.manual_seed(1)
+    t, n_init, n_local, ps = 120, 4, 8, 16
+    cache, slots = cache_with_keys(torch.randn(t, 2, 8))
+    policy = Quest(cache, TORCH, k=2 * ps, page_size=ps, n_init=n_init, n_local=n_local, positions="original")
+    assert policy.positions == "original"
+    plan = step(policy, slots, decode=True, seq_id=0, q=torch.randn(1, 4, 8))
+    order = token_order(plan, slots)
+    assert len(order) == n_init + 2 * ps + n_local and plan.positions.tolist() == order
+    assert plan.q_positions.tolist() == [t]
+
+
 def test_quest_one_loud_head_is_enough_for_a_page():
     """Heads 0-2 mildly like pages 0 and 1, head 3 strongly likes page 2 only: with one page of budget
     the max over heads keeps head 3's page (a sum over heads would pick page 0)."""

@@ -247,6 +247,52 @@ def test_reattention_caps_spans_to_the_window():
         ReAttention(cache, TORCH, window=256, n_init=32, n_local=512, chunk=64)
 
 
+def test_reattention_window_exactly_full_leaves_no_spans():
+    """n_init + n_local + chunk == window leaves room for no span: accepted, with a budget of 0 (the list is the
+    sinks and the window); one token more is refused."""
+    cache = KVCache(1, 10, 1, 4, torch.float32, torch.device("cpu"))
+    policy = ReAttention(cache, TORCH, window=100, n_init=10, n_local=60, span=4, n_spans=8, chunk=30)
+    assert policy.n_spans == 0 and policy.budget == 0
+    assert ReAttention(cache, TORCH, window=101, n_init=10, n_local=60, span=1, n_spans=8, chunk=30).budget == 1
+    with pytest.raises(ValueError, match="exceed the model window 99"):
+        ReAttention(cache, TORCH, window=99, n_init=10, n_local=60, span=4, n_spans=8, chunk=30)
+
+
+def loud_along(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """A key [n_kv=2, d] that every head of the decode query ``q: [1, 4, d]`` scores highest."""
+    return scale * q[0].view(2, 2, -1).mean(1)
+
+
+def test_reattention_votes_only_for_the_live_middle():
+    """Decode: the middle's table span ends with entries that are not its live tokens (the local window's first
+    token, at index ``live``); a key there that every head would vote for gets no vote, and the span around the
+    middle's own winner is chosen (the local window is attended once, as the window)."""
+    torch.manual_seed(4)
+    t, d, n_init, n_local = 200, 16, 4, 20
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(1, 4, d)
+    keys[100] = loud_along(q, 2.0)
+    keys[t - n_local] = loud_along(q, 10.0)  # the window's first key: louder than any middle key
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=n_init, n_local=n_local, span=4, n_spans=1, chunk=1)
+    order = step(policy, slots, q, decode=True).order(slots)
+    assert order == list(range(n_init)) + list(range(98, 102)) + list(range(t - n_local, t))
+
+
+def test_reattention_spans_only_around_tokens_with_votes():
+    """Three spans allowed, but every head votes for one token (top 1): one span, and no span around the
+    unvoted tokens that rank next (the earliest, by the tie-break)."""
+    torch.manual_seed(5)
+    t, d = 200, 16
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(1, 4, d)
+    keys[120] = loud_along(q, 5.0)
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=4, n_spans=3, chunk=1)
+    order = step(policy, slots, q, decode=True).order(slots)
+    assert order == list(range(4)) + list(range(118, 122)) + list(range(180, 200))
+
+
 @pytest.mark.parametrize("per_block", [1, 3, 16])
 def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block):
     """A long chunk's scores are computed a block of queries at a time (SCORE_ELEMENTS): every query votes once,
