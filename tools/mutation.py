@@ -99,8 +99,9 @@ SETS: dict[str, dict] = {
                   "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
     "policies_infllm": dict(
         mutate=["tokenselect/policies/infllm.py"],
+        # test_prefix_cache.py: InfLLM's memory snapshots and their restore (issue #30)
         tests=["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
-               "tests/test_whole_graphs.py"],
+               "tests/test_whole_graphs.py", "tests/test_prefix_cache.py"],
         deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
                   "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
     # the request validation: the settings' declared ranges and types (settings.py: a policy's, the engine's and a
