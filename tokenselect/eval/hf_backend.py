@@ -30,7 +30,7 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """As ``runner.evaluate``, on ``transformers.AutoModelForCausalLM``: (records, Selection Cache counts)."""
     if args.model is None:
         raise ValueError("--backend transformers needs --model (a transformers checkpoint folder)")
-    if getattr(args, "tensor_parallel_size", 1) > 1:
+    if (getattr(args, "tensor_parallel_size", None) or 1) > 1:  # None: not given
         raise ValueError("--backend transformers runs on one device: --tensor-parallel-size is the engine's "
                          "(--backend engine)")
     specs = names(args.attention)
