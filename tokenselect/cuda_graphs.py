@@ -224,9 +224,8 @@ class GraphCache:
     def release(self) -> None:
         """Drop every graph, the pieces too, and wait until the GPU has let go of them: a graph that captured an
         NCCL collective holds its communicator, whose teardown (tensor parallel, ``parallel.leave_group``) waits
-        until that graph is destroyed. Later steps run eagerly."""
+        until that graph is destroyed. The cache is not used after (``ModelRunner.release``)."""
         self.graphs.clear()
-        self.sizes = ()
         if self.capture:
             gc.collect()  # graphs in reference cycles
             torch.cuda.synchronize()
