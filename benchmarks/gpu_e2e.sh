@@ -14,7 +14,10 @@
 #            (benchmarks/decode_attention_gpu.py: OUTDIR/decode_attention.{json,md}, about 1 minute)
 #   profile  128K TokenSelect (every step selecting, and the hit path) with 2 prefill chunks and 2 decode steps
 #            under torch.profiler (writes e2e_128k_profile_h100_profile.txt: what a missed target is explained with)
-#   128k     32K and 128K, every policy against dense, and the Selection Cache's hit path   (about 4 minutes)
+#   128k     32K and 128K, every policy against the baselines (dense in 512-token chunks, in 8192-token chunks and
+#            in one pass, and Hugging Face transformers' SDPA), the Selection Cache's hit path, and the decode step
+#            at SmolLM2-135M-Instruct's hit rate on the RULER tasks (27.4% at theta 0.9, eval_smollm2_h100.md)
+#                                                                                          (about 6 minutes)
 #   256k     256K, past where a linear fit of the 128K and 32K rows puts the crossover of TokenSelect's selecting
 #            decode step and full attention (~180K): dense, full, TokenSelect and its hit path (about 4 minutes)
 #   fp8-select  128K and 256K with fp8 selection keys (--select-dtype fp8: TokenSelect scores an fp8 copy of the bf16
@@ -47,11 +50,12 @@ case "$part" in
   decode) python3 benchmarks/decode_attention_gpu.py "$out" ;;
   profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
              --profile-steps 2 "${extra[@]}" ;;
-  128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_h100 \
-          --policies dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_h100 --hit-rate 0.274 \
+          --policies dense,dense:chunk=8192,dense:chunk=all,transformers,full,streaming,infllm,tokenselect,tokenselect:theta=-1 \
+          "${extra[@]}" ;;
   256k) "${e2e[@]}" --lengths 256k --tag 256k_h100 --policies dense,full,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
-  fp8-select) "${e2e[@]}" --lengths 128k,256k --tag fp8_select_h100 --select-dtype fp8 \
-                --policies dense,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  fp8-select) "${e2e[@]}" --lengths 128k,256k --tag fp8_select_h100 --select-dtype fp8 --hit-rate 0.274 \
+                --policies dense,dense:chunk=all,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
   512k) "${e2e[@]}" --lengths 512k --tag 512k_h100 --kv-dtype fp8 --decode-steps 16 \
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm "${extra[@]}" ;;
   1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenselect import LLM, SamplingParams  # noqa: E402
 from tokenselect.bench.e2e import measure, parse_length, sync  # noqa: E402
+from tokenselect.bench.hf_dense import transformers_model  # noqa: E402
 from tokenselect.policies import policy_spec  # noqa: E402
 
 DECODE_CHECK = 8
@@ -59,29 +60,6 @@ def hf_config(args) -> dict:
     if is_gguf(path):
         return dict(GGUFCheckpoint(path).config)
     return json.loads((Path(path) / "config.json").read_text())
-
-
-def transformers_model(llm, config: dict):
-    """A transformers model of ``config`` whose weights are the engine's tensors (views; a fused projection's
-    parts are row slices of it)."""
-    import transformers
-
-    from tokenselect.models.loader import checkpoint_parts
-
-    arch = getattr(transformers, config["architectures"][0])
-    cfg = arch.config_class(**{k: v for k, v in config.items() if k not in ("architectures", "dtype")})
-    model = arch(cfg)  # on the CPU (its random weights are replaced at once; meta would leave RoPE buffers unset)
-    state = {}
-    for name, param in llm.model.named_parameters():
-        for hf_name, rows in checkpoint_parts(llm.model, name):
-            state[hf_name] = param[rows]
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"weights not matched: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return model.to(llm.device).eval()
 
 
 def prompt(n: int, vocab: int, kind: str) -> list[int]:

@@ -88,7 +88,10 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     table = (tmp_path / "e2e_t.md").read_text()
     dense = rows[0]
     want = f"{dense['prefill_s'] / rows[2]['prefill_s']:.2f}x"  # ratios are against dense, same run
-    assert rows[0]["kv"] == "bf16" and rows[2]["kv"] == "fp32"  # dense's rotated cache; the engine's pool
+    assert rows[0]["kv"] == rows[2]["kv"] == "fp32"  # dense's rotated cache and the engine's pool: the model's dtype
+    # each row's memory floor at its own hit rate: the selecting step reads every middle key, a hit none of them
+    assert rows[2]["floor"]["scoring"] > 0 and rows[3]["floor"]["scoring"] < rows[2]["floor"]["scoring"]
+    assert f"| {rows[2]['floor_ms']:.2f} | {rows[2]['floor_ms'] / rows[2]['decode_ms']:.0%} |" in table
     assert f"| 2K | tokenselect | fp32 | {rows[2]['prefill_s']:.2f} | {want} |" in table
     assert "| 3/3 |" in table and "| 8/8 |" in table
     assert f"| {rows[3]['hit_rate']:.0%} ({rows[3]['real_hit_rate']:.0%}) |" in table

@@ -1,4 +1,4 @@
-"""``tokenselect bench e2e``: whole-model prefill and decode, every policy against dense, in one run.
+"""``tokenselect bench e2e``: whole-model prefill and decode, every policy against the dense baselines, in one run.
 
 The model is built from a config with random weights (speed does not depend on their values); the
 prompt is real English text from the package's corpus, tokenized by the shipped tokenizer. For each
@@ -13,10 +13,18 @@ shipped model (trained weights) with the row's settings over the same prose prom
 reports its hit rate ("real text"): the decode rows with every layer selecting and with the cache always
 reusing (theta=-1) bracket a real model's step, which lies between them according to that rate.
 
-``dense`` is attention as a conventional engine runs it (``bench/dense.py``: keys rotated once when
-cached, a contiguous cache, flash SDPA; on CUDA each decode step one CUDA graph, flash attention reading the
-key length on the device) on the same weights; ``full`` is the engine's own full-attention
-policy (paged cache, RoPE applied on the fly), which is what long-context extrapolation runs on.
+The baselines run on the same weights: ``dense`` is attention as a conventional engine runs it
+(``bench/dense.py``: keys rotated once when cached, a contiguous cache, flash SDPA; on CUDA each decode step
+one CUDA graph, flash attention reading the key length on the device), prefilling in ``--chunk-size``
+chunks, ``dense:chunk=N`` in chunks of N and ``dense:chunk=all`` in one pass; ``transformers`` is Hugging
+Face transformers' own model and SDPA (``bench/hf_dense.py``: one-pass prefill, decode over its
+DynamicCache), what users run today. Every ratio is against the fastest baseline of the run at that
+length, prefill and decode each against their own. ``full`` is the engine's own full-attention policy
+(paged cache, RoPE applied on the fly), which is what long-context extrapolation runs on.
+
+Each row also carries its decode step's memory floor (``floors.py``: the bytes it must read over the copy
+bandwidth measured at the start of the run) and, with ``--hit-rate``, an estimated row for a model whose
+Selection Cache reuses that share of its lookups (a mix of the selecting row and the hit path's).
 
 ``--kv-offload values`` keeps the V pool in pinned host memory (K stays on the GPU), which is what
 lets a 1M-token cache of the Llama-3-8B shape fit one 80 GB GPU. Full attention then reads every
@@ -46,6 +54,8 @@ from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, policy_spec
 from ..sampling import SamplingParams
 from .dense import DenseRunner
+from .floors import copy_bandwidth, decode_floor, profile_parts
+from .hf_dense import measure_transformers, transformers_model
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -88,20 +98,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profiled(llm, done: Callable[[], bool]) -> str:
+def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> str:
     """Run engine steps until ``done()`` under torch.profiler -> the operations that took the most
-    host time and the most device time, as two tables."""
+    host time and the most device time, as two tables. parts(events, steps) -> text: a table of the device
+    time by part against its floor, put first."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = llm.device.type == "cuda"
+    steps = 0
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         while not done():
             llm.step()
+            steps += 1
         sync(llm.device)
     ops = prof.key_averages()
     tables = [ops.table(sort_by="self_cpu_time_total", row_limit=15)]
     if cuda:
         tables.append(ops.table(sort_by="self_device_time_total", row_limit=30))
+        if parts is not None:
+            tables.insert(0, parts(ops, steps))
     return "\n".join(tables)
 
 
@@ -118,10 +133,12 @@ def whole_steps(llm, since: int | None = 0) -> int | None:
     return None if llm.runner.graphs is None else llm.runner.graphs.whole_steps - since
 
 
-def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "") -> dict:
+def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, label: str = "",
+            floor_at: Callable[[float | None], dict | None] | None = None, bandwidth: float | None = None) -> dict:
     """Prefill the prompt, then decode ``decode_steps`` tokens, timing each phase. With
     ``profile_steps``, the last that many prefill chunks (inside the prefill time) and as many decode
-    steps after the timed ones run under the profiler: its tables come back under "profile"."""
+    steps after the timed ones run under the profiler: its tables come back under "profile", the decode's
+    with its device time by part against ``floor_at(hit rate)`` (``floors.decode_floor``) at ``bandwidth``."""
     dev = llm.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -155,7 +172,16 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     whole = whole_steps(llm, since=whole)
     counted = (llm.policy.stats() or PolicyStats()) - before
     if profile_steps:
-        profile["decode"] = profiled(llm, lambda: seq.finished)
+        stats = llm.policy.stats() or PolicyStats()
+
+        def parts(events, steps: int) -> str:
+            hits = (llm.policy.stats() or PolicyStats()) - stats
+            looked_up = hits.selection_cache_hits + hits.selection_cache_misses
+            floor = floor_at(hits.selection_cache_hits / looked_up if looked_up else None) if floor_at else None
+            return f"Device time a step by part, against the floor at {bandwidth / 1e9:,.0f} GB/s:\n\n" + \
+                profile_parts(events, steps, floor, bandwidth) + "\n"
+
+        profile["decode"] = profiled(llm, lambda: seq.finished, parts if bandwidth else None)
     hits, misses = counted.selection_cache_hits, counted.selection_cache_misses
     row = {
         "prefill_s": prefill,
@@ -196,19 +222,37 @@ def full_offload_bytes(llm, length: int) -> int:
     return row * sum(min(start + chunk, length) for start in range(0, length, chunk))
 
 
-def measure_dense(config: dict, ids: list[int], args) -> dict:
-    """Prefill and decode with the dense baseline on an engine of the same weights (its own KV pool
-    left empty: the contiguous dense cache is the one that holds the sequence)."""
+DENSE = ("dense", "transformers")  # the baselines: rows without an engine policy
+
+
+def dense_chunk(spec: str, length: int, default: int) -> int:
+    """The prefill chunk of a dense row: ``dense`` (the run's --chunk-size), ``dense:chunk=8192`` or
+    ``dense:chunk=all`` (the whole prompt in one pass)."""
+    name, settings = policy_spec(spec)
+    unknown = set(settings) - {"chunk"}
+    if name != "dense" or unknown:
+        raise ValueError(f"{spec!r}: dense takes one setting, chunk=N or chunk=all")
+    chunk = settings.get("chunk", default)
+    if chunk == "all":
+        return length
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"{spec!r}: chunk must be a positive number of tokens or 'all'")
+    return chunk
+
+
+def measure_dense(config: dict, ids: list[int], args, chunk: int) -> dict:
+    """Prefill (in chunks of ``chunk`` tokens) and decode with the dense baseline on an engine of the same
+    weights (its own KV pool left empty: the contiguous dense cache is the one that holds the sequence)."""
     llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
                      cuda_graphs=args.cuda_graphs)
     dev = llm.device
-    DenseRunner(llm, WARMUP_TOKENS + 2).generate(ids[:WARMUP_TOKENS], args.chunk_size, 2)  # compile, warm up
+    DenseRunner(llm, WARMUP_TOKENS + 2).generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # compile, warm up
     runner = DenseRunner(llm, len(ids) + args.decode_steps + 2)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
     start = time.perf_counter()
-    token = runner.prefill(ids, args.chunk_size).argmax()
+    token = runner.prefill(ids, chunk).argmax()
     sync(dev)
     prefill = time.perf_counter() - start
     token = runner.forward(token.reshape(1)).argmax()  # untimed, as the policies' first decode step
@@ -218,28 +262,63 @@ def measure_dense(config: dict, ids: list[int], args) -> dict:
         token = runner.forward(token.reshape(1)).argmax()
     sync(dev)
     decode = (time.perf_counter() - start) / args.decode_steps
-    return {"prefill_s": prefill, "decode_ms": decode * 1e3, "hit_rate": None,
-            "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
+    return {"kv": kv_label(llm.dtype, "none"), "prefill_s": prefill, "decode_ms": decode * 1e3, "hit_rate": None,
+            "chunk": chunk, "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
 
 
-def run_dense(config: dict, length: int, args) -> dict:
-    row = {"length": length, "policy": "dense", "kv": "bf16"}
+def measure_hf(config: dict, ids: list[int], args) -> dict:
+    """Hugging Face transformers on the same weights (``hf_dense.py``): the prompt in one SDPA pass, decode over
+    its DynamicCache; an untimed warm-up request first."""
+    llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, cuda_graphs=False)
+    model = transformers_model(llm, config)
+    measure_transformers(model, ids[:WARMUP_TOKENS], 2)
+    if llm.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(llm.device)
+    row = measure_transformers(model, ids, args.decode_steps)
+    del row["tokens"]
+    return {**row, "kv": kv_label(llm.dtype, "none"), "hit_rate": None, "chunk": len(ids),
+            "peak_gb": torch.cuda.max_memory_allocated(llm.device) / 1e9 if llm.device.type == "cuda" else None}
+
+
+def with_floor(row: dict, config: dict, bandwidth: float | None, weight_bytes: int = 2, kv_bytes: int = 2,
+               select_bytes: int | None = None) -> dict:
+    """The row with its decode step's memory floor at its measured hit rate (``floors.decode_floor``; weight_bytes,
+    kv_bytes, select_bytes: bytes of an element of the weights, the KV pool and the selection keys):
+    "floor_ms" and the bytes by part under "floor"; unchanged where no floor applies (no bandwidth measured,
+    an error, values in host memory, several GPUs, a policy without a floor)."""
+    if bandwidth is None or "error" in row or "V on host" in row.get("kv", "") or row.get("tensor_parallel_size", 1) > 1:
+        return row
+    floor = decode_floor(config, row.get("settings"), row["length"], bandwidth, weight_bytes, kv_bytes, select_bytes,
+                         row.get("hit_rate"))
+    return row if floor is None else {**row, "floor_ms": floor["floor_ms"], "floor": floor}
+
+
+def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | None = None) -> dict:
+    """A baseline's row: ``dense[:chunk=N|all]`` or ``transformers``."""
+    row = {"length": length, "policy": spec, "kv": "bf16"}
+    ids = text_prompt(length, config["vocab_size"])
     try:
-        row.update(measure_dense(config, text_prompt(length, config["vocab_size"]), args))
+        row.update(measure_hf(config, ids, args) if spec == "transformers"
+                   else measure_dense(config, ids, args, dense_chunk(spec, length, args.chunk_size)))
     except torch.OutOfMemoryError:
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
+    size = KV_DTYPES[row["kv"]].itemsize
+    row = with_floor(row, config, bandwidth, size, size)
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
     return row
 
 
-def run_length(config: dict, length: int, policies: list[str], args) -> Iterator[dict]:
+def run_length(config: dict, length: int, policies: list[str], args, bandwidth: float | None = None
+               ) -> Iterator[dict]:
     """One engine for prompts of ``length`` tokens; yields each policy's row as soon as it is measured
-    (the dense baseline first, on its own cache, before the engine's pool is allocated)."""
-    if "dense" in policies:
-        yield run_dense(config, length, args)
-        policies = [p for p in policies if p != "dense"]
+    (the baselines first, on their own caches, before the engine's pool is allocated). bandwidth: the
+    device's copy bandwidth (bytes/s), for the rows' decode floors."""
+    for spec in [p for p in policies if policy_spec(p)[0] in DENSE]:
+        yield run_dense(config, length, spec, args, bandwidth)
+    policies = [p for p in policies if policy_spec(p)[0] not in DENSE]
     if not policies:
         return
 
@@ -260,6 +339,8 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
           f"{time.perf_counter() - start:.1f} s", flush=True)
     ids = text_prompt(length, config["vocab_size"])
     kv = kv_label(llm.kv_dtype, args.kv_offload, llm.select_dtype)
+    kv_bytes = llm.kv_dtype.itemsize
+    select_bytes = llm.select_dtype.itemsize
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
@@ -271,7 +352,14 @@ def run_length(config: dict, length: int, policies: list[str], args) -> Iterator
         else:
             try:
                 warm_up(llm, ids)
-                row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}"))
+
+                def floor_at(hit_rate: float | None, row=row) -> dict | None:
+                    return with_floor({**row, "hit_rate": hit_rate}, config, bandwidth, llm.dtype.itemsize, kv_bytes,
+                                      select_bytes).get("floor")
+
+                row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}", floor_at,
+                                   bandwidth))
+                row = with_floor(row, config, bandwidth, llm.dtype.itemsize, kv_bytes, select_bytes)
                 if row["hit_rate"] is not None:
                     row["real_hit_rate"] = real_text_hit_rate(settings, text_prompt(length, None), args.decode_steps,
                                                               args)
@@ -295,28 +383,75 @@ def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None 
     return names[dtype] + (", V on host" if offload == "values" else "") + copy
 
 
+def best_dense(rows: list[dict]) -> dict[int, dict]:
+    """Length -> {"prefill": row, "decode": row}: the fastest baseline rows (``DENSE``) at that length, each
+    phase's own (a one-pass prefill may be fastest while another row decodes fastest)."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if policy_spec(r["policy"])[0] not in DENSE or "error" in r:
+            continue
+        b = best.setdefault(r["length"], {"prefill": r, "decode": r})
+        if r["prefill_s"] < b["prefill"]["prefill_s"]:
+            b["prefill"] = r
+        if r["decode_ms"] < b["decode"]["decode_ms"]:
+            b["decode"] = r
+    return best
+
+
+def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
+    """For each length and KV setting with both a selecting ``tokenselect`` row and its hit path
+    (``tokenselect:theta=-1``), the decode step a model reusing ``hit_rate`` of its selections would see: a
+    layer that hits skips its scoring, vote and top-k and nothing else, so the step is the mix
+    ``hit_rate * hit + (1 - hit_rate) * selecting`` (and likewise its floor). Prefill is the selecting row's."""
+    found = {(r["length"], r.get("kv"), r["policy"]): r for r in rows if "error" not in r}
+    out = []
+    for (length, kv, policy), select in found.items():
+        hit = found.get((length, kv, "tokenselect:theta=-1"))
+        if policy != "tokenselect" or hit is None:
+            continue
+        mix = {"length": length, "policy": f"tokenselect at {hit_rate:.0%} hits (estimate)", "kv": kv,
+               "estimated": True, "prefill_s": select["prefill_s"], "hit_rate": hit_rate,
+               "decode_ms": hit_rate * hit["decode_ms"] + (1 - hit_rate) * select["decode_ms"],
+               "peak_gb": max(select["peak_gb"] or 0, hit["peak_gb"] or 0) or None}
+        if select.get("floor_ms") is not None and hit.get("floor_ms") is not None:
+            mix["floor_ms"] = hit_rate * hit["floor_ms"] + (1 - hit_rate) * select["floor_ms"]
+        out.append(mix)
+    return out
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown table with speedups against ``dense`` at the same length."""
-    dense = {r["length"]: r for r in rows if r["policy"] == "dense" and "error" not in r}
-    lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | SC hit rate (real text) "
-             "| one-graph prefill | one-graph decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table with speedups against the fastest baseline at the same length (``best_dense``: each
+    phase against its own fastest), then a line a length naming those baselines."""
+    best = best_dense(rows)
+    lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | decode floor ms | of floor "
+             "| SC hit rate (real text) | one-graph prefill | one-graph decode | peak GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['length'] // 1024}K"
         if "error" in r:
-            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | | |")
+            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | | | | |")
             continue
-        d = dense.get(r["length"])
-        px = f"{d['prefill_s'] / r['prefill_s']:.2f}x" if d else "dense n/a"
-        dx = f"{d['decode_ms'] / r['decode_ms']:.2f}x" if d else "dense n/a"
+        b = best.get(r["length"])
+        px = f"{b['prefill']['prefill_s'] / r['prefill_s']:.2f}x" if b else "dense n/a"
+        dx = f"{b['decode']['decode_ms'] / r['decode_ms']:.2f}x" if b else "dense n/a"
+        floor = r.get("floor_ms")
+        fl = f"{floor:.2f}" if floor is not None else "-"
+        of = f"{floor / r['decode_ms']:.0%}" if floor is not None else "-"
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
         if r.get("real_hit_rate") is not None:
             hit += f" ({r['real_hit_rate']:.0%})"
-        peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
+        peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") is not None else "-"
         whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
         chunks = (f"{r['whole_graph_chunks']}/{r['prefill_chunks']}" if r.get("whole_graph_chunks") is not None
                   else "-")
         lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} "
-                     f"| {dx} | {hit} | {chunks} | {whole} | {peak} |")
+                     f"| {dx} | {fl} | {of} | {hit} | {chunks} | {whole} | {peak} |")
+    if best:
+        lines.append("")
+    for length, b in best.items():
+        lines.append(f"x at {length // 1024}K: prefill against {b['prefill']['policy']} "
+                     f"({b['prefill']['prefill_s']:.2f} s), decode against {b['decode']['policy']} "
+                     f"({b['decode']['decode_ms']:.2f} ms), the fastest baselines of the run.")
     return "\n".join(lines)
 
 
@@ -338,7 +473,7 @@ def plot(rows: list[dict], path: Path) -> None:
     save_png(fig, path)
 
 
-def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> str:
+def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandwidth: float | None = None) -> str:
     """Write the table (.md), the rows (.json), the plot (.png) and any profiles (_profile.txt) of the
     rows so far; returns the table."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
@@ -347,9 +482,10 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict]) -> st
              f"selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
              f"{'CUDA graphs' if graphs else 'eager'}"
              + (f", tensor parallel over {args.tensor_parallel_size} ({args.tp_selection} selection)"
-               if getattr(args, "tensor_parallel_size", 1) > 1 else ""))
-    return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload},
-                rows)
+               if getattr(args, "tensor_parallel_size", 1) > 1 else "")
+             + (f", copy bandwidth {bandwidth / 1e9:,.0f} GB/s" if bandwidth else ""))
+    return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload,
+                                                             "copy_bandwidth": bandwidth}, rows)
 
 
 def save(out: Path, tag: str, title: str, device: str, meta: dict, rows: list[dict]) -> str:
@@ -393,13 +529,26 @@ def run(args: argparse.Namespace) -> int:
         config = {**config, "num_hidden_layers": args.layers}
     policies = args.policies.split(",")
     for policy in policies:
-        if policy != "dense" and policy_spec(policy)[0] not in POLICIES:
-            raise SystemExit(f"unknown policy {policy!r}: use dense or one of {', '.join(POLICIES)}")
+        name = policy_spec(policy)[0]
+        if name not in POLICIES and name not in DENSE:
+            raise SystemExit(f"unknown policy {policy!r}: use {', '.join(DENSE)} or one of {', '.join(POLICIES)}")
+        if name == "dense":
+            try:
+                dense_chunk(policy, 1, args.chunk_size)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+    if args.hit_rate is not None and not 0 <= args.hit_rate <= 1:
+        raise SystemExit(f"--hit-rate must be between 0 and 1, not {args.hit_rate}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written) on {device}", flush=True)
     rows = []
     for length in [parse_length(x) for x in args.lengths.split(",")]:
-        for row in run_length(config, length, policies, args):
+        for row in run_length(config, length, policies, args, bandwidth):
             rows.append(row)
-            report = write_report(args, config, rows)  # after every row, so a run cut short keeps what it measured
+            estimates = estimated_rows(rows, args.hit_rate) if args.hit_rate is not None else []
+            # after every row, so a run cut short keeps what it measured
+            report = write_report(args, config, rows + estimates, bandwidth)
     print(report)
     return 0
 
@@ -415,12 +564,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
     p.add_argument("--policies", default="dense,full,streaming,infllm,tokenselect",
-                   help="dense (flash attention over a contiguous rotated cache, decode steps as CUDA graphs: the "
-                        "baseline of the ratios) "
-                        "and engine policies, each optionally NAME:KEY=VALUE;... with its own settings, e.g. "
-                        "tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's speed) "
-                        "(default: dense,full,streaming,infllm,tokenselect)")
+                   help="baselines: dense (flash attention over a contiguous rotated cache, prefill in --chunk-size "
+                        "chunks, decode steps as CUDA graphs), dense:chunk=N or dense:chunk=all (the prompt in one "
+                        "pass), transformers (Hugging Face transformers' SDPA on the same weights: one-pass prefill, "
+                        "DynamicCache decode); and engine policies, each optionally NAME:KEY=VALUE;... with its own "
+                        "settings, e.g. tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's "
+                        "speed). Every x is against the fastest baseline of the run at that length, prefill and "
+                        "decode each their own (default: dense,full,streaming,infllm,tokenselect)")
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--hit-rate", type=float, default=None,
+                   help="add, where tokenselect and tokenselect:theta=-1 both ran, the decode step of a model whose "
+                        "Selection Cache reuses this share of its lookups (an estimate: the mix of the two rows), "
+                        "e.g. a real model's rate from an eval table")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
     p.add_argument("--kv-offload", default="none", choices=["none", "values"],
