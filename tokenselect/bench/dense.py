@@ -1,17 +1,21 @@
-"""Dense attention as a conventional engine runs it: the end-to-end benchmark's baseline.
+"""Dense attention as a conventional engine runs it: the benchmarks' baseline.
 
-Keys are rotated once, when they are cached; each layer's cache is one contiguous tensor
-``[n_kv_heads, max_tokens, head_dim]``; attention is PyTorch SDPA (the flash backend on CUDA) with a
-bottom-right causal mask for a prefill chunk. The same model object and weights as the engine run
-underneath, prefill chunks through the same model runner and its CUDA graphs (``runner.py``): only the
-attention context differs, so the benchmark's dense-vs-policy ratios measure attention and selection, nothing else. One
-sequence at a time.
+Keys are rotated once, when they are cached; the cache holds ``batch`` sequences, each in ``max_tokens``
+contiguous rows, ``k, v: [n_layers, batch, max_tokens, n_kv_heads, head_dim]`` (token-major, flash attention's
+own layout). Attention is PyTorch SDPA (the flash backend on CUDA) with a bottom-right causal mask for a prefill
+chunk. The same model object and weights as the engine run underneath, prefill chunks through the same model
+runner and its CUDA graphs (``runner.py``): only the attention context differs, so the benchmarks'
+dense-vs-policy ratios measure attention and selection, nothing else.
 
-On CUDA in bf16 or fp16 a decode step runs as one CUDA graph, as a serving engine runs it and as the
-policies' whole steps run (``cuda_graphs.py``): the token's position is a device tensor, the cache is written at it,
-and flash attention (``aten::_flash_attention_forward``, variable-length form) reads how many keys are live
-from ``seqused_k`` on the device, so one graph serves every step. SDPA itself takes the key length from the
-tensors' shapes, which a graph would fix.
+A prompt is prefilled one sequence at a time (``prefill(ids, chunk_size, seq)``); a decode step
+(``decode(tokens)``) runs one token of each of the first ``n`` sequences, as a serving engine batches them.
+On CUDA in bf16 or fp16 a decode step runs as one CUDA graph per ``n``, as a serving engine runs it and as the
+policies' whole steps run (``cuda_graphs.py``): the tokens' positions are a device tensor, the cache is written
+at them, and flash attention (``aten::_flash_attention_forward``, variable-length form: query ``i`` is sequence
+``i``, whose keys start at row ``i * max_tokens`` of the layer's cache seen as ``[batch * max_tokens, n_kv_heads,
+head_dim]``) reads how many keys of each are live from ``seqused_k`` on the device, so one graph serves every
+step. SDPA itself takes the key length from the tensors' shapes, which a graph would fix. Elsewhere (a CPU, fp32)
+a decode step runs the same code eagerly, with ``varlen_decode_reference`` in place of the flash kernel.
 """
 
 from __future__ import annotations
@@ -26,96 +30,174 @@ from ..rope import rotate
 
 
 class DenseRunner:
-    """Prefill and decode one sequence of ``llm``'s model with dense SDPA over a contiguous cache."""
+    """Prefill and decode up to ``batch`` sequences of ``llm``'s model with dense attention over a contiguous cache
+    of ``max_tokens`` tokens each. With ``batch`` 1 (the default) ``forward``, ``prefill`` and ``generate`` run the
+    one sequence."""
 
-    def __init__(self, llm, max_tokens: int):
+    def __init__(self, llm, max_tokens: int, batch: int = 1):
         if llm.rope.spec.kind == "dynamic":
             raise ValueError("the dense baseline caches rotated keys: dynamic NTK, whose frequencies change "
                              "with the length, would rotate old and new keys differently")
         cfg = llm.config
-        shape = (cfg.n_layers, cfg.n_kv_heads, max_tokens, cfg.head_dim)
+        shape = (cfg.n_layers, batch, max_tokens, cfg.n_kv_heads, cfg.head_dim)
         self.k = torch.empty(shape, dtype=llm.dtype, device=llm.device)
         self.v = torch.empty(shape, dtype=llm.dtype, device=llm.device)
+        self.batch, self.max_tokens = batch, max_tokens
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
         self.runner = llm.runner  # the engine's forward pass and CUDA graphs, as the policies run them
         # flash wherever it applies (bf16, fp16: what the benchmark runs); other dtypes on a GPU (fp32, in
         # the tests) fall back to the next kernel that takes them
         self.backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
                          if llm.device.type == "cuda" else [SDPBackend.MATH])
-        self.length = 0  # tokens cached
-        self._positions = None
-        # decode steps as one graph: flash attention with the key length on the device
+        self.lengths = [0] * batch  # tokens cached, per sequence
+        # the eager pass's work: (sequence, first row of its tokens in the pass, how many, positions [c]);
+        # None while a decode step runs (``decode_attention``: its positions are ``self._positions``, on the device)
+        self._plan: list[tuple[int, int, int, torch.Tensor]] | None = []
+        # decode steps as one graph each batch size: flash attention with the key lengths on the device
         self.flash_decode = (self.device.type == "cuda" and self.runner.graphs is not None
                              and llm.dtype in (torch.bfloat16, torch.float16))
-        self.decode_graph: torch.cuda.CUDAGraph | None = None
-        if self.flash_decode:
-            self._token = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._position = torch.zeros(1, dtype=torch.int64, device=self.device)
-            # one query, one sequence of max_tokens slots, of which position + 1 are live (seqused_k)
-            self._cu_q = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
-            self._cu_k = torch.tensor([0, max_tokens], dtype=torch.int32, device=self.device)
-            self._logits: torch.Tensor | None = None
+        self.decode_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # n -> (graph, its logits)
+        self.decode_graph: torch.cuda.CUDAGraph | None = None  # the last decode step's
+        # a decode step's inputs on the device: tokens, positions (of which the first ``_positions_known`` equal
+        # ``lengths``: a step advances them on the device, with no host copy to wait for)
+        self._tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self._positions = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self._positions_known = 0
+        # query i is sequence i; its keys are rows i * max_tokens ... of the layer's [batch * max_tokens, ...]
+        self._cu_q = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
+        self._cu_k = self._cu_q * max_tokens
+        self._first_row = self._cu_k[:-1].to(torch.int64)
+
+    @property
+    def length(self) -> int:
+        """Tokens cached of the first sequence (the only one with ``batch`` 1)."""
+        return self.lengths[0]
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The model's attention context. q: [c, n_heads, d], k, v: [c, n_kv_heads, d] -> [c, n_heads, d]."""
-        if self.flash_decode and q.shape[0] == 1:
+        """The model's attention context. q: [n, n_heads, d], k, v: [n, n_kv_heads, d] -> [n, n_heads, d]."""
+        if self._plan is None:
             return self.decode_attention(layer, q, k, v)
-        t, c = self.length, q.shape[0]
-        inv_freq, scale = self.rope(self._positions)
-        q = rotate(q, self._positions, inv_freq, scale)
-        self.k[layer, :, t:t + c] = rotate(k, self._positions, inv_freq, scale).transpose(0, 1)
-        self.v[layer, :, t:t + c] = v.transpose(0, 1)
+        out = torch.empty_like(q)
+        for seq, row, c, positions in self._plan:
+            rows = slice(row, row + c)
+            out[rows] = self.sequence_attention(layer, seq, positions, q[rows], k[rows], v[rows])
+        return out
+
+    def sequence_attention(self, layer: int, seq: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> torch.Tensor:
+        """c tokens of sequence ``seq`` at ``positions: [c]`` (after its cached ones): cache their keys and values,
+        attend causally. q: [c, n_heads, d], k, v: [c, n_kv_heads, d] -> [c, n_heads, d]."""
+        c, t = q.shape[0], self.lengths[seq]
+        inv_freq, scale = self.rope(positions)
+        q = rotate(q, positions, inv_freq, scale)
+        self.k[layer, seq, t:t + c] = rotate(k, positions, inv_freq, scale)
+        self.v[layer, seq, t:t + c] = v
+        keys, values = self.k[layer, seq, :t + c].transpose(0, 1), self.v[layer, seq, :t + c].transpose(0, 1)
         mask = causal_lower_right(c, t + c) if c > 1 else None
         with sdpa_kernel(self.backends):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[layer, :, :t + c][None],
-                                                 self.v[layer, :, :t + c][None], attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                                 enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One token at the device position ``self._position`` (nothing read on the host: a graph's step).
-        q: [1, n_heads, d], k, v: [1, n_kv_heads, d] -> [1, n_heads, d]."""
-        pos = self._position
+        """One token of each of the first n sequences at the device positions ``self._positions[:n]`` (nothing read
+        on the host: a graph's step). q: [n, n_heads, d], k, v: [n, n_kv_heads, d] -> [n, n_heads, d]."""
+        n = q.shape[0]
+        pos = self._positions[:n]
         inv_freq, scale = self.rope(pos)
-        self.k[layer].index_copy_(1, pos, rotate(k, pos, inv_freq, scale).transpose(0, 1))
-        self.v[layer].index_copy_(1, pos, v.transpose(0, 1))
-        slots = self.k.shape[2]  # [slots, n_kv_heads, d] views of the head-major cache
-        return torch.ops.aten._flash_attention_forward(
-            rotate(q, pos, inv_freq, scale), self.k[layer].transpose(0, 1), self.v[layer].transpose(0, 1),
-            self._cu_q, self._cu_k, 1, slots, 0.0, False, False, seqused_k=(pos + 1).to(torch.int32))[0]
-
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        """One decode step as a CUDA graph (recorded on the first: a run on a side stream, then the capture,
-        whose cache writes repeat the run's) -> logits [vocab]."""
-        self._token.copy_(token)
-        self._position.fill_(self.length)
-        if self.decode_graph is None:
-            warm_up(lambda: self.model(self._token, self))
-            self.decode_graph, self._logits = capture(lambda: self.model(self._token, self), None)
-        self.decode_graph.replay()
-        self.length += 1
-        return self._logits[0]
+        rows = self._first_row[:n] + pos
+        keys = self.k[layer, :n].view(n * self.max_tokens, *self.k.shape[3:])  # [n * max_tokens, n_kv_heads, d]
+        values = self.v[layer, :n].view(keys.shape)
+        keys.index_copy_(0, rows, rotate(k, pos, inv_freq, scale))
+        values.index_copy_(0, rows, v)
+        q, used = rotate(q, pos, inv_freq, scale), (pos + 1).to(torch.int32)
+        if not self.flash_decode:
+            return varlen_decode_reference(q, keys, values, self._cu_k[:n + 1], used)
+        return torch.ops.aten._flash_attention_forward(q, keys, values, self._cu_q[:n + 1], self._cu_k[:n + 1], 1,
+                                                       self.max_tokens, 0.0, False, False, seqused_k=used)[0]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the next tokens ``ids: [c]`` -> logits of the last one, ``[vocab]`` (fp32)."""
-        c = ids.numel()
-        if self.flash_decode and c == 1:
-            return self.decode(ids)
-        self._positions = torch.arange(self.length, self.length + c, device=self.device)
-        logits = self.model.logits(self.runner.hidden(ids, self, torch.tensor([c - 1], device=self.device)))[0]
-        self.length += c
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step of the first n sequences, ``tokens: [n]`` (int64, one each, on the device) -> logits
+        [n, vocab] (fp32; with flash decode a static buffer, rewritten by the next step of n). With flash decode a
+        graph for each n, recorded on its first step (a run on a side stream, then the capture, whose cache writes
+        repeat the run's); otherwise the same step eagerly."""
+        n = tokens.numel()
+        if not 0 < n <= self.batch or max(self.lengths[:n]) >= self.max_tokens:
+            raise ValueError(f"a decode step of {n} sequences of lengths {self.lengths[:n]}: the cache holds "
+                             f"{self.batch} of {self.max_tokens} tokens")
+        self._tokens[:n].copy_(tokens)
+        if self._positions_known < n:
+            self._positions[:n].copy_(torch.tensor(self.lengths[:n]))
+            self._positions_known = n
+        self._plan = None  # attention: ``decode_attention``
+        try:
+            if self.flash_decode:
+                if n not in self.decode_graphs:
+                    warm_up(lambda: self.model(self._tokens[:n], self))
+                    self.decode_graphs[n] = capture(lambda: self.model(self._tokens[:n], self), None)
+                self.decode_graph, logits = self.decode_graphs[n]
+                self.decode_graph.replay()
+            else:
+                logits = self.model.logits(self.runner.hidden(self._tokens[:n], self,
+                                                              torch.arange(n, device=self.device)))
+        finally:
+            self._plan = []
+        self._positions[:n] += 1
+        for seq in range(n):
+            self.lengths[seq] += 1
         return logits
 
-    def prefill(self, ids: list[int], chunk_size: int) -> torch.Tensor:
-        """The prompt in chunks of ``chunk_size`` -> logits of its last token."""
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, seq: int = 0) -> torch.Tensor:
+        """Run the next tokens ``ids: [c]`` of sequence ``seq`` -> logits of the last one, ``[vocab]`` (fp32). One
+        token of the first sequence is a decode step of one (``decode``)."""
+        c = ids.numel()
+        if self.lengths[seq] + c > self.max_tokens:
+            raise ValueError(f"sequence {seq} holds {self.lengths[seq]} of {self.max_tokens} tokens: {c} more do not fit")
+        if self.flash_decode and c == 1 and seq == 0:
+            return self.decode(ids.reshape(1))[0]
+        t = self.lengths[seq]
+        self._plan = [(seq, 0, c, torch.arange(t, t + c, device=self.device))]
+        logits = self.model.logits(self.runner.hidden(ids, self, torch.tensor([c - 1], device=self.device)))[0]
+        self.lengths[seq] += c
+        self._positions_known = min(self._positions_known, seq)
+        return logits
+
+    def prefill(self, ids: list[int], chunk_size: int, seq: int = 0) -> torch.Tensor:
+        """The prompt of sequence ``seq`` in chunks of ``chunk_size`` -> logits of its last token."""
         t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         for start in range(0, len(ids), chunk_size):
-            logits = self.forward(t[start:start + chunk_size])
+            logits = self.forward(t[start:start + chunk_size], seq)
         return logits
 
+    def reset(self) -> None:
+        """Forget every sequence (the cache is reused from its start; the recorded graphs stay valid)."""
+        self.lengths = [0] * self.batch
+        self._positions_known = 0
+
     def generate(self, ids: list[int], chunk_size: int, max_tokens: int) -> list[int]:
-        """Greedy: prefill ``ids``, then ``max_tokens`` new token ids."""
+        """Greedy, the first sequence: prefill ``ids``, then ``max_tokens`` new token ids."""
         out = [int(self.prefill(ids, chunk_size).argmax())]
         while len(out) < max_tokens:
             out.append(int(self.forward(torch.tensor(out[-1:], device=self.device)).argmax()))
         return out
+
+
+def varlen_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_k: torch.Tensor,
+                            used: torch.Tensor) -> torch.Tensor:
+    """What the variable-length flash call of a decode step computes, in plain PyTorch (fp32 softmax): query ``i``
+    attends to rows ``cu_k[i] .. cu_k[i] + used[i] - 1`` of ``keys``/``values``. q: [n, n_heads, d], keys, values:
+    [rows, n_kv_heads, d], cu_k: [n + 1], used: [n] -> [n, n_heads, d]."""
+    n, n_heads, d = q.shape
+    n_kv = keys.shape[1]
+    span = int((cu_k[1:] - cu_k[:-1]).max())  # a host read: not for a graph
+    rows = cu_k[:-1, None].long() + torch.arange(span, device=q.device)  # [n, span]
+    live = torch.arange(span, device=q.device) < used[:, None]  # [n, span]
+    rows = torch.where(live, rows, 0)
+    k, v = keys[rows].float(), values[rows].float()  # [n, span, n_kv, d]
+    q = q.float().view(n, n_kv, n_heads // n_kv, d)  # a query head's key head: head // (n_heads // n_kv)
+    scores = torch.einsum("nhgd,nshd->nhgs", q, k) * d ** -0.5
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    out = torch.einsum("nhgs,nshd->nhgd", scores.softmax(-1), v)
+    return out.reshape(n, n_heads, d).to(values.dtype)
