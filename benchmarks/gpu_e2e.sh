@@ -2,6 +2,7 @@
 # The committed end-to-end tables (issue #9), regenerated on one 80 GB GPU, one part per call so that each
 # fits a 10-minute device command. Each part writes OUTDIR/e2e_<tag>.{md,json,png}; copy them to
 # benchmarks/results, add the notes, then run benchmarks/update_readme.py.
+# Files are tagged with the GPU (below, "_h100" stands for the GPU's tag: _h200 on an H200).
 # Usage: benchmarks/gpu_e2e.sh OUTDIR PART [FLAG ...]   (FLAGs go to every `bench e2e` of the part, e.g.
 #   `profile --select-dtype fp8 --tag 128k_fp8_select_profile_h100`: a later --tag replaces the part's)
 #   tests    the GPU tests of whole-step graphs (really captured and checked), offload, the Selection Cache, InfLLM,
@@ -30,6 +31,9 @@
 #   merge    (no GPU) those of OUTDIR's e2e_{128k,256k,512k,1m,1m_more}_h100.json that exist (a later file's row
 #            replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
 set -euo pipefail
+# the files' suffix names the GPU that measured them: h100, h200 (GPU_TAG=... to choose; a CPU: h100)
+gpu=${GPU_TAG:-$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | grep -io 'h[0-9]\+' | tr A-Z a-z)}
+gpu=${gpu:-h100}
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 shift 2
@@ -48,20 +52,20 @@ case "$part" in
   kernels-b) python3 -m pytest -q tests/test_kernels.py -k "sparse_attention or window_mass" 2>&1 \
                | tee "$out/kernels_b.log" | tail -15 ;;
   decode) python3 benchmarks/decode_attention_gpu.py "$out" ;;
-  profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_h100 --policies tokenselect,tokenselect:theta=-1 \
+  profile) "${e2e[@]}" --lengths 128k --tag 128k_profile_$gpu --policies tokenselect,tokenselect:theta=-1 \
              --profile-steps 2 "${extra[@]}" ;;
-  128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_h100 --hit-rate 0.274 \
+  128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_$gpu --hit-rate 0.274 \
           --policies dense,dense:chunk=8192,dense:chunk=all,transformers,full,streaming,infllm,tokenselect,tokenselect:theta=-1 \
           "${extra[@]}" ;;
-  256k) "${e2e[@]}" --lengths 256k --tag 256k_h100 --policies dense,full,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
-  fp8-select) "${e2e[@]}" --lengths 128k,256k --tag fp8_select_h100 --select-dtype fp8 --hit-rate 0.274 \
+  256k) "${e2e[@]}" --lengths 256k --tag 256k_$gpu --policies dense,full,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  fp8-select) "${e2e[@]}" --lengths 128k,256k --tag fp8_select_$gpu --select-dtype fp8 --hit-rate 0.274 \
                 --policies dense,dense:chunk=all,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
-  512k) "${e2e[@]}" --lengths 512k --tag 512k_h100 --kv-dtype fp8 --decode-steps 16 \
+  512k) "${e2e[@]}" --lengths 512k --tag 512k_$gpu --kv-dtype fp8 --decode-steps 16 \
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm "${extra[@]}" ;;
-  1m) "${e2e[@]}" --lengths 1m --tag 1m_h100 "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
-  1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_h100 "${offload[@]}" --policies streaming,infllm "${extra[@]}" ;;
-  merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_h100.json; do [[ -f $f ]] && runs+=("$f"); done
-         "${e2e[@]}" --tag h100 --merge "${runs[@]}" "${extra[@]}" ;;
+  1m) "${e2e[@]}" --lengths 1m --tag 1m_$gpu "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_$gpu "${offload[@]}" --policies streaming,infllm "${extra[@]}" ;;
+  merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_"$gpu".json; do [[ -f $f ]] && runs+=("$f"); done
+         "${e2e[@]}" --tag "$gpu" --merge "${runs[@]}" "${extra[@]}" ;;
   *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m, 1m-more or merge" >&2
      exit 2 ;;
 esac

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-FIRST = ("eval_smollm2_h100", "real_model_checks_smollm2_h100", "e2e_h100", "attention_h100")  # the headline tables, in
+FIRST = ("eval_smollm2_h100", "real_model_checks_smollm2_h100", "e2e_128k_h200", "e2e_h100", "attention_h100")  # the headline tables, in
 # this order; the others follow by name
 
 
