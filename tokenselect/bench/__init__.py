@@ -1,6 +1,7 @@
-"""Benchmarks: ``tokenselect bench attention`` (one layer) and ``tokenselect bench e2e`` (whole model)."""
+"""Benchmarks: ``tokenselect bench attention`` (one layer), ``tokenselect bench e2e`` (whole model, one request) and
+``tokenselect bench throughput`` (whole model, many long requests decoded together)."""
 
-from . import attention, e2e
+from . import attention, e2e, throughput
 
 
 def add_parser(subparsers) -> None:
@@ -10,3 +11,4 @@ def add_parser(subparsers) -> None:
     inner = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     attention.add_parser(inner)
     e2e.add_parser(inner)
+    throughput.add_parser(inner)
