@@ -284,6 +284,21 @@ def test_block_scores_matches_reference(n, live, k, dtype):
         block_scores(rows.T, index, query)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_scores_read_a_bf16_query_as_its_fp32_copy(dtype):
+    """InfLLM's decode step hands its query to the block scores in the model's dtype (no fp32 copy a layer): both
+    kernels read it in fp32, so the scores are those of its fp32 copy, exactly."""
+    from tokenselect.kernels.block_scores import block_scores, block_scores_ref
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 1000, generator=gen).to(DEVICE, dtype)
+    index, query = torch.randperm(40, generator=gen)[:30].to(DEVICE), torch.randn(1000, generator=gen).to(DEVICE)
+    query = query.to(torch.bfloat16)
+    for kernel in (block_scores, block_scores_ref):
+        for n_valid in (None, torch.tensor(17, device=DEVICE)):
+            assert torch.equal(kernel(rows, index, query, n_valid), kernel(rows, index, query.float(), n_valid))
+
+
 def test_paged_dot_reference_is_the_definition():
     gen = torch.Generator().manual_seed(3)
     q, k_pool, slots = torch.randn(8, 16, generator=gen), torch.randn(20, 2, 16, generator=gen), torch.randperm(20)[:9]

@@ -39,8 +39,8 @@ class Kernels:
     store-or-reuse in a decode graph, ``selection_update.py``);
     window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
     local score, ``window_mass.py``);
-    block_scores(rows [R, K], index [n], query [K], n_valid=None) -> [n] fp32 (InfLLM's memory lookup,
-    ``block_scores.py``)."""
+    block_scores(rows [R, K], index [n], query [K] (any float dtype, read in fp32), n_valid=None) -> [n] fp32
+    (InfLLM's memory lookup, ``block_scores.py``)."""
 
     name: str
     paged_dot: Callable

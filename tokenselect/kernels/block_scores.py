@@ -17,9 +17,9 @@ import triton.language as tl
 
 def block_scores_ref(rows: torch.Tensor, index: torch.Tensor, query: torch.Tensor,
                      n_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """rows: [R, K] (fp32, bf16 or fp16), index: [n] int64 rows of it, query: [K] -> scores [n] fp32.
-    n_valid: None (all n live) or int64 [] on rows' device: entries from n_valid on score -inf (and their index
-    may hold anything)."""
+    """rows: [R, K] (fp32, bf16 or fp16), index: [n] int64 rows of it, query: [K] (any float dtype, read in fp32)
+    -> scores [n] fp32. n_valid: None (all n live) or int64 [] on rows' device: entries from n_valid on score -inf
+    (and their index may hold anything)."""
     n = index.numel()
     if n_valid is not None:
         live = torch.arange(n, device=rows.device) < n_valid

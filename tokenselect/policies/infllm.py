@@ -431,13 +431,17 @@ class InfLLM(SelectivePolicy):
         return attended
 
     def memory_list(self, layer: int, step: SeqStep, q: torch.Tensor,
-                    own: torch.Tensor) -> tuple[Attended, torch.Tensor, torch.Tensor]:
+                    own: torch.Tensor) -> tuple[Attended, torch.Tensor, int]:
         """A selecting step's list, n_valid of it live: [own | sinks | the chosen blocks | the tail] for a decode
         step (the own token first, where the list's length does not move it: one query sees every live entry),
         [sinks | the chosen blocks | the tail] for a prefill chunk, whose own tokens end the tail's live part. The
         tail is the table from the first token after the closed blocks on: the remainder, the window (and a
         chunk's own tokens), read at its longest. Every layer writes its choice of blocks into one list.
-        Returns (the list, the token indices of its entries from the tail on, the own token's entry)."""
+        Returns (the list, the token indices of its entries from the tail on, the own token's entry).
+
+        A layer's own work is the block scores, the top-k and one gather: the table's middle seen as rows of a block
+        each (a view), the chosen rows copied into the list's middle (with "original", the same rows of an arange
+        into its positions)."""
         n_init, n_local, bs, nb = self.n_init, self.n_local, self.block_size, self.n_blocks
         w = q.shape[0]
         first = 1 if step.decode else 0  # the own token's entry
@@ -457,36 +461,48 @@ class InfLLM(SelectivePolicy):
         pool_blocks = step.once("infllm pool blocks", lambda: self.table[:, :step.table.numel() // bs].index_select(
             0, step.row.view(1))[0])
 
-        # the blocks: scored against this sequence's representatives, read where the pool holds them
-        query = q[0].float() if step.decode else selection_query(q)
+        # the blocks: scored against this sequence's representatives, read where the pool holds them (the kernel
+        # reads the query in its own dtype and computes in fp32)
+        query = q[0] if step.decode else selection_query(q)
         scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, query.flatten(), n_full)
         self.heads.sum(scores)  # summed over every rank's heads (``parallel.HeadReduce``)
-        blocks = self.kernels.topk(scores, nb, n_full)
-        tokens = (blocks[:, None] * bs + self.cache.arange(bs)[None, :]).flatten() + n_init
-        torch.index_select(step.table, 0, tokens, out=slots[chosen])
+        blocks = self.kernels.topk(scores, nb, n_full)  # n_full > nb once it selects: every pick is a closed block
+        rows = (step.table.numel() - n_init) // bs  # the middle's blocks that the table holds whole (> n_full)
+        torch.index_select(step.table[n_init:n_init + rows * bs].view(rows, bs), 0, blocks,
+                           out=slots[chosen].view(nb, bs))
         if self.positions == "original":
-            key_pos[chosen].copy_(tokens)
-        return Attended(slots, key_pos, q_pos, n_valid), tail_tokens, self.cache.arange(1)
+            torch.index_select(self.cache.arange(n_init + rows * bs)[n_init:].view(rows, bs), 0, blocks,
+                               out=key_pos[chosen].view(nb, bs))
+        return Attended(slots, key_pos, q_pos, n_valid), tail_tokens, 0
 
     def count_own_query(self, layer: int, step: SeqStep, q: torch.Tensor, attended: Attended, tokens: torch.Tensor,
-                        own_col: torch.Tensor) -> None:
+                        own_col: int | torch.Tensor) -> None:
         """A decode step's attention on its window, counted into the ring (q: [1, H, d]; tokens: the token indices
-        of the list's last entries, those that may be in the window; own_col: [1], the own token's entry): the own
-        token's entry written, the window's others added to."""
+        of the list's last entries, those that may be in the window; own_col: the own token's entry, 0 in a
+        selecting step's list, a device index [1] in the whole table): the own token's entry written, the window's
+        others added to.
+
+        What does not depend on the layer is computed once a step: the mask of the entries past the live ones, which
+        of the tail's tokens are in the window, and the ring entries of the own token and of the tail's tokens in
+        layer 0 of the sequence's row of ``mass``; a layer's entries are the same ones in a view of ``mass`` that
+        starts at its ring (no index arithmetic per layer)."""
         n_local, ring = self.n_local, self.ring
         slots, n_valid = attended.slots, attended.n_valid
         tail_from = slots.numel() - tokens.numel()
-        dead = step.once("infllm dead", lambda: self.cache.arange(slots.numel()) >= n_valid)
+        masked = step.once("infllm masked", lambda: torch.where(self.cache.arange(slots.numel()) >= n_valid,
+                                                                float("-inf"), 0.0))
+        # the window: tokens from max(n_init, length - n_local + 1) to length - 1 (a sink has no ring entry)
         windowed = step.once("infllm windowed", lambda: (
-            (step.length - tokens >= 1) & (step.length - tokens < n_local) & (tokens >= self.n_init)).float()[:, None])
-        tail_ring = step.once("infllm tail ring", lambda: tokens % ring)
-        own_ring = step.once("infllm own ring", lambda: (step.length % ring).view(1))
-        logits = self.kernels.paged_dot(q[0], self.cache.k[layer], slots).mul_(1.0 / math.sqrt(q.shape[-1]))
-        p = torch.softmax(logits.masked_fill_(dead, float("-inf")), dim=1)  # [H, n]
-        base = (step.row * self.n_layers + layer) * ring
-        mass = self.mass.view(-1, q.shape[1])
-        mass.index_copy_(0, base + own_ring, p.index_select(1, own_col).T)
-        mass.index_add_(0, base + tail_ring, p[:, tail_from:].T * windowed)
+            (tokens >= (step.length - (n_local - 1)).clamp(min=self.n_init)) & (tokens < step.length)).float()[:, None])
+        row_entry = step.once("infllm row entry", lambda: step.row * (self.n_layers * ring))
+        tail_entries = step.once("infllm tail entries", lambda: row_entry + tokens % ring)
+        own_entry = step.once("infllm own entry", lambda: (row_entry + step.length % ring).view(1))
+        logits = self.kernels.paged_dot(q[0], self.cache.k[layer], slots)
+        p = torch.softmax(torch.add(masked, logits, alpha=1.0 / math.sqrt(q.shape[-1])), dim=1)  # [H, n]
+        mass = self.mass.view(-1, q.shape[1])[layer * ring:]  # entry e of layer 0 of a row is entry e here
+        own_p = p[:, own_col:own_col + 1] if isinstance(own_col, int) else p.index_select(1, own_col)
+        mass.index_copy_(0, own_entry, own_p.T)
+        mass.index_add_(0, tail_entries, p[:, tail_from:].T * windowed)
 
     def list_positions(self, step: SeqStep, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """The positions of a selecting step's list (the chosen blocks' are written by each layer with "original"):
