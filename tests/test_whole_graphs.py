@@ -191,7 +191,10 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     for policy, settings, works in (("tokenselect", {"k": 16, "dense_until": 0, **sizes}, True), ("streaming", sizes, True),
                                     ("tokenselect", {"k": 16, "dense_until": 200, **sizes}, True),
                                     ("full", {}, True), ("quest", {}, False),
-                                    ("infllm", {"k": 16, "block_size": 4, **sizes}, True)):
+                                    ("infllm", {"k": 16, "block_size": 4, **sizes}, True),
+                                    # inside InfLLM's threshold (4 + 128 + 3 + 16 tokens): every token, as full
+                                    # attention
+                                    ("infllm", {"k": 128, "block_size": 4, **sizes}, True)):
         llm.set_attention(policy, **settings)
         seqs = [llm.add_request(ids(80, i), SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
         while any(s.prefilling for s in seqs):
@@ -214,6 +217,39 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     assert not llm.runner.graphs.whole(decode)
     for s in seqs:
         llm.abort(s)
+
+
+@pytest.mark.parametrize("positions", ["fixed", "reindex"])
+def test_infllm_decode_inside_its_threshold_through_whole_graphs(tiny_llama, batch_invariant_matmuls, positions):
+    """InfLLM's decode steps before it selects attend every token (inside the model's 256-token window at their own
+    positions; past it, with the fixed scheme, the memory at one position): one graph per mode, as full attention's;
+    the tokens, and the local scores each step counts into the ring (which the blocks' representatives come from
+    once it selects), are the plain path's."""
+    settings = dict(n_init=4, n_local=16, k=320, block_size=4, repr_keys=2, positions=positions)  # selects past 343
+    engines = [LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=graphs, dtype="float32", **settings)
+               for graphs in (False, True)]
+    prompt = distinct_tokens(240, 12)
+    seqs, modes = [], []
+    for llm in engines:
+        seqs.append(llm.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
+        while seqs[-1].prefilling:
+            llm.step()
+        before = llm.runner.graphs.whole_steps if llm.runner.graphs is not None else 0
+        while seqs[-1].n_cached < 240 + 29:  # stopped before the end: the sequence keeps its memory
+            modes.append(llm.policy.mode(seqs[-1].n_cached, 1))
+            assert llm.policy.graph_ready(seqs[-1].n_cached, 1)
+            llm.step()
+    assert seqs[1].output_ids == seqs[0].output_ids
+    graphs = engines[1].runner.graphs
+    assert graphs.whole_steps - before == 29 and graphs.failure is None  # every decode step (240..268)
+    want = {"all", "all, fixed"} if positions == "fixed" else {"all"}  # past the window from 256 on
+    assert set(modes) == want and {key[-1] for key in graphs.whole_keys()} == want
+    (plain, graphed), last = [llm.policy for llm in engines], 240 + 29  # 4 .. 268 have ring entries
+    for layer in range(engines[0].model.config.n_layers):
+        ring = torch.arange(4, last) % plain.ring
+        torch.testing.assert_close(graphed.mass[graphed._memory[seqs[1].id].row, layer, ring],
+                                   plain.mass[plain._memory[seqs[0].id].row, layer, ring], rtol=1e-4, atol=1e-6)
+    assert not engines[1].policy.graph_ready(64, 32)  # a prefill chunk inside the threshold takes the pieces
 
 
 def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):

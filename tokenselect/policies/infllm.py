@@ -399,8 +399,16 @@ class InfLLM(SelectivePolicy):
     # ---- the step ---------------------------------------------------------------------------------
 
     def graph_ready(self, t: int, w: int = 1) -> bool:
-        """Past the selection threshold, where every step selects blocks (any position scheme)."""
-        return self.mode(t, w) == SELECT
+        """Past the selection threshold, where every step selects blocks (any position scheme); and a decode step
+        inside it, which attends every token (at their own positions, or the fixed scheme's past the model's window):
+        its list is full attention's (the table's fixed span, its live length on the device), graph-ready as full
+        attention is (not with value offload, which would stage the whole table), and it counts its query's
+        attention on the device as a selecting step does. Not a prefill chunk inside the threshold: it leaves its
+        list for ``prepare`` in a buffer as long as its table, a graph's padded capacity (up to the whole prompt)
+        where the eager step's is its t + w tokens, and a buffer of another shape for every prompt (only a selecting
+        chunk's, of one length, are kept for the next prompt) would record the graph again for each."""
+        mode = self.mode(t, w)
+        return mode == SELECT or (w == 1 and self.cache.offload != "values")
 
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
         return () if self.reprs is None else (self.reprs, self.table)
