@@ -120,8 +120,8 @@ def test_bench_e2e_merges_runs_into_one_table(tmp_path):
     merged = json.loads((tmp_path / "e2e_all.json").read_text())
     rows = merged["rows"]
     assert [(r["length"], r["policy"], r["kv"]) for r in rows] == [
-        (1024, "dense", "bf16"), (1024, "streaming", "fp32, fp8 selection keys"), (2048, "dense", "bf16"),
-        (2048, "streaming", "fp8")]  # (an fp8 pool is its own selection keys)
+        (1024, "dense", "fp32"), (1024, "streaming", "fp32, fp8 selection keys"), (2048, "dense", "fp32"),
+        (2048, "streaming", "fp8")]  # (dense's cache is in the model's dtype; an fp8 pool is its own selection keys)
     assert merged["merged"] == ["e2e_long.json", "e2e_short.json"]
     table = (tmp_path / "e2e_all.md").read_text()
     assert "merged from e2e_long, e2e_short" in table
