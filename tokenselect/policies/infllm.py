@@ -454,15 +454,17 @@ class InfLLM(SelectivePolicy):
         w = q.shape[0]
         first = 1 if step.decode else 0  # the own token's entry
         chosen = slice(first + n_init, first + n_init + nb * bs)
-        tail = self.cache.arange(self.list_length(w) - first - n_init - nb * bs)
-        # what the layers share: the list and its positions, the tail's tokens
+        tail = self.list_length(w) - first - n_init - nb * bs  # the tail's entries
+        # what the layers share: the list and its positions, the tail's tokens (n_init + n_full * bs + 0, 1, ...:
+        # n_init + 0, 1, ... is a view of the arange)
         n_full = step.once("infllm closed blocks", lambda: (step.length - (n_init + n_local)) // bs)
-        tail_tokens = step.once("infllm tail tokens", lambda: n_init + n_full * bs + tail)
+        tail_tokens = step.once("infllm tail tokens", lambda: torch.add(self.cache.arange(n_init + tail)[n_init:],
+                                                                        n_full, alpha=bs))
         slots = step.once("infllm list", lambda: torch.cat([
             own[:first], step.table[:n_init], own.new_zeros(nb * bs),
             step.table[tail_tokens.clamp(max=step.table.numel() - 1)]]))
-        n_valid = step.once("infllm live", lambda: step.length + w - n_full * bs + nb * bs)
-        key_pos = step.once("infllm positions", lambda: self.list_positions(step, n_full, tail))
+        n_valid = step.once("infllm live", lambda: torch.add(step.length, n_full, alpha=-bs) + (w + nb * bs))
+        key_pos = step.once("infllm positions", lambda: self.list_positions(step, tail_tokens, n_valid, w))
         q_pos = key_pos[:1] if step.decode else step.once("infllm query positions", lambda: key_pos.index_select(
             0, n_valid - w + self.cache.arange(w)))
         # the sequence's row of the block table (index_select: indexing by a device scalar would read it on the host)
@@ -512,20 +514,22 @@ class InfLLM(SelectivePolicy):
         mass.index_copy_(0, own_entry, own_p.T)
         mass.index_add_(0, tail_entries, p[:, tail_from:].T * windowed)
 
-    def list_positions(self, step: SeqStep, n_full: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    def list_positions(self, step: SeqStep, tail_tokens: torch.Tensor, n_valid: torch.Tensor, w: int) -> torch.Tensor:
         """The positions of a selecting step's list (the chosen blocks' are written by each layer with "original"):
         a decode step's own token first, a chunk's own tokens the tail's last live entries (positions after the
-        window's). "fixed": the memory (the remainder too) at 0, the window at 0..n_local-1."""
-        n_init, n_local, bs, dev = self.n_init, self.n_local, self.block_size, tail.device
-        memory = n_init + self.n_blocks * bs
-        tail_len = step.length - n_init - n_full * bs  # the remainder and the window
+        window's). "fixed": the memory (the remainder too) at 0, the window at 0..n_local-1. tail_tokens: the tail's
+        token indices; n_valid: the list's live entries, of which w are the step's own."""
+        n_local = self.n_local
+        memory = self.n_init + self.n_blocks * self.block_size
         if self.positions == "fixed":
-            own, rest = self.cache.arange(n_local + 1)[n_local:], [torch.zeros(memory, dtype=torch.int64, device=dev),
-                                                               (tail - (tail_len - n_local)).clamp(min=0)]
-        elif self.positions == "reindex":
-            own, rest = (memory + tail_len).view(1), [self.cache.arange(memory), memory + tail]
+            own, rest = self.cache.arange(n_local + 1)[n_local:], [
+                torch.zeros(memory, dtype=torch.int64, device=tail_tokens.device),
+                (tail_tokens - (step.length - n_local)).clamp(min=0)]
+        elif self.positions == "reindex":  # 0, 1, ... through the list: one run of the arange
+            return torch.cat([(n_valid - w).view(1), self.cache.arange(memory + tail_tokens.numel())]) if step.decode \
+                else self.cache.arange(memory + tail_tokens.numel())
         else:
-            own, rest = step.length.view(1), [self.cache.arange(memory), n_init + n_full * bs + tail]
+            own, rest = step.length.view(1), [self.cache.arange(memory), tail_tokens]
         return torch.cat([own, *rest] if step.decode else rest)
 
 
