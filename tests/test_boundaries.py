@@ -179,7 +179,6 @@ def test_a_context_equal_to_the_budget_is_attended_whole(name, decode):
     assert whole.positions.tolist() == list(range(budget)) and whole.q_positions.tolist() == list(
         range(budget, budget + q.shape[0]))
     # the whole table is full attention's list, graph-ready as full attention is; QUEST is never recorded whole
-    # (InfLLM, not among these: its decode steps are, its prefill chunks only once it selects)
     assert policy.graph_ready(budget) is (name != "quest")
     picked = step(policy, slots, decode=decode, seq_id=1, q=q)
     if name == "quest":  # whole pages: at most the budget

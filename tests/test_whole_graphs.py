@@ -224,7 +224,7 @@ def test_infllm_decode_inside_its_threshold_through_whole_graphs(tiny_llama, bat
     """InfLLM's decode steps before it selects attend every token (inside the model's 256-token window at their own
     positions; past it, with the fixed scheme, the memory at one position): one graph per mode, as full attention's;
     the tokens, and the local scores each step counts into the ring (which the blocks' representatives come from
-    once it selects), are the plain path's."""
+    once it selects), are the plain path's. (Its prefill chunks there: ``test_prefill_through_whole_graphs_...``.)"""
     settings = dict(n_init=4, n_local=16, k=320, block_size=4, repr_keys=2, positions=positions)  # selects past 343
     engines = [LLM(tiny_llama, "infllm", chunk_size=32, cuda_graphs=graphs, dtype="float32", **settings)
                for graphs in (False, True)]
@@ -249,7 +249,6 @@ def test_infllm_decode_inside_its_threshold_through_whole_graphs(tiny_llama, bat
         ring = torch.arange(4, last) % plain.ring
         torch.testing.assert_close(graphed.mass[graphed._memory[seqs[1].id].row, layer, ring],
                                    plain.mass[plain._memory[seqs[0].id].row, layer, ring], rtol=1e-4, atol=1e-6)
-    assert not engines[1].policy.graph_ready(64, 32)  # a prefill chunk inside the threshold takes the pieces
 
 
 def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
@@ -292,10 +291,9 @@ def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, b
     logits = [llm.prompt_logits(prompt) for llm in engines]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
     # every full chunk (0, 32, ..., 160; not the last 8 tokens), those inside the selection threshold (4 + 16 + 16
-    # tokens, streaming's 4 + 16) attending everything through a graph of their own; InfLLM's from past its threshold
-    # (4 + (4 * 4 + 3) + 16) only: 64, 96, 128, 160
-    assert engines[1].runner.graphs.whole_steps == {"tokenselect": 6, "infllm": 4, "streaming": 6, "full": 6}[attention]
-    modes = {"tokenselect": 2, "streaming": 2}.get(attention, 1)  # graphs: one per mode the prompt's chunks take
+    # tokens, streaming's 4 + 16, InfLLM's 4 + (4 * 4 + 3) + 16) attending everything through a graph of their own
+    assert engines[1].runner.graphs.whole_steps == 6
+    modes = {"full": 1}.get(attention, 2)  # graphs: one per mode the prompt's chunks take
     again = distinct_tokens(190, 7)  # another prompt of the same table capacity: the recorded graph again
     torch.testing.assert_close(engines[1].prompt_logits(again), engines[0].prompt_logits(again), rtol=1e-4, atol=1e-4)
     assert len([key for key in engines[1].runner.graphs.whole_keys() if key[0] == "prefill"]) == modes
@@ -320,7 +318,8 @@ def test_infllm_prefill_through_whole_graphs_keeps_the_eager_memory(tiny_llama, 
         seqs.append(llm.add_request(distinct_tokens(200, 11), SamplingParams(max_tokens=3, ignore_eos=True)))
         while seqs[-1].prefilling:
             llm.step()
-    assert engines[1].runner.graphs.whole_steps == 4  # the chunks from 64 to 160; the last 8 tokens take the pieces
+    # every full chunk, 0 and 32 (inside the threshold: every token) too; the last 8 tokens take the pieces
+    assert engines[1].runner.graphs.whole_steps == 6
     (plain, graphed), last = [llm.policy for llm in engines], 192  # the last chunk's attention is still pending
     for layer in range(engines[0].model.config.n_layers):
         want = plain.representatives(seqs[0].id, layer)

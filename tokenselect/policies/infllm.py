@@ -263,9 +263,10 @@ class InfLLM(SelectivePolicy):
         if decode:
             self._give_back(memory)
             return memory.row
-        if mode == SELECT:
-            self._reserve_blocks(memory, self.closed_before(capacity))
-        n = self.list_length(w) if mode == SELECT else capacity
+        # from the first chunk on (inside the threshold too), so that neither the pool nor the block table grows under
+        # the prompt's graphs
+        self._reserve_blocks(memory, self.closed_before(capacity))
+        n = self.list_length(w)  # a selecting chunk's list; before the threshold, the whole table's live part fits
         shape = (tuple(q_shape), q_dtype, n)
         if memory.saved is None or _shape(memory.saved) != shape:
             self._give_back(memory)
@@ -324,10 +325,10 @@ class InfLLM(SelectivePolicy):
         return self.reprs[layer, memory.blocks[:memory.layers[layer].closed]]
 
     def _give_back(self, memory: SequenceMemory) -> None:
-        """Drop the sequence's saved buffers (their chunk counted, or not needed any more); those of a selecting
-        chunk, the shape a prefill graph writes, become the spare set."""
+        """Drop the sequence's saved buffers (their chunk counted, or not needed any more): they become the spare set
+        (one shape for every chunk of w tokens, the shape a prefill graph writes)."""
         saved, memory.saved = memory.saved, None
-        if saved is not None and saved[1].shape[1] == self.list_length(saved[0].shape[1]):
+        if saved is not None:
             self._spare[_shape(saved)] = saved
             while len(self._spare) > SPARE_SHAPES:
                 del self._spare[next(iter(self._spare))]
@@ -398,18 +399,6 @@ class InfLLM(SelectivePolicy):
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def graph_ready(self, t: int, w: int = 1) -> bool:
-        """Past the selection threshold, where every step selects blocks (any position scheme); and a decode step
-        inside it, which attends every token (at their own positions, or the fixed scheme's past the model's window):
-        its list is full attention's (the table's fixed span, its live length on the device), graph-ready as full
-        attention is (not with value offload, which would stage the whole table), and it counts its query's
-        attention on the device as a selecting step does. Not a prefill chunk inside the threshold: it leaves its
-        list for ``prepare`` in a buffer as long as its table, a graph's padded capacity (up to the whole prompt)
-        where the eager step's is its t + w tokens, and a buffer of another shape for every prompt (only a selecting
-        chunk's, of one length, are kept for the next prompt) would record the graph again for each."""
-        mode = self.mode(t, w)
-        return mode == SELECT or (w == 1 and self.cache.offload != "values")
-
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
         return () if self.reprs is None else (self.reprs, self.table)
 
@@ -435,7 +424,10 @@ class InfLLM(SelectivePolicy):
         else:
             saved_q, saved_list = step.buffers
             saved_q[layer].copy_(q)
-            saved_list[layer].copy_(attended.slots)
+            # the whole table of a chunk inside the threshold is longer in a graph (its padded capacity) and shorter
+            # eagerly (t + w <= list_length) than the buffer: its live entries, the first t + w, fit either way
+            n = min(saved_list.shape[1], attended.slots.numel())
+            saved_list[layer, :n].copy_(attended.slots[:n])
         return attended
 
     def memory_list(self, layer: int, step: SeqStep, q: torch.Tensor,
