@@ -3,34 +3,40 @@
 A whole-step CUDA graph replays every device op its step function issued while it was recorded, so the GPU time
 of a graph-captured decode step follows the ops (and their shapes) the step function runs, not the host's Python.
 This runs that step function on the CPU (``cuda_graphs=True`` on a CPU runs the graph's step function eagerly over
-the graph's buffers: ``GraphCache``, or ``WholeGraphs`` before #29) for a tiny random model with InfLLM selecting,
-and records with ``TorchDispatchMode`` every aten op of one decode step, with its shapes:
+the graph's buffers: ``GraphCache``, or ``WholeGraphs`` before #29) for a tiny random bf16 model (3 layers) with
+InfLLM selecting, and records with ``TorchDispatchMode`` every aten op of one decode step, with its shapes:
 
-- ``model``: the layers around attention (norms, projections, MLP; on a GPU RMS norm and silu * up are one
-  Triton kernel each), the same in every tree;
-- ``kv write``: the step's keys and values into the pool;
-- ``policy``: the policy's list for the layer (``InfLLM.attend``, or ``graph_list`` before #29), outside kernels;
-- ``kernel``: each call of a ``Kernels`` method (paged_dot, block_scores, topk, sparse_attention, ...) counted as
-  one entry, since on a GPU each is a Triton kernel (or a few: the top-k's radix passes), whatever its PyTorch
-  reference does on a CPU; the reference's own aten ops are not counted.
+- ``model``: the layers around attention (norms, projections, MLP, by their PyTorch ops: on a GPU RMS norm and
+  silu * up are one Triton kernel each), the same in every tree;
+- ``kv write``: the step's keys and values into the pool (two ``index_put_`` on a CPU, one Triton scatter on a GPU);
+- ``policy``: the policy's list for the layer (``InfLLM.attend``; ``graph_list`` or ``plan`` before #29), outside
+  kernels;
+- ``kernel``: each call of a ``Kernels`` method (paged_dot, block_scores, topk, sparse_attention, ...). With
+  ``--kernels torch`` (default) a call counts as one device op, whatever its PyTorch reference does on a CPU (its
+  ops are left out); with ``--kernels triton`` the Triton kernels run in Triton's CPU interpreter and every launch
+  and every op of the launcher (zeroed histograms...) is counted, as a GPU runs them (slow: about a minute).
 
-View ops (``view``, ``slice``, ``select``, ``t``, ``expand``...: no kernel) and allocations (``empty*``: no kernel)
-are listed apart; every other aten op is a device kernel in a graph (CUDA may split one into two, e.g. ``nonzero``;
-none of InfLLM's are). Ops that a layer computes once for the step (``SeqStep.once``: the list, its positions,
-masks) fall in the first layer that asks; layer 1 and later show the steady per-layer cost.
+View ops (``view``, ``slice``, ``select``, ``t``, ``expand``, an ``to`` that changes nothing...: no kernel) and
+allocations (``empty*``: no kernel) are counted apart; every other aten op is a device kernel (a node of the
+graph). Ops that the layers share (``SeqStep.once``: the list, its positions, masks) are made by the first layer
+that asks, so layer 0 holds them (once a step) and layer 1 and later show the steady per-layer cost. ``outside``
+is the step's work outside the whole-step function (preparing, the logits, sampling: not in the graph).
 
 Run it in a checkout (whichever ``tokenselect`` Python imports; point PYTHONPATH at another tree to count that
-one's, e.g. a ``git worktree add /tmp/before 8e96f1f``):
+one's, e.g. ``git worktree add /tmp/before 8e96f1f``):
 
-    python tools/infllm_op_count.py                                   # table per layer, this tree
+    python tools/infllm_op_count.py                                   # table per layer, this tree (selecting)
     python tools/infllm_op_count.py --ops 1                           # and layer 1's ops in order, with shapes
+    python tools/infllm_op_count.py --kernels triton --ops 1          # every Triton launch too
+    python tools/infllm_op_count.py --set positions=reindex           # another InfLLM setting
+    python tools/infllm_op_count.py --context 300                     # inside the threshold: every token (ALL)
     python tools/infllm_op_count.py --json /tmp/now.json
     PYTHONPATH=/tmp/before python tools/infllm_op_count.py --json /tmp/before.json
     python tools/infllm_op_count.py --compare /tmp/before.json /tmp/now.json    # per-layer diff of two runs
-    python tools/infllm_op_count.py --context 600                     # InfLLM attending everything (ALL mode)
 
-It also says whether the step ran through the whole-step function at all (``whole step: no`` means the engine
-took the piecewise graphs and eager attention for it: not graph-ready).
+It also says whether the step ran through the whole-step function at all (``whole step: no``: the engine took the
+piecewise graphs and eager attention for it, the policy not graph-ready there). Results:
+benchmarks/results/supporting/infllm_decode_ops.md.
 """
 
 from __future__ import annotations
@@ -269,9 +275,9 @@ def summary(run: dict) -> str:
     for layer in ["outside", "pre"] + list(range(run["layers"])):
         c = _counts(run, layer)
         lines.append(f"| {layer} | " + " | ".join(str(c[k]) for k in COLUMNS) + " |")
-    lines.append("\ndevice ops = policy + kernel device ops (a Kernels call as one op with the PyTorch references; with "
-                 "Triton, its launches and its launcher's own ops) + kv write; 'outside' = the step's work outside the "
-                 "whole-step function (not in a graph); 'pre' = the embedding")
+    lines.append("\ndevice ops = policy + kernel device ops (a Kernels call as one op with the PyTorch references; "
+                 "with Triton, its launches and its launcher's own ops) + kv write; 'outside' = the step's work outside "
+                 "the whole-step function (not in a graph); 'pre' = the embedding")
     return "\n".join(lines)
 
 
@@ -281,7 +287,8 @@ def device_ops(run: dict, layer, regions=("policy", "kernel", "kv write", "model
     for op in run["ops"]:
         if op["layer"] == layer and op["kind"] in ("op", "kernel", "launch") and op["region"] in regions:
             region = "call" if op["kind"] == "kernel" else op["region"]
-            out.append(f"{region:8s} {op['op']} {op['in']} -> {op['out']}" + (f" ints={op['ints']}" if "ints" in op else ""))
+            ints = f" ints={op['ints']}" if "ints" in op else ""
+            out.append(f"{region:8s} {op['op']} {op['in']} -> {op['out']}{ints}")
     return out
 
 
@@ -300,7 +307,8 @@ def compare(a: dict, b: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--context", type=int, default=3000, help="prompt tokens before the counted decode step")
+    p.add_argument("--context", type=int, default=600, help="prompt tokens before the counted decode step (InfLLM "
+                   "selects past 8 + 263 + 256 = 527)")
     p.add_argument("--decode-steps", type=int, default=2, help="decode steps run before the counted one")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="InfLLM settings over the defaults "
                    f"{INFLLM} (e.g. positions=reindex)")
