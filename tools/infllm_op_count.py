@@ -276,8 +276,8 @@ def summary(run: dict) -> str:
         c = _counts(run, layer)
         lines.append(f"| {layer} | " + " | ".join(str(c[k]) for k in COLUMNS) + " |")
     lines.append("\ndevice ops = policy + kernel device ops (a Kernels call as one op with the PyTorch references; "
-                 "with Triton, its launches and its launcher's own ops) + kv write; 'outside' = the step's work outside "
-                 "the whole-step function (not in a graph); 'pre' = the embedding")
+                 "with Triton, its launches and its launcher's own ops) + kv write; 'outside' = the step's work "
+                 "outside the whole-step function (not in a graph); 'pre' = the embedding")
     return "\n".join(lines)
 
 
