@@ -524,9 +524,7 @@ def merge(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         return merge(args)
-    config = CONFIGS[args.config] if args.config in CONFIGS else json.loads(Path(args.config).read_text())
-    if args.layers:
-        config = {**config, "num_hidden_layers": args.layers}
+    config = model_config(args)
     policies = args.policies.split(",")
     for policy in policies:
         name = policy_spec(policy)[0]
@@ -553,15 +551,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_arguments(p) -> None:
+    """--config and --layers: the random-weight model a bench builds (``model_config``)."""
+    p.add_argument("--config", default="llama3-8b", help="llama3-8b, tiny, or a config.json path")
+    p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    """The Hugging Face config dict of --config (a name of ``CONFIGS`` or a config.json), with --layers layers."""
+    config = CONFIGS[args.config] if args.config in CONFIGS else json.loads(Path(args.config).read_text())
+    return {**config, "num_hidden_layers": args.layers} if args.layers else config
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "e2e", help="whole-model prefill/decode speed of every policy against dense",
+        "e2e", help="whole-model prefill/decode speed of every policy against the fastest dense baseline",
         description="Time prefill (s) and decode (ms/token) of a random-weight model (default Llama-3-8B "
                     "shape) for each prompt length and policy, and write a table, JSON and plot. Rows with a "
                     "Selection Cache also report its hit rate on real text: the shipped model's, with the row's "
                     "settings, over the same prose prompt.")
-    p.add_argument("--config", default="llama3-8b", help="llama3-8b, tiny, or a config.json path")
-    p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
+    add_model_arguments(p)
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
     p.add_argument("--policies", default="dense,full,streaming,infllm,tokenselect",
                    help="baselines: dense (flash attention over a contiguous rotated cache, prefill in --chunk-size "

@@ -212,18 +212,25 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
     runner.decode(torch.zeros(1, dtype=torch.int64, device=llm.device))
     runner.reset()
     method = DenseBatch(runner, args.chunk_size)
-    e2e.sync(llm.device)
-    start = time.perf_counter()
-    method.prefill(prompts(n, args.length, config["vocab_size"]))
-    e2e.sync(llm.device)
-    base.update(held=n, prefill_s=time.perf_counter() - start)
-    print(f"dense: prefilled {n} x {args.length} tokens in {base['prefill_s']:.1f} s", flush=True)
+    base.update(held=n, prefill_s=timed_prefill(method, prompts(n, args.length, config["vocab_size"]), llm.device,
+                                                "dense"))
     for row in time_batches(method, measured_sizes(batches, n), args.decode_steps, llm.device, "dense"):
         # with flash decode every step is one graph (``DenseRunner.decode``)
         yield {**base, **row, "whole_graph_steps": row["steps"] if runner.flash_decode else None}
     device = llm.device
     del method, runner, llm
     free_memory(device)
+
+
+def timed_prefill(method, batch: list[list[int]], device: torch.device, label: str) -> float:
+    """Seconds ``method`` takes to prefill every prompt of ``batch``."""
+    e2e.sync(device)
+    start = time.perf_counter()
+    method.prefill(batch)
+    e2e.sync(device)
+    seconds = time.perf_counter() - start
+    print(f"{label}: prefilled {len(batch)} x {len(batch[0])} tokens in {seconds:.1f} s", flush=True)
+    return seconds
 
 
 def build_engine(config: dict, args) -> LLM:
@@ -251,12 +258,8 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
     sizes = measured_sizes(batches, n)
     try:
         e2e.warm_up(llm, prompts(1, args.length, config["vocab_size"])[0])
-        e2e.sync(llm.device)
-        start = time.perf_counter()
-        method.prefill(prompts(n, args.length, config["vocab_size"]))
-        e2e.sync(llm.device)
-        base.update(held=n, prefill_s=time.perf_counter() - start)
-        print(f"{policy}: prefilled {n} x {args.length} tokens in {base['prefill_s']:.1f} s", flush=True)
+        base.update(held=n, prefill_s=timed_prefill(method, prompts(n, args.length, config["vocab_size"]), llm.device,
+                                                    policy))
         graph_steps = (lambda: e2e.whole_steps(llm)) if llm.runner.graphs is not None else None
         for row in time_batches(method, sizes, args.decode_steps, llm.device, policy, graph_steps):
             sizes = sizes[1:]
@@ -380,9 +383,7 @@ def write_report(args, config: dict, policies: list[str], rows: list[dict], draw
 
 
 def run(args: argparse.Namespace) -> int:
-    config = e2e.CONFIGS[args.config] if args.config in e2e.CONFIGS else json.loads(Path(args.config).read_text())
-    if args.layers:
-        config = {**config, "num_hidden_layers": args.layers}
+    config = e2e.model_config(args)
     args.length = parse_length(args.length) if isinstance(args.length, str) else args.length
     policies = args.policies.split(",")
     for policy in policies:
@@ -408,8 +409,7 @@ def add_parser(subparsers) -> None:
                     "random-weight model (default Llama-3-8B shape): ms per step, tokens/s, the ratio against "
                     "the fastest dense row of the run at that batch size, and the largest batch each method fits. "
                     "Writes a table, JSON and plot.")
-    p.add_argument("--config", default="llama3-8b", help="llama3-8b, tiny, or a config.json path")
-    p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
+    e2e.add_model_arguments(p)
     p.add_argument("--length", default="32k", help="prompt tokens of every request, e.g. 32k")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="requests decoded together")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
