@@ -248,3 +248,21 @@ def test_a_declared_setting_describes_its_default_unit_scaling_and_range():
                        ({"d": "z"}, "d must be one of x, y, not 'z'"), ({"f_g": -1}, "f_g must be >= 0, not -1")):
         with pytest.raises(ValueError, match=f"^{match}$"):
             Example(**bad)
+
+
+def test_engine_flags_help_carries_each_settings_help_default_and_range():
+    """``add_flags`` writes every engine flag's help from its setting: the text, the default, and the range or the
+    choices where there is one (a boolean flag's too), exactly."""
+    import argparse
+
+    from tokenselect.settings import EngineSettings, add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineSettings)
+    helps = {a.option_strings[0]: a.help for a in parser._actions}
+    assert helps["--chunk-size"] == "prefill chunk (default 512, or window/4 if smaller; [1, inf])"
+    assert helps["--kv-offload"].startswith("values: keep the V pool") and \
+        helps["--kv-offload"].endswith("(default none; none, values)")
+    assert helps["--dtype"].endswith("bfloat16, float16 (default auto)")  # no range: closed after the default
+    assert helps["--cuda-graphs"].startswith("run decode steps") and \
+        helps["--cuda-graphs"].endswith("(default on with CUDA)")
