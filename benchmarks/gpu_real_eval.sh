@@ -8,9 +8,11 @@
 # Settings (environment): MODEL (default smollm2-135m-instruct; the model must be in $TOKENSELECT_HOME, see
 # benchmarks/model_parts.sh for the GPU machine), TASKS, LENGTHS, SAMPLES (default 20), CHAT (on|off|auto),
 # POLICIES (space separated; NAME[:key=value;...][@SCALING]), KV (pool tokens per process), SEQS (sequences
-# at once per process, default 1: each prefill chunk then runs as one CUDA graph), LIMIT (seconds each policy's
-# process may take; one past it is left out of the table, the others are kept). Everything lands in
-# OUTDIR/eval.tgz (the merged table, plots, and every run's predictions and log).
+# at once per process, default 1: each prefill chunk then runs as one CUDA graph), LIMIT (seconds each process
+# may take; one past it stops at its next step and keeps the samples it finished, which the table names),
+# PER_TASK=1 (one process per policy and task instead of per policy), GPUS (spread the processes over this many
+# GPUs, round robin; default all the machine has). Everything lands in OUTDIR/eval.tgz (the merged table, plots,
+# and every run's predictions and log).
 set -euo pipefail
 dest=${1:?usage: benchmarks/gpu_real_eval.sh OUTDIR [eval] [checks]}
 shift
@@ -29,17 +31,24 @@ for part in $parts; do
       start=$SECONDS
       python3 -m tokenselect.cli eval "${common[@]}" --prompts-only 2>&1 | tail -2
       echo "prompts: $((SECONDS - start)) s"
+      gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}; gpus=$((gpus > 0 ? gpus : 1))
+      if [ "${PER_TASK:-0}" = 1 ]; then IFS=, read -r -a groups <<< "$tasks"; else groups=("$tasks"); fi
+      names=(); i=0
       for p in "${policies[@]}"; do
-        name=${p//[:;=@]/_}
-        timeout "${LIMIT:-0}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
-          --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
+        for t in "${groups[@]}"; do
+          name=${p//[:;=@]/_}; [ ${#groups[@]} -gt 1 ] && name="${name}_$t"
+          names+=("$name")
+          # SIGTERM at LIMIT: the run stops at its next step and writes what it finished; KILL a minute later
+          CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout -k 60 "${LIMIT:-0}" python3 -m tokenselect.cli eval \
+            "${common[@]}" --task "$t" --attention "$p" --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
+          i=$((i + 1))
+        done
       done
       wait
       echo "eval: $((SECONDS - start)) s"
-      runs=()  # the runs that finished (within LIMIT seconds, where set)
-      for p in "${policies[@]}"; do
-        name=${p//[:;=@]/_}
-        if [ -f "$out/runs/$name/predictions.jsonl" ]; then runs+=("$out/runs/$name"); else echo "unfinished: $p"; fi
+      runs=()  # the runs that wrote their results (all, or what they finished within LIMIT seconds)
+      for name in "${names[@]}"; do
+        if [ -f "$out/runs/$name/summary.json" ]; then runs+=("$out/runs/$name"); else echo "no results: $name"; fi
       done
       python3 benchmarks/merge_eval.py "$out/eval" "${runs[@]}" || true  # a failed run: the others still kept
       mkdir -p "$dest" && tar czf "$dest/eval.tgz" -C "$out" eval runs ;;

@@ -23,7 +23,9 @@
 #            key positions up to 2.1M), the bf16 tensor-core dots of sparse attention and the scores, rms_norm's
 #            hardware bf16 rounding, the split-K merge and the fp8 pools
 # GPU_TESTS_SELECT="expr": pass -k "expr" to every shard (a quick partial run); GPU_TESTS_ALLOW_CPU=1: run on a
-# machine without CUDA, the kernels in Triton's interpreter (to try the script itself, with GPU_TESTS_SELECT)
+# machine without CUDA, the kernels in Triton's interpreter (to try the script itself, with GPU_TESTS_SELECT);
+# GRAPH_SHARDS=N: deal the graphs shard's files into N processes (default 1). On a machine of several GPUs the
+# processes are spread over them, round robin (CUDA_VISIBLE_DEVICES).
 set -uo pipefail
 set -f  # test ids hold [...]: never globs
 out=${1:?usage: benchmarks/gpu_tests.sh OUTDIR [SHARDS]}
@@ -56,13 +58,20 @@ graphs=(tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_bench_de
         tests/test_models.py tests/test_precision.py tests/test_baselines.py tests/test_prefix_cache.py
         tests/test_toy_policy.py)
 python3 -m pytest -q --collect-only tests/test_kernels.py 2>/dev/null | grep '::' > "$out/kernel_ids.txt"
-pids=()
-timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" "${graphs[@]}" > "$out/graphs.log" 2>&1 &
-pids+=($!)
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l); gpus=$((gpus > 0 ? gpus : 1))
+graph_shards=${GRAPH_SHARDS:-1}
+pids=(); k=0
+for ((i = 0; i < graph_shards; i++)); do
+  mine=(); for ((j = i; j < ${#graphs[@]}; j += graph_shards)); do mine+=("${graphs[j]}"); done
+  name=graphs; ((graph_shards > 1)) && name="graphs-$i"
+  CUDA_VISIBLE_DEVICES=$((k++ % gpus)) timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" \
+    "${mine[@]}" > "$out/$name.log" 2>&1 &
+  pids+=($!)
+done
 for ((i = 0; i < shards; i++)); do
   awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/kernel_ids.txt" > "$out/kernels-$i.ids"
-  timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" $(cat "$out/kernels-$i.ids") \
-    > "$out/kernels-$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$((k++ % gpus)) timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" \
+    $(cat "$out/kernels-$i.ids") > "$out/kernels-$i.log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -79,7 +88,7 @@ set +f
   echo
   echo "| shard | result |"
   echo "| --- | --- |"
-  for log in "$out"/graphs.log "$out"/kernels-*.log; do
+  for log in "$out"/graphs*.log "$out"/kernels-*.log; do
     name=$(basename "$log" .log)
     last=$(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -1)
     [[ -z $last ]] && last="(no closing line: cut off by the ${limit}s limit?)"

@@ -6,7 +6,7 @@
 #
 # Needs a machine of 4 GPUs (the nvidia-h100-x4 kind): SmolLM2-135M-Instruct has 3 kv heads, so it splits over 3
 # ranks (GPUs 0-2); the one-GPU runs share GPU 3. Every run starts at once (the model is small: the processes share
-# the GPUs), each cut at LIMIT seconds (default 420). The model must be in $TOKENSELECT_HOME
+# the GPUs), each stopped at LIMIT seconds (default 420), keeping the samples it finished. The model must be in $TOKENSELECT_HOME
 # (benchmarks/model_parts.sh carries it). Settings (environment): TASKS (default niah_single_1,niah_single_2),
 # LENGTHS (default 4x), SAMPLES (default 20), POLICIES (default "tokenselect infllm quest reattention").
 # Writes OUTDIR/tp_accuracy.tgz: the merged table (eval/), every run's predictions and log (runs/).
@@ -24,18 +24,18 @@ names=()
 for p in "${policies[@]}"; do
   for sel in global local; do
     name="${p}_tp3_${sel}"; names+=("$name")
-    CUDA_VISIBLE_DEVICES=0,1,2 timeout "${LIMIT:-420}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
+    CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 90 "${LIMIT:-420}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
       --tensor-parallel-size 3 --tp-selection "$sel" --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
   done
   name="${p}_tp1"; names+=("$name")
-  CUDA_VISIBLE_DEVICES=3 timeout "${LIMIT:-420}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
+  CUDA_VISIBLE_DEVICES=3 timeout -k 90 "${LIMIT:-420}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
     --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
 done
 wait || true
 echo "eval: $((SECONDS - start)) s"
 runs=()
 for name in "${names[@]}"; do
-  if [ -f "$out/runs/$name/predictions.jsonl" ]; then runs+=("$out/runs/$name=$name"); else echo "unfinished: $name"; fi
+  if [ -f "$out/runs/$name/summary.json" ]; then runs+=("$out/runs/$name=$name"); else echo "no results: $name"; fi
 done
 python3 benchmarks/merge_eval.py "$out/eval" "${runs[@]}" || true
 mkdir -p "$dest" && tar czf "$dest/tp_accuracy.tgz" -C "$out" eval runs

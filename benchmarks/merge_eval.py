@@ -19,6 +19,18 @@ from tokenselect.eval.plots import plot_all
 from tokenselect.eval.runner import intervals, markdown_table, selection_cache_lines, summarize, write_outputs
 
 
+def short_cells(records: list[dict]) -> str:
+    """A line naming the cells with fewer samples than the fullest cell (a run stopped at its time limit keeps
+    the samples it finished), or ''."""
+    counts: dict = {}
+    for r in records:
+        key = (r["policy"], r["task"], r["length"])
+        counts[key] = counts.get(key, 0) + 1
+    full = max(counts.values(), default=0)
+    short = [f"{p} {t} {n}: {c}" for (p, t, n), c in counts.items() if c < full]
+    return f"\nCells with fewer than {full} samples (runs stopped early): {'; '.join(short)}.\n" if short else ""
+
+
 def main(out: str, *runs: str) -> None:
     title = ""
     records, configs, prompts, selection_cache = [], [], {}, {}
@@ -35,10 +47,12 @@ def main(out: str, *runs: str) -> None:
             rows = [{**r, "policy": label} for r in rows]
         mine: dict = {}
         for r in rows:
-            mine.setdefault((r["task"], r["length"]), set()).add((r["sample"], tuple(r["answers"])))
-        for cell, answered in mine.items():
-            if prompts.setdefault(cell, answered) != answered:
+            mine.setdefault((r["task"], r["length"]), {})[r["sample"]] = tuple(r["answers"])
+        for cell, answered in mine.items():  # a run stopped early answered fewer samples, the same ones
+            known = prompts.setdefault(cell, {})
+            if any(known.get(sample, answers) != answers for sample, answers in answered.items()):
                 raise SystemExit(f"{run} answered other prompts for {cell} than an earlier run: not mergeable")
+            known.update(answered)
         seen = {(r["policy"], r["task"], r["length"]) for r in records}
         twice = sorted(seen & {(r["policy"], r["task"], r["length"]) for r in rows})
         if twice:
@@ -59,7 +73,7 @@ def main(out: str, *runs: str) -> None:
     policies = ", ".join(dict.fromkeys(r["policy"] for r in records))
     (target / "table.md").write_text(f"{title}\n\n{table}\n\nPolicies {policies}: one `tokenselect eval` "
                                      f"process each, merged by `benchmarks/merge_eval.py`.\n"
-                                     f"{selection_cache_lines(selection_cache)}")
+                                     f"{short_cells(records)}{selection_cache_lines(selection_cache)}")
     print(table)
 
 

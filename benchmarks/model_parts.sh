@@ -1,42 +1,47 @@
 #!/usr/bin/env bash
-# Carry a registry model to the GPU machine, whose calls take at most 64 MiB of working tree each: the GGUF goes
-# in parts of 24.6 MB (four for SmolLM2) (the tracked tree is ~38 MB), one part a call, calls back to back while the machine is warm.
+# Carry registry models to the GPU machine, whose calls take at most 64 MiB of working tree each: each GGUF goes in
+# parts, one part a call, the calls back to back while the machine is warm (its /tmp lasts while it stays warm).
 #
-#   here:    benchmarks/model_parts.sh split NAME        -> .carry/model/part00 .. partNN; prints the call sequence
-#   device:  benchmarks/model_parts.sh receive           -> moves the carried part(s) into /tmp/model_parts/
-#   device:  benchmarks/model_parts.sh assemble NAME     -> $TOKENSELECT_HOME/models/NAME/FILE, size and sha256 checked
+#   here:    benchmarks/model_parts.sh split NAME [BYTES]  -> .carry/parts/NAME/part00 .. partNN
+#   device:  benchmarks/model_parts.sh receive NAME        -> the carried part(s) of NAME into /tmp/model_parts/NAME/
+#   device:  benchmarks/model_parts.sh assemble NAME       -> $TOKENSELECT_HOME/models/NAME/FILE, size and sha256 checked
 #
-# Call sequence (each a `run` with carry [".carry/model/partNN"], the next one issued as soon as one returns):
-#   1 .. N-1:  benchmarks/model_parts.sh receive
-#   N:         benchmarks/model_parts.sh receive && benchmarks/model_parts.sh assemble NAME && <the work>
-# with TOKENSELECT_HOME=/tmp/tshome on the device (its /tmp lasts while the machine stays warm).
+# BYTES (default 24,600,000) plus the rest of the tree must stay under 64 MiB: with the tree as it is (~39 MB, of
+# which 31 MB are the embedded model's safetensors) parts of 24.6 MB fit; moved out of the working tree for the
+# carrying calls (benchmarks/embedded_model.sh away, then back), parts of 55,000,000 bytes fit beside ~4 MB more
+# (wheels or prompts). SmolLM2 (98 MB) is then 2 parts, Qwen2.5-Coder-0.5B (491 MB) 9.
+#
+# Call sequence (each a `run` with carry [".carry/parts/NAME/partNN"], the next issued as soon as one returns):
+#   1 .. N-1:  benchmarks/model_parts.sh receive NAME
+#   N:         benchmarks/model_parts.sh receive NAME && benchmarks/model_parts.sh assemble NAME && <the work>
+# with TOKENSELECT_HOME=/tmp/tshome on the device. benchmarks/gpu_x4_session.md lists a whole session's calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part_bytes=24600000
 case "${1:-}" in
   split)
     name=${2:?name}
     file=$(python3 -c "from tokenselect.models import registry as r; print(r.cached_path('$name'))")
     [ -f "$file" ] || { echo "not cached: run tokenselect fetch $name" >&2; exit 2; }
-    rm -rf .carry/model && mkdir -p .carry/model
-    split -b "$part_bytes" -d -a 2 "$file" .carry/model/part
-    ls .carry/model
+    rm -rf ".carry/parts/$name" && mkdir -p ".carry/parts/$name"
+    split -b "${3:-24600000}" -d -a 2 "$file" ".carry/parts/$name/part"
+    ls -l ".carry/parts/$name"
     ;;
   receive)
-    mkdir -p /tmp/model_parts
-    for p in .carry/model/part*; do cp "$p" /tmp/model_parts/; done
-    ls -l /tmp/model_parts
+    name=${2:?name}
+    mkdir -p "/tmp/model_parts/$name"
+    for p in ".carry/parts/$name"/part*; do cp "$p" "/tmp/model_parts/$name/"; done
+    ls -l "/tmp/model_parts/$name"
     ;;
   assemble)
     name=${2:?name}
-    python3 - "$name" <<'EOF'
+    python3 - "$name" <<'PY'
 import sys
 from pathlib import Path
 from tokenselect.models import registry
-parts = sorted(Path("/tmp/model_parts").glob("part*"))
+parts = sorted(Path("/tmp/model_parts", sys.argv[1]).glob("part*"))
 print(registry.install(sys.argv[1], (open(p, "rb") for p in parts), progress=False))
-EOF
+PY
     ;;
   *)
-    sed -n '2,15p' "$0"; exit 2 ;;
+    sed -n '2,18p' "$0"; exit 2 ;;
 esac

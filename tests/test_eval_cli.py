@@ -105,3 +105,80 @@ def test_name_lists_are_checked_as_they_are_read():
         check_names(parse(["--task", "passkey, nope ,"]))
     with pytest.raises(ValueError, match=r"^tokenselect:kk=1: tokenselect takes no setting kk$"):
         check_names(parse(["--attention", "full, tokenselect:kk=1 ,"]))
+
+
+def test_a_stopped_run_aborts_what_is_unfinished_and_keeps_what_finished(tiny_llama, tmp_path):
+    """``generate_all`` with ``stop`` set as the second sample finishes: ``Interrupted`` at the next step, the two
+    finished samples recorded (and streamed), the rest aborted with every KV slot back in the pool or the prefix
+    cache, and the engine still answering."""
+    import threading
+
+    from tokenselect.engine import LLM
+    from tokenselect.eval.runner import Interrupted, Results, generate_all, prompts, record
+    from tokenselect.models.loader import Checkpoint
+
+    args = parse(["--model", str(tiny_llama), "--task", "passkey", "--lengths", "1x", "--samples", "5",
+                  "--prompt-cache", "none", "--chat", "off"])
+    checkpoint = Checkpoint(tiny_llama)
+    cells = prompts(args, checkpoint.tokenizer(), checkpoint.config.window, tiny_llama, 1)
+    llm = LLM(tiny_llama, "full", device="cpu", max_num_seqs=2)
+    free = llm.stats()["kv_slots_free"]
+    stop, stream = threading.Event(), tmp_path / "deep" / "stream.jsonl"
+    results = Results(stream=stream)
+
+    def done(i, out):
+        results.add(record("full", cells[i], out.text, len(out.prompt_token_ids), out.prefill_s, out.decode_s), (0, i))
+        if len(results.records) == 2:
+            stop.set()
+
+    class Progress:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    progress = Progress()
+    with pytest.raises(Interrupted):
+        generate_all(llm, cells, progress, done, stop)
+    assert len(results.records) == 2 == progress.n
+    assert [json.loads(line) for line in stream.read_text().splitlines()] == results.records
+    assert [r["sample"] for r in results.ordered()] == sorted(r["sample"] for r in results.records)
+    stats = llm.stats()  # every slot is free or holds a cached prompt (the prefix cache keeps them for reuse)
+    assert not llm.scheduler.has_work() and stats["kv_slots_free"] + stats["prefix_cache_tokens"] == free
+    assert len(generate_all(llm, cells[:1], Progress())) == 1  # the engine goes on
+
+
+def test_sigterm_ends_the_eval_with_the_finished_samples_written(tiny_llama, tmp_path):
+    """A real ``tokenselect eval`` process sent SIGTERM once its first sample is in predictions.jsonl: it exits
+    130 after writing every output from the samples it finished, and says so in summary.json and the table."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tokenselect.cli", "eval", "--model", str(tiny_llama), "--task", "passkey",
+           "--lengths", "1x", "--samples", "400", "--attention", "full", "--device", "cpu", "--kernels", "torch",
+           "--prompt-cache", str(tmp_path / "prompts"), "--workers", "1", "--max-num-seqs", "1",
+           "--output", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = out / "predictions.jsonl"
+    deadline = time.monotonic() + 240
+    while not (lines.exists() and lines.read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no sample finished in 240 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert 1 <= len(records) < 400
+    assert summary["config"]["interrupted"] == {"finished": len(records), "of": 400}
+    assert summary["scores"]["full"]["passkey"]["1x"] == pytest.approx(100 * sum(r["score"] for r in records)
+                                                                      / len(records))
+    assert f"stopped early: {len(records)} of 400 samples" in (out / "table.md").read_text().splitlines()[0]
+    assert "SIGTERM: stopping after this step" in stderr and f"stopped: {len(records)} of 400" in stderr
+    assert "| passkey | 1x |" in stdout

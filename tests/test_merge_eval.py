@@ -58,3 +58,22 @@ def test_a_cell_from_two_runs_or_other_prompts_is_refused(tmp_path):
     other = write_run(tmp_path / "other", "full", "2x", [1.0], answers="8")
     with pytest.raises(SystemExit, match="other prompts"):
         merge(str(tmp_path / "out2"), str(a), str(other))
+
+
+def test_a_run_stopped_early_merges_and_its_short_cells_are_named(tmp_path):
+    """A run that kept 2 of its 4 samples shares them with a whole run of another policy: merged, its cell scored
+    from the 2, and the table names the short cell; a short run whose samples disagree is still refused."""
+    merge = load_merge()
+    whole = write_run(tmp_path / "whole", "full", "2x", [1.0, 0.0, 0.0, 0.0])
+    short = write_run(tmp_path / "short", "tokenselect", "2x", [1.0, 1.0])
+    merge(str(tmp_path / "out"), str(whole), str(short))
+    table = (tmp_path / "out" / "table.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| niah_single_1 | 2x"))
+    assert [c.strip().split(" ")[0] for c in row.split("|")[3:5]] == ["25.0", "100.0"]
+    assert "Cells with fewer than 4 samples (runs stopped early): tokenselect niah_single_1 2x: 2.\n" in table
+    whole_only = tmp_path / "out_whole"
+    merge(str(whole_only), str(whole))
+    assert "fewer than" not in (whole_only / "table.md").read_text()
+    other = write_run(tmp_path / "other", "infllm", "2x", [1.0], answers="8")
+    with pytest.raises(SystemExit, match="other prompts"):
+        merge(str(tmp_path / "out3"), str(whole), str(other))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,12 +23,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Logits
 
 from .. import hf as tshf
 from ..policies import POLICIES, default_chunk, policy_kwargs, policy_settings
-from .runner import hit_counts, names, prompts, record, split_policy
+from .runner import Interrupted, Results, hit_counts, names, prompts, record, split_policy
 from .tasks import MAX_NEW_TOKENS
 
 
-def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
-    """As ``runner.evaluate``, on ``transformers.AutoModelForCausalLM``: (records, Selection Cache counts)."""
+def evaluate_transformers(args: argparse.Namespace, results: Results,
+                          stop: threading.Event | None = None) -> tuple[list[dict], dict]:
+    """As ``runner.evaluate``, on ``transformers.AutoModelForCausalLM``: (records, Selection Cache counts), gathered
+    in ``results`` as samples finish; ``Interrupted`` between two samples once ``stop`` is set."""
     if args.model is None:
         raise ValueError("--backend transformers needs --model (a transformers checkpoint folder)")
     if (getattr(args, "tensor_parallel_size", None) or 1) > 1:  # None: not given
@@ -45,14 +48,13 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
     window = int(getattr(config, "max_position_embeddings", 2048))
     chunk = args.chunk_size or default_chunk(window)
     cells = prompts(args, tokenizer, window, path, args.workers or 1)
-    records, counts = [], {}
     if args.prompts_only:
-        return records, counts
+        return results.records, results.selection_cache
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
     args.policy_settings = {}
     progress = tqdm(total=len(specs) * len(cells), desc="eval", unit="sample", file=sys.stderr)
-    for spec in specs:
+    for spec_index, spec in enumerate(specs):
         name, own, _ = split_policy(spec)
         accepted = policy_settings(name)
         settings = {key: value for key, value in {**policy_kwargs(args, name, engine=False), **own}.items()
@@ -60,7 +62,9 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
         args.policy_settings[spec] = settings
         model.set_attn_implementation("sdpa" if name == "full" else "tokenselect")
         hits = misses = 0
-        for cell in cells:
+        for cell_index, cell in enumerate(cells):
+            if stop is not None and stop.is_set():
+                raise Interrupted
             cache = None if name == "full" else tshf.PolicyCache(name, chunk=chunk, config=model.config, **settings)
             first = []
 
@@ -82,9 +86,10 @@ def evaluate_transformers(args: argparse.Namespace) -> tuple[list[dict], dict]:
             if cache is not None:
                 h, m = cache.hits_misses()
                 hits, misses = hits + h, misses + m
-            records.append(record(spec, cell, text, len(cell["prompt"]), first[0] - start, end - first[0]))
+            results.add(record(spec, cell, text, len(cell["prompt"]), first[0] - start, end - first[0]),
+                        (spec_index, cell_index))
             progress.update()
-        if name == "tokenselect" and hits + misses:
-            counts[spec] = hit_counts(hits, misses)
+            if name == "tokenselect" and hits + misses:
+                results.selection_cache[spec] = hit_counts(hits, misses)
     progress.close()
-    return records, counts
+    return results.ordered(), results.selection_cache

@@ -5,7 +5,10 @@ The model is loaded once per RoPE setting and the policies are switched on it wi
 engine with that RoPE scaling, so "full + dynamic NTK" sits in the same table as the others.
 
 Outputs in ``--output``: ``predictions.jsonl`` and ``predictions.csv`` (one row per sample and
-policy), ``summary.json`` (mean score x 100 per policy, task and length) and the plots.
+policy), ``summary.json`` (mean score x 100 per policy, task and length) and the plots. A run stopped by
+SIGTERM or Ctrl-C ends at the next engine step and writes them from the samples it finished (the config's
+``interrupted`` in ``summary.json`` says how many of how many); ``predictions.jsonl`` grows a line per finished sample as it goes, so
+even a killed run leaves its answers.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import multiprocessing
 import os
 import random
 import re
+import signal
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -169,33 +175,72 @@ def hit_counts(hits: int, misses: int) -> dict:
     return {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0}
 
 
-def generate_all(llm, cells: list[dict], progress) -> list:
+class Interrupted(Exception):
+    """The run was asked to stop (``stop`` set by SIGTERM or Ctrl-C); raised between two engine steps, so a
+    tensor-parallel engine's ranks are never left inside a collective."""
+
+
+@dataclass
+class Results:
+    """What a run has finished so far: a record per (cell, policy) in the order they finished, and each policy's
+    Selection Cache counts (``hit_counts``). ``stream``, when set, is a file (created with its folder at the first
+    record, so that a run failing before any leaves nothing) that gets each record as a JSON line at once."""
+    records: list = field(default_factory=list)
+    selection_cache: dict = field(default_factory=dict)
+    stream: Path | None = None
+    keys: list = field(default_factory=list)
+
+    def add(self, rec: dict, key: tuple) -> None:
+        """``rec`` finished; ``key`` (policy index, cell index) places it in ``ordered``."""
+        self.records.append(rec)
+        self.keys.append(key)
+        if self.stream is not None:
+            self.stream.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.stream, "a" if len(self.records) > 1 else "w") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def ordered(self) -> list[dict]:
+        """The records by policy, then cell (as the run lists them), whatever order the engine finished them in."""
+        return [rec for _, rec in sorted(zip(self.keys, self.records), key=lambda pair: pair[0])]
+
+
+def generate_all(llm, cells: list[dict], progress, on_done=None, stop: threading.Event | None = None) -> list:
     """Greedy answers for every cell, all queued at once so the engine batches them (its scheduler
-    admits as many as the KV pool holds). -> one RequestOutput per cell, in order."""
+    admits as many as the KV pool holds); ``on_done(i, output)`` as cell i finishes. ``Interrupted`` (the
+    unfinished requests aborted) once ``stop`` is set. -> one RequestOutput per cell, in order."""
     seqs = [llm.add_request(c["prompt"], SamplingParams(max_tokens=MAX_NEW_TOKENS[c["task"]], temperature=0))
             for c in cells]
-    done = 0
+    reported = [False] * len(seqs)
     try:
-        while done < len(seqs):
+        while not all(reported):
+            if stop is not None and stop.is_set():
+                raise Interrupted
             llm.step()
-            finished = sum(s.finished for s in seqs)
-            progress.update(finished - done)
-            done = finished
+            for i, s in enumerate(seqs):
+                if s.finished and not reported[i]:
+                    reported[i] = True
+                    progress.update(1)
+                    if on_done is not None:
+                        on_done(i, s.output())
     except BaseException:
         for s in seqs:
-            llm.abort(s)
+            if not s.finished:
+                llm.abort(s)
         raise
     return [s.output() for s in seqs]
 
 
-def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
+def evaluate(args: argparse.Namespace, results: Results | None = None,
+             stop: threading.Event | None = None) -> tuple[list[dict], dict]:
     """Generate with every policy on every cell -> (one record per (cell, policy), the Selection Cache's
     counts over all the cells of each policy that has one: ``{policy: {"hits", "misses", "hit_rate"}}``, the
-    hit rate of its decode steps on the eval's real text)."""
+    hit rate of its decode steps on the eval's real text). Both gather in ``results`` as samples finish, so
+    that they stand when ``stop`` ends the run early (``Interrupted``)."""
+    results = Results() if results is None else results
     if getattr(args, "backend", "engine") == "transformers":
         from .hf_backend import evaluate_transformers
 
-        return evaluate_transformers(args)
+        return evaluate_transformers(args, results, stop)
     specs = names(args.attention)
     by_rope: dict[str | None, list[str]] = {}
     for spec in specs:
@@ -205,9 +250,8 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
     checkpoint = Checkpoint(path)
     cells = prompts(args, checkpoint.tokenizer(), checkpoint.config.window, path,
                     args.workers or min(16, os.cpu_count() or 1))
-    records, selection_cache = [], {}
     if args.prompts_only:
-        return records, selection_cache
+        return results.records, results.selection_cache
     args.policy_settings = {}  # each policy's settings as it ran, defaults filled in (recorded in the results)
     progress = tqdm(total=len(specs) * len(cells), desc="eval", unit="sample", file=sys.stderr)
     for rope, group in by_rope.items():
@@ -216,23 +260,32 @@ def evaluate(args: argparse.Namespace) -> tuple[list[dict], dict]:
         if rope:
             settings["rope_scaling"] = rope
         llm = LLM(path, first, **settings)
-        for spec in group:
-            name, own, _ = split_policy(spec)
-            llm.set_attention(name, **{**policy_kwargs(args, name, engine=False), **own})
-            args.policy_settings[spec] = {key: getattr(llm.policy, key) for key in policy_settings(name)
-                                          if isinstance(getattr(llm.policy, key, None), (int, float, str))}
-            fitted = llm.policy_config["fitted_to_window"]
-            if fitted:  # defaults shrunk for a small window: say so where the results are read
-                args.policy_settings[spec]["fitted_to_window"] = f"{'/'.join(fitted)} (window {llm.window})"
-            progress.set_postfix_str(spec)
-            for cell, out in zip(cells, generate_all(llm, cells, progress)):
-                records.append(record(spec, cell, out.text, len(out.prompt_token_ids), out.prefill_s, out.decode_s))
-            stats = llm.stats()  # the policy's own counters: set_attention started them afresh
-            if "selection_cache_hits" in stats:
-                selection_cache[spec] = hit_counts(stats["selection_cache_hits"], stats["selection_cache_misses"])
-        llm.close()  # a tensor-parallel engine's ranks, before the next group's engine starts
+        try:
+            for spec in group:
+                name, own, _ = split_policy(spec)
+                llm.set_attention(name, **{**policy_kwargs(args, name, engine=False), **own})
+                args.policy_settings[spec] = {key: getattr(llm.policy, key) for key in policy_settings(name)
+                                              if isinstance(getattr(llm.policy, key, None), (int, float, str))}
+                fitted = llm.policy_config["fitted_to_window"]
+                if fitted:  # defaults shrunk for a small window: say so where the results are read
+                    args.policy_settings[spec]["fitted_to_window"] = f"{'/'.join(fitted)} (window {llm.window})"
+                progress.set_postfix_str(spec)
+
+                def done(i, out, spec=spec):
+                    results.add(record(spec, cells[i], out.text, len(out.prompt_token_ids), out.prefill_s,
+                                       out.decode_s), (specs.index(spec), i))
+
+                try:
+                    generate_all(llm, cells, progress, done, stop)
+                finally:  # the policy's own counters (set_attention started them afresh), an interrupted run's too
+                    stats = llm.stats()
+                    if "selection_cache_hits" in stats:
+                        results.selection_cache[spec] = hit_counts(stats["selection_cache_hits"],
+                                                                   stats["selection_cache_misses"])
+        finally:
+            llm.close()  # a tensor-parallel engine's ranks, before the next group's engine starts or the run ends
     progress.close()
-    return records, selection_cache
+    return results.ordered(), results.selection_cache
 
 
 def selection_cache_lines(selection_cache: dict) -> str:
@@ -350,27 +403,67 @@ def check_names(args: argparse.Namespace) -> None:
         raise ValueError("--samples must be at least 1")
 
 
+def stop_on_signals(stop: threading.Event):
+    """SIGTERM and the first Ctrl-C set ``stop`` (the run ends at the next engine step and writes what it has); a
+    second Ctrl-C interrupts at once. -> a function that puts the former handlers back. Nothing is changed off the
+    main thread, where Python takes no handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def ask(signum, frame):
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+        print(f"\n{signal.Signals(signum).name}: stopping after this step; the finished samples are kept "
+              "(Ctrl-C again to stop at once)", file=sys.stderr)
+
+    former = {sig: signal.signal(sig, ask) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in former.items()]
+
+
 def run(args: argparse.Namespace) -> int:
-    """``tokenselect eval``: check the names, evaluate, write the files and plots, print the table."""
+    """``tokenselect eval``: check the names, evaluate, write the files and plots, print the table. Stopped by
+    SIGTERM or Ctrl-C, it writes them from the samples finished and returns 130."""
     from .plots import plot_all
 
     check_names(args)
-    records, selection_cache = evaluate(args)
-    if args.prompts_only:
-        print(f"built the prompts ({args.samples} per task and length, chat template {args.chat})", file=sys.stderr)
-        return 0
+    out = Path(args.output)
+    stop = threading.Event()
+    restore = stop_on_signals(stop)
+    interrupted = None
+    try:
+        if args.prompts_only:
+            evaluate(args)
+            print(f"built the prompts ({args.samples} per task and length, chat template {args.chat})",
+                  file=sys.stderr)
+            return 0
+        results = Results(stream=out / "predictions.jsonl")  # a line per finished sample, as they finish
+        try:
+            records, selection_cache = evaluate(args, results, stop)
+        except Interrupted:
+            records, selection_cache = results.ordered(), results.selection_cache
+            expected = len(names(args.attention)) * len(names(args.task)) * len(names(args.lengths)) * args.samples
+            interrupted = {"finished": len(records), "of": expected}
+            print(f"stopped: {len(records)} of {expected} samples finished", file=sys.stderr)
+    finally:
+        restore()
+    if not records:
+        return 130
     scores = summarize(records)
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "func"}
-    out = Path(args.output)
+    if interrupted:
+        config["interrupted"] = interrupted
     write_outputs(records, scores, config, out, selection_cache)
     plot_all(records, out)
     table = markdown_table(scores, intervals(records) if args.samples > 1 else None)
     notes = selection_cache_lines(selection_cache) + "".join(
         f"\nSettings of {spec}: " + ", ".join(f"{k}={v}" for k, v in s.items()) + "\n"
         for spec, s in args.policy_settings.items() if s)
-    (out / "table.md").write_text(f"# {title(args)}\n\n{table}\n\nCommand: `tokenselect eval "
+    stopped = (f" (stopped early: {interrupted['finished']} of {interrupted['of']} samples; a cell may hold fewer)"
+               if interrupted else "")
+    (out / "table.md").write_text(f"# {title(args)}{stopped}\n\n{table}\n\nCommand: `tokenselect eval "
                                   f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['eval'] else '...'}`\n{notes}")
     print(table + ("\n" + notes if notes else ""))
     print(f"wrote {out}/predictions.jsonl, predictions.csv, summary.json, table.md and plots", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
