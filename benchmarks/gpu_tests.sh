@@ -25,7 +25,8 @@
 # GPU_TESTS_SELECT="expr": pass -k "expr" to every shard (a quick partial run); GPU_TESTS_ALLOW_CPU=1: run on a
 # machine without CUDA, the kernels in Triton's interpreter (to try the script itself, with GPU_TESTS_SELECT);
 # GRAPH_SHARDS=N: deal the graphs shard's files into N processes (default 1). On a machine of several GPUs the
-# processes are spread over them, round robin (CUDA_VISIBLE_DEVICES).
+# processes are dealt over them, round robin, each GPU running its own one after another: two pytest processes on
+# one GPU ran out of memory there (a test sizes its KV pool by the memory it finds free).
 set -uo pipefail
 set -f  # test ids hold [...]: never globs
 out=${1:?usage: benchmarks/gpu_tests.sh OUTDIR [SHARDS]}
@@ -60,20 +61,29 @@ graphs=(tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_bench_de
 python3 -m pytest -q --collect-only tests/test_kernels.py 2>/dev/null | grep '::' > "$out/kernel_ids.txt"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); gpus=$((gpus > 0 ? gpus : 1))
 graph_shards=${GRAPH_SHARDS:-1}
-pids=(); k=0
+jobs=()  # NAME:ids-file, one pytest process each
 for ((i = 0; i < graph_shards; i++)); do
-  mine=(); for ((j = i; j < ${#graphs[@]}; j += graph_shards)); do mine+=("${graphs[j]}"); done
   name=graphs; ((graph_shards > 1)) && name="graphs-$i"
-  CUDA_VISIBLE_DEVICES=$((k++ % gpus)) timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" \
-    "${mine[@]}" > "$out/$name.log" 2>&1 &
-  pids+=($!)
+  for ((j = i; j < ${#graphs[@]}; j += graph_shards)); do echo "${graphs[j]}"; done > "$out/$name.ids"
+  jobs+=("$name")
 done
 for ((i = 0; i < shards; i++)); do
   awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/kernel_ids.txt" > "$out/kernels-$i.ids"
-  CUDA_VISIBLE_DEVICES=$((k++ % gpus)) timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" \
-    $(cat "$out/kernels-$i.ids") > "$out/kernels-$i.log" 2>&1 &
-  pids+=($!)
+  jobs+=("kernels-$i")
 done
+run_job() {  # NAME GPU
+  CUDA_VISIBLE_DEVICES=$2 timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" \
+    $(cat "$out/$1.ids") > "$out/$1.log" 2>&1
+}
+pids=()
+if ((gpus == 1)); then  # every process side by side on the one GPU (the tests fit beside each other there)
+  for name in "${jobs[@]}"; do run_job "$name" 0 & pids+=($!); done
+else  # one process at a time on each GPU: a test that sizes its KV pool by the free memory must find it free
+  for ((g = 0; g < gpus; g++)); do
+    ( status=0; for ((j = g; j < ${#jobs[@]}; j += gpus)); do run_job "${jobs[j]}" "$g" || status=1; done; exit $status ) &
+    pids+=($!)
+  done
+fi
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 set +f
@@ -90,7 +100,7 @@ set +f
   echo "| --- | --- |"
   for log in "$out"/graphs*.log "$out"/kernels-*.log; do
     name=$(basename "$log" .log)
-    last=$(grep -E '(passed|failed|error|no tests ran)' "$log" | tail -1)
+    last=$(grep -E '(passed|failed|error|no tests ran|deselected)' "$log" | tail -1)
     [[ -z $last ]] && last="(no closing line: cut off by the ${limit}s limit?)"
     echo "| $name | $last |"
   done
