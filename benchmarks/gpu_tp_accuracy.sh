@@ -5,9 +5,9 @@
 #   benchmarks/gpu_tp_accuracy.sh OUTDIR
 #
 # Needs a machine of 4 GPUs (the nvidia-h100-x4 kind): SmolLM2-135M-Instruct has 3 kv heads, so it splits over 3
-# ranks (GPUs 0-2); the one-GPU runs share GPU 3. Every run starts at once (the model is small: the processes share
-# the GPUs), each stopped at LIMIT seconds (default 420), keeping the samples it finished. The model must be in $TOKENSELECT_HOME
-# (benchmarks/model_parts.sh carries it). Settings (environment): TASKS (default niah_single_1,niah_single_2),
+# ranks (GPUs 0-2), one engine at a time, each stopped at TP_LIMIT seconds (default LIMIT); the one-GPU runs share
+# GPU 3 side by side, each stopped at LIMIT seconds (default 420). A stopped run keeps the samples it finished.
+# The model must be in $TOKENSELECT_HOME (benchmarks/model_parts.sh carries it). Settings (environment): TASKS (default niah_single_1,niah_single_2),
 # LENGTHS (default 4x), SAMPLES (default 20), POLICIES (default "tokenselect infllm quest reattention").
 # Writes OUTDIR/tp_accuracy.tgz: the merged table (eval/), every run's predictions and log (runs/).
 set -euo pipefail
@@ -21,15 +21,20 @@ mkdir -p "$out/runs"
 python3 -m tokenselect.cli eval "${common[@]}" --prompts-only 2>&1 | tail -1
 start=$SECONDS
 names=()
-for p in "${policies[@]}"; do
-  for sel in global local; do
-    name="${p}_tp3_${sel}"; names+=("$name")
-    CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 90 "${LIMIT:-420}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
-      --tensor-parallel-size 3 --tp-selection "$sel" --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
-  done
+for p in "${policies[@]}"; do  # the one-GPU runs side by side on GPU 3
   name="${p}_tp1"; names+=("$name")
   CUDA_VISIBLE_DEVICES=3 timeout -k 90 "${LIMIT:-420}" python3 -m tokenselect.cli eval "${common[@]}" --attention "$p" \
     --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
+done
+# the 3-GPU engines one at a time: NCCL ranks of several engines sharing GPUs spin waiting for peers that the other
+# processes' time slices keep off their GPU (783 s a sample when 8 engines ran at once)
+for p in "${policies[@]}"; do
+  for sel in global local; do
+    name="${p}_tp3_${sel}"; names+=("$name")
+    CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 90 "${TP_LIMIT:-${LIMIT:-420}}" python3 -m tokenselect.cli eval "${common[@]}" \
+      --attention "$p" --tensor-parallel-size 3 --tp-selection "$sel" --output "$out/runs/$name" \
+      >"$out/runs/$name.log" 2>&1 || true  # stopped (130) or failed: the next run still goes
+  done
 done
 wait || true
 echo "eval: $((SECONDS - start)) s"

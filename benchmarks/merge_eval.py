@@ -6,7 +6,9 @@ run side by side on one GPU) into one output folder: predictions, summary, table
 Columns come in the order of the RUN_DIRs. Runs may cover different (task, length) cells (e.g. a later run that
 adds lengths); where two runs share a cell they must have answered the very same prompts, and each
 (policy, task, length) cell comes from one run only. A run of one policy given a LABEL is that column's name (for
-two runs of one policy under different engine settings). A run's Selection Cache counts are summed per column.
+two runs of one policy under different engine settings). A run's Selection Cache counts are summed per column. A run
+killed before it wrote its summary (only predictions.jsonl, a line per finished sample) merges from its
+predictions, and the table names it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,25 @@ def short_cells(records: list[dict]) -> str:
     return f"\nCells with fewer than {full} samples (runs stopped early): {'; '.join(short)}.\n" if short else ""
 
 
+def killed_line(killed: list[str]) -> str:
+    """The note naming the runs killed before they wrote their summary (merged from predictions.jsonl, which grows
+    a line per finished sample), or ''."""
+    return (f"\nRuns killed before their summary (their finished samples merged from predictions.jsonl; no Selection "
+            f"Cache counts): {', '.join(killed)}.\n" if killed else "")
+
+
 def main(out: str, *runs: str) -> None:
-    title = ""
+    title, killed = "", []
     records, configs, prompts, selection_cache = [], [], {}, {}
     for spec in runs:
         path, _, label = spec.partition("=")
         run = Path(path)
         rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
-        summary = json.loads((run / "summary.json").read_text())
+        if (run / "summary.json").is_file():
+            summary = json.loads((run / "summary.json").read_text())
+        else:  # killed before it wrote the rest: its finished samples stand, its Selection Cache counts are lost
+            summary = {"config": {"killed": str(run)}, "selection_cache": {}}
+            killed.append(f"{run.name} ({len(rows)} samples)")
         hit_rates = summary.get("selection_cache", {})
         if label:
             if len({r["policy"] for r in rows}) != 1:
@@ -64,7 +77,8 @@ def main(out: str, *runs: str) -> None:
             total["hits"] += counts["hits"]
             total["misses"] += counts["misses"]
             total["hit_rate"] = round(total["hits"] / max(1, total["hits"] + total["misses"]), 4)
-        title = title or (run / "table.md").read_text().splitlines()[0]
+        if (run / "table.md").is_file():
+            title = title or (run / "table.md").read_text().splitlines()[0]
     scores = summarize(records)
     target = Path(out)
     write_outputs(records, scores, {"merged": [str(r) for r in runs], "configs": configs}, target, selection_cache)
@@ -73,7 +87,8 @@ def main(out: str, *runs: str) -> None:
     policies = ", ".join(dict.fromkeys(r["policy"] for r in records))
     (target / "table.md").write_text(f"{title}\n\n{table}\n\nPolicies {policies}: one `tokenselect eval` "
                                      f"process each, merged by `benchmarks/merge_eval.py`.\n"
-                                     f"{short_cells(records)}{selection_cache_lines(selection_cache)}")
+                                     f"{short_cells(records)}{killed_line(killed)}"
+                                     f"{selection_cache_lines(selection_cache)}")
     print(table)
 
 

@@ -77,3 +77,19 @@ def test_a_run_stopped_early_merges_and_its_short_cells_are_named(tmp_path):
     other = write_run(tmp_path / "other", "infllm", "2x", [1.0], answers="8")
     with pytest.raises(SystemExit, match="other prompts"):
         merge(str(tmp_path / "out3"), str(whole), str(other))
+
+
+def test_a_run_killed_before_its_summary_merges_from_its_predictions(tmp_path):
+    """Only predictions.jsonl left (the process killed mid-run): its samples merge, the table names the run."""
+    merge = load_merge()
+    whole = write_run(tmp_path / "whole", "full", "2x", [1.0, 1.0, 0.0, 0.0])
+    killed = write_run(tmp_path / "killed", "infllm", "2x", [0.0, 1.0, 1.0])
+    (killed / "summary.json").unlink()
+    (killed / "table.md").unlink()
+    merge(str(tmp_path / "out"), str(whole), str(killed))
+    table = (tmp_path / "out" / "table.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| niah_single_1 | 2x"))
+    assert [c.strip().split(" ")[0] for c in row.split("|")[3:5]] == ["50.0", "66.7"]
+    assert "Runs killed before their summary (their finished samples merged from predictions.jsonl; no Selection " \
+           "Cache counts): killed (3 samples).\n" in table
+    assert table.startswith("# Eval: test model\n")
