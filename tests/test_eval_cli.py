@@ -182,3 +182,20 @@ def test_sigterm_ends_the_eval_with_the_finished_samples_written(tiny_llama, tmp
     assert f"stopped early: {len(records)} of 400 samples" in (out / "table.md").read_text().splitlines()[0]
     assert "SIGTERM: stopping after this step" in stderr and f"stopped: {len(records)} of 400" in stderr
     assert "| passkey | 1x |" in stdout
+
+
+def test_the_prompt_cache_key_follows_what_the_tokenizer_does_not_its_file(tiny_llama):
+    """The same tokenizer serialized otherwise (as another `tokenizers` version writes it; here: padding turned on,
+    which changes ``to_str()`` and no prompt) keys the same folder; another vocabulary, chat switch or seed does not."""
+    from tokenselect.eval.runner import prompt_cache_key
+    from tokenselect.models.loader import Checkpoint
+
+    tokenizer = Checkpoint(tiny_llama).tokenizer()
+    key = prompt_cache_key(tokenizer, False, 0)
+    serialized = tokenizer.backend_tokenizer.to_str()
+    tokenizer.backend_tokenizer.enable_padding(length=3)
+    assert tokenizer.backend_tokenizer.to_str() != serialized
+    assert prompt_cache_key(tokenizer, False, 0) == key
+    assert len({key, prompt_cache_key(tokenizer, True, 0), prompt_cache_key(tokenizer, False, 1)}) == 3
+    tokenizer.add_tokens(["zzqqxx"])
+    assert prompt_cache_key(tokenizer, False, 0) != key

@@ -26,6 +26,10 @@ turn, the task's answer prefix opening the assistant's); --chat off gives the pl
 RoPE scaling, e.g. full@dynamic:4 for full attention with dynamic NTK. Policy flags apply to every
 policy that takes them.
 
+Stopping: Ctrl-C or SIGTERM (e.g. `timeout`) ends the run at the next engine step and writes every
+output from the samples it finished (exit code 130; a second Ctrl-C stops at once). predictions.jsonl
+gets a line as each sample finishes, so a killed run keeps its answers too.
+
 example:
   tokenselect eval --task passkey,kv_retrieval --lengths 1x,4x --samples 5 \\
       --attention full,full@dynamic:4,streaming,tokenselect --output runs/eval

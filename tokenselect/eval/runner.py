@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..data import default_model_path
+from ..data import default_model_path, prose_text
 from ..engine import LLM
 from ..models.loader import Checkpoint, chat_token_ids
 from ..models.registry import home, resolve_model
@@ -98,11 +98,23 @@ def build_cell(tokenizer, chat: bool, seed: int, cell: dict) -> dict:
     return {**cell, "prompt": format_prompt(tokenizer, sample, chat), "answers": sample.answers}
 
 
+def tokenizer_probe() -> str:
+    """Text whose tokens stand for a tokenizer's behaviour in ``prompt_cache_key``: the start of each text of the
+    prose the haystacks come from, and the kinds of strings the tasks plant (numbers, UUIDs, words, code)."""
+    texts = prose_text().split("\f")
+    planted = ("0123456789 3141592 0.5 -17 1e-3 a7d3c2e1-94b0-4f1e-8c3a-2b9d6e0f1a45 The special magic number is: "
+               "VAR_ABC = 12345; def f(x):\n\treturn x  # ok\n\n  café naïve 東京 🙂 \u00a0 ... !?;:'\"()[]{}")
+    return "\n".join(text[:4000] for text in texts) + planted
+
+
 def prompt_cache_key(tokenizer, chat: bool, seed: int) -> str:
-    """What a cached prompt depends on besides its cell: the tokenizer (vocabulary, merges, template), the
-    chat switch, the seed and the generators' version."""
+    """What a cached prompt depends on besides its cell: the tokenizer as it behaves (its vocabulary, its chat
+    template, and its tokens for ``tokenizer_probe``), the chat switch, the seed and the generators' version. Not
+    the tokenizer's file: the same tokenizer built by another version of ``tokenizers`` or ``transformers``
+    serializes differently and still makes the same prompts, which a GPU machine then need not build again."""
     digest = hashlib.sha256(f"{PROMPT_FORMAT}|{seed}|{chat}|{tokenizer.chat_template}|".encode())
-    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps(tokenizer.encode(tokenizer_probe(), add_special_tokens=False)).encode())
     return digest.hexdigest()[:16]
 
 
