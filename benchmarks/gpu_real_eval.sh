@@ -48,7 +48,8 @@ for part in $parts; do
       echo "eval: $((SECONDS - start)) s"
       runs=()  # the runs that wrote their results (all, or what they finished within LIMIT seconds)
       for name in "${names[@]}"; do
-        if [ -f "$out/runs/$name/summary.json" ]; then runs+=("$out/runs/$name"); else echo "no results: $name"; fi
+        # a run killed before its summary still left a line per finished sample in predictions.jsonl
+        if [ -s "$out/runs/$name/predictions.jsonl" ]; then runs+=("$out/runs/$name"); else echo "no results: $name"; fi
       done
       python3 benchmarks/merge_eval.py "$out/eval" "${runs[@]}" || true  # a failed run: the others still kept
       mkdir -p "$dest" && tar czf "$dest/eval.tgz" -C "$out" eval runs ;;

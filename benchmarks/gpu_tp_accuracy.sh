@@ -40,7 +40,7 @@ wait || true
 echo "eval: $((SECONDS - start)) s"
 runs=()
 for name in "${names[@]}"; do
-  if [ -f "$out/runs/$name/summary.json" ]; then runs+=("$out/runs/$name=$name"); else echo "no results: $name"; fi
+  if [ -s "$out/runs/$name/predictions.jsonl" ]; then runs+=("$out/runs/$name=$name"); else echo "no results: $name"; fi
 done
 python3 benchmarks/merge_eval.py "$out/eval" "${runs[@]}" || true
 mkdir -p "$dest" && tar czf "$dest/tp_accuracy.tgz" -C "$out" eval runs
