@@ -3,6 +3,7 @@
 # model they need; results under /tmp/res/JOB, logs in /tmp/bg (benchmarks/background.sh).
 #
 #   benchmarks/gpu_x4_jobs.sh smollm2   # #32's TP accuracy, and #27's SmolLM2 cells not yet run
+#   benchmarks/gpu_x4_jobs.sh tp_rest   # #32's remaining runs: QUEST and ReAttention over 3 GPUs (~10 minutes)
 #   benchmarks/gpu_x4_jobs.sh qwen      # #27's Qwen2.5-Coder-0.5B table
 #   benchmarks/gpu_x4_jobs.sh collect DEST   # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -21,6 +22,10 @@ case "${1:-}" in
     # InfLLM at 16x (128K), beside the table's other policies there
     MODEL=$smol CHAT=off TASKS=number_string,niah_single_1,niah_single_2 LENGTHS=16x POLICIES="infllm" \
       PER_TASK=1 KV=140000 LIMIT=${LIMIT:-600} $bg start smol_infllm16 benchmarks/gpu_real_eval.sh /tmp/res/smol_infllm16 eval
+    ;;
+  tp_rest)  # what #32 still lacks: QUEST and ReAttention over 3 GPUs (their one-GPU runs again beside them)
+    POLICIES="quest reattention" LIMIT=${LIMIT:-540} TP_LIMIT=${TP_LIMIT:-240} \
+      $bg start tp_rest benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_rest
     ;;
   qwen)
     MODEL=qwen2.5-coder-0.5b-instruct CHAT=off TASKS=niah_single_1,niah_single_2 LENGTHS=1x,2x,4x \
