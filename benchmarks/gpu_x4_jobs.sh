@@ -3,7 +3,7 @@
 # model they need; results under /tmp/res/JOB, logs in /tmp/bg (benchmarks/background.sh).
 #
 #   benchmarks/gpu_x4_jobs.sh smollm2   # #32's TP accuracy, and #27's SmolLM2 cells not yet run
-#   benchmarks/gpu_x4_jobs.sh tp_rest   # #32's remaining runs: QUEST and ReAttention over 3 GPUs (~10 minutes)
+#   benchmarks/gpu_x4_jobs.sh tp_rest   # #32's remaining runs: QUEST and ReAttention over 3 GPUs (4 engines of at most 240 s each)
 #   benchmarks/gpu_x4_jobs.sh qwen      # #27's Qwen2.5-Coder-0.5B table
 #   benchmarks/gpu_x4_jobs.sh collect DEST   # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
