@@ -199,3 +199,34 @@ def test_the_prompt_cache_key_follows_what_the_tokenizer_does_not_its_file(tiny_
     assert len({key, prompt_cache_key(tokenizer, True, 0), prompt_cache_key(tokenizer, False, 1)}) == 3
     tokenizer.add_tokens(["zzqqxx"])
     assert prompt_cache_key(tokenizer, False, 0) != key
+
+
+def test_the_first_signal_asks_to_stop_and_the_second_interrupts(capsys):
+    """``stop_on_signals``: a first SIGTERM sets the event (the run ends at its next step) and says so; a second
+    interrupts at once, SIGTERM as Ctrl-C; the former handlers come back; a forked child leaves them to the parent."""
+    import os
+    import signal
+    import threading
+
+    from tokenselect.eval.runner import stop_on_signals
+
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    stop = threading.Event()
+    restore = stop_on_signals(stop)
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert handler is signal.getsignal(signal.SIGINT) and handler not in before
+        pid = os.fork()
+        if pid == 0:  # a prompt-building child: the handler does nothing there
+            handler(signal.SIGTERM, None)
+            handler(signal.SIGTERM, None)
+            os._exit(0 if not stop.is_set() else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.is_set()
+        assert "SIGTERM: stopping after this step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        restore()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

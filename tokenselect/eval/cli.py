@@ -27,7 +27,7 @@ RoPE scaling, e.g. full@dynamic:4 for full attention with dynamic NTK. Policy fl
 policy that takes them.
 
 Stopping: Ctrl-C or SIGTERM (e.g. `timeout`) ends the run at the next engine step and writes every
-output from the samples it finished (exit code 130; a second Ctrl-C stops at once). predictions.jsonl
+output from the samples it finished (exit code 130; a second signal stops at once). predictions.jsonl
 gets a line as each sample finishes, so a killed run keeps its answers too.
 
 example:

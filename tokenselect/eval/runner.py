@@ -416,18 +416,22 @@ def check_names(args: argparse.Namespace) -> None:
 
 
 def stop_on_signals(stop: threading.Event):
-    """SIGTERM and the first Ctrl-C set ``stop`` (the run ends at the next engine step and writes what it has); a
-    second Ctrl-C interrupts at once. -> a function that puts the former handlers back. Nothing is changed off the
-    main thread, where Python takes no handlers."""
+    """The first SIGTERM or Ctrl-C sets ``stop`` (the run ends at the next engine step and writes what it has); a
+    second one interrupts at once (``KeyboardInterrupt``), e.g. while prompts are still being built. The processes
+    that build prompts (forked, so they inherit the handler) leave the signal to this one. -> a function that puts
+    the former handlers back. Nothing is changed off the main thread, where Python takes no handlers."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    owner = os.getpid()
 
     def ask(signum, frame):
-        if stop.is_set() and signum == signal.SIGINT:
+        if os.getpid() != owner:
+            return
+        if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
         print(f"\n{signal.Signals(signum).name}: stopping after this step; the finished samples are kept "
-              "(Ctrl-C again to stop at once)", file=sys.stderr)
+              "(again to stop at once)", file=sys.stderr)
 
     former = {sig: signal.signal(sig, ask) for sig in (signal.SIGTERM, signal.SIGINT)}
     return lambda: [signal.signal(sig, handler) for sig, handler in former.items()]
