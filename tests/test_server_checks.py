@@ -216,24 +216,24 @@ def test_prompt_ids_checks_length_text_and_the_engines_limits(monkeypatch):
         ord(c) % 50 for c in "user: abc\nassistant: de\nassistant:"]  # without a chat template: role: text lines
     with pytest.raises(APIError) as e:  # the lines are a prompt of 32 characters
         prompt_ids(llm, tok, chat, 1, ServerOptions(max_model_len=100, max_prompt_chars=31))
-    assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "context_length_exceeded")
     # with a chat template the messages' characters are counted, before templating
     monkeypatch.setattr(server, "chat_token_ids", lambda tokenizer, turns: [len(t["content"]) for t in turns])
     tok.chat_template = "{{ messages }}"
     assert prompt_ids(llm, tok, chat, 1, ServerOptions(max_model_len=100, max_prompt_chars=5)) == [3, 2]
     with pytest.raises(APIError) as e:
         prompt_ids(llm, tok, chat, 1, ServerOptions(max_model_len=100, max_prompt_chars=4))
-    assert (e.value.param, e.value.code, e.value.message) == (
-        "messages", "context_length_exceeded", "the messages exceed 4 characters (--max-prompt-chars)")
+    assert (e.value.status, e.value.param, e.value.code, e.value.message) == (
+        400, "messages", "context_length_exceeded", "the messages exceed 4 characters (--max-prompt-chars)")
     monkeypatch.setattr(server, "chat_token_ids", lambda tokenizer, turns: 1 / 0)
     with pytest.raises(APIError) as e:
         prompt_ids(llm, tok, chat, 1, ServerOptions(max_model_len=100, max_prompt_chars=5))
-    assert (e.value.param, e.value.code, e.value.message) == (
-        "messages", "chat_template_error", "the model's chat template refused these messages: division by zero")
+    assert (e.value.status, e.value.param, e.value.code, e.value.message) == (
+        400, "messages", "chat_template_error", "the model's chat template refused these messages: division by zero")
     with pytest.raises(APIError) as e:
         prompt_ids(llm, tok, [Message(role="user", content="ok"), Message(role="user", content="x\udfff")], 1,
                    ServerOptions(max_model_len=100, max_prompt_chars=50))
-    assert e.value.param == "messages.1.content"
+    assert (e.value.status, e.value.param) == (400, "messages.1.content")
 
 
 def test_resolve_options_caps_a_request_at_half_the_pool_and_the_models_length():
