@@ -195,7 +195,7 @@ class FakeTokenizer:
         return {"input_ids": [ord(c) % 50 for c in text]}
 
 
-def test_prompt_ids_checks_length_text_and_the_engines_limits(monkeypatch):
+def test_prompt_ids_checks_length_text_and_the_engines_limits(monkeypatch, caplog):
     llm, tok = FakeLLM(), FakeTokenizer()
     options = ServerOptions(max_model_len=20, max_prompt_chars=6)
     assert prompt_ids(llm, tok, "abcdef", 4, options) == [ord(c) % 50 for c in "abcdef"]
@@ -210,6 +210,9 @@ def test_prompt_ids_checks_length_text_and_the_engines_limits(monkeypatch):
             prompt_ids(llm, tok, prompt, 4, options)
         assert (e.value.status, e.value.param, e.value.code) == (400, param, code), prompt
         assert message is None or e.value.message == message
+    # the client gets a 400 without internals; the operator's log gets what the tokenizer raised, once
+    failures = [r for r in caplog.records if r.getMessage() == "the tokenizer failed on a prompt"]
+    assert len(failures) == 1 and failures[0].levelname == "ERROR" and failures[0].exc_info is not None
     assert prompt_ids(llm, tok, [1] * 16, 4, options) == [1] * 16  # prompt + max_tokens == the cap: accepted
     chat = [Message(role="user", content="abc"), Message(role="assistant", content="de")]
     assert prompt_ids(llm, tok, chat, 1, ServerOptions(max_model_len=100, max_prompt_chars=40)) == [
