@@ -53,7 +53,8 @@ def evaluate_transformers(args: argparse.Namespace, results: Results,
     device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
     args.policy_settings = {}
-    progress = tqdm(total=len(specs) * len(cells), desc="eval", unit="sample", file=sys.stderr)
+    results.expected = len(specs) * len(cells)
+    progress = tqdm(total=results.expected, desc="eval", unit="sample", file=sys.stderr)
     for spec_index, spec in enumerate(specs):
         name, own, _ = split_policy(spec)
         accepted = policy_settings(name)

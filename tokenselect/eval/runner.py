@@ -195,12 +195,14 @@ class Interrupted(Exception):
 @dataclass
 class Results:
     """What a run has finished so far: a record per (cell, policy) in the order they finished, and each policy's
-    Selection Cache counts (``hit_counts``). ``stream``, when set, is a file (created with its folder at the first
-    record, so that a run failing before any leaves nothing) that gets each record as a JSON line at once."""
+    Selection Cache counts (``hit_counts``); ``expected``: how many records the whole run makes (policies x cells,
+    set once the prompts are built). ``stream``, when set, is a file (created with its folder at the first record,
+    so that a run failing before any leaves nothing) that gets each record as a JSON line at once."""
     records: list = field(default_factory=list)
     selection_cache: dict = field(default_factory=dict)
     stream: Path | None = None
     keys: list = field(default_factory=list)
+    expected: int = 0
 
     def add(self, rec: dict, key: tuple) -> None:
         """``rec`` finished; ``key`` (policy index, cell index) places it in ``ordered``."""
@@ -265,7 +267,8 @@ def evaluate(args: argparse.Namespace, results: Results | None = None,
     if args.prompts_only:
         return results.records, results.selection_cache
     args.policy_settings = {}  # each policy's settings as it ran, defaults filled in (recorded in the results)
-    progress = tqdm(total=len(specs) * len(cells), desc="eval", unit="sample", file=sys.stderr)
+    results.expected = len(specs) * len(cells)
+    progress = tqdm(total=results.expected, desc="eval", unit="sample", file=sys.stderr)
     for rope, group in by_rope.items():
         first, own, _ = split_policy(group[0])
         settings = {**policy_kwargs(args, first), **own}
@@ -434,7 +437,12 @@ def stop_on_signals(stop: threading.Event):
               "(again to stop at once)", file=sys.stderr)
 
     former = {sig: signal.signal(sig, ask) for sig in (signal.SIGTERM, signal.SIGINT)}
-    return lambda: [signal.signal(sig, handler) for sig, handler in former.items()]
+
+    def restore():
+        for sig, handler in former.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def run(args: argparse.Namespace) -> int:
@@ -458,9 +466,8 @@ def run(args: argparse.Namespace) -> int:
             records, selection_cache = evaluate(args, results, stop)
         except Interrupted:
             records, selection_cache = results.ordered(), results.selection_cache
-            expected = len(names(args.attention)) * len(names(args.task)) * len(names(args.lengths)) * args.samples
-            interrupted = {"finished": len(records), "of": expected}
-            print(f"stopped: {len(records)} of {expected} samples finished", file=sys.stderr)
+            interrupted = {"finished": len(records), "of": results.expected}
+            print(f"stopped: {len(records)} of {results.expected} samples finished", file=sys.stderr)
     finally:
         restore()
     if not records:
