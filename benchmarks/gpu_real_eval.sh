@@ -11,7 +11,7 @@
 # at once per process, default 1: each prefill chunk then runs as one CUDA graph), LIMIT (seconds each process
 # may take; one past it stops at its next step and keeps the samples it finished, which the table names),
 # PER_TASK=1 (one process per policy and task instead of per policy), GPUS (spread the processes over this many
-# GPUs, round robin; default all the machine has). Everything lands in OUTDIR/eval.tgz (the merged table, plots,
+# GPUs, round robin; default all the machine has), GPU_FIRST (the first of them; default 0). Everything lands in OUTDIR/eval.tgz (the merged table, plots,
 # and every run's predictions and log).
 set -euo pipefail
 dest=${1:?usage: benchmarks/gpu_real_eval.sh OUTDIR [eval] [checks]}
@@ -39,7 +39,7 @@ for part in $parts; do
           name=${p//[:;=@]/_}; [ ${#groups[@]} -gt 1 ] && name="${name}_$t"
           names+=("$name")
           # SIGTERM at LIMIT: the run stops at its next step and writes what it finished; KILL a minute later
-          CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout -k 60 "${LIMIT:-0}" python3 -m tokenselect.cli eval \
+          CUDA_VISIBLE_DEVICES=$((${GPU_FIRST:-0} + i % gpus)) timeout -k 60 "${LIMIT:-0}" python3 -m tokenselect.cli eval \
             "${common[@]}" --task "$t" --attention "$p" --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
           i=$((i + 1))
         done
@@ -55,7 +55,7 @@ for part in $parts; do
       mkdir -p "$dest" && tar czf "$dest/eval.tgz" -C "$out" eval runs ;;
     checks)
       start=$SECONDS
-      python3 benchmarks/real_model_checks.py --model "$model" --out "$dest/checks"
+      python3 benchmarks/real_model_checks.py --model "$model" --out "$dest/checks" ${KV:+--kv-cache-tokens "$KV"}
       echo "checks: $((SECONDS - start)) s" ;;
     *) echo "unknown part $part: eval or checks" >&2; exit 2 ;;
   esac

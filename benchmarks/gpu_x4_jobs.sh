@@ -1,36 +1,65 @@
 #!/usr/bin/env bash
-# The background jobs of benchmarks/gpu_x4_session.md (a machine of 4 GPUs), started by the call that brings the
-# model they need; results under /tmp/res/JOB, logs in /tmp/bg (benchmarks/background.sh).
+# The background jobs of a device session on a machine of 4 GPUs (benchmarks/gpu_x4_session.md), started by the call
+# that brings the model they need; results under /tmp/res/JOB, logs in /tmp/bg (benchmarks/background.sh). Every
+# eval process has its own KV pool (KV tokens), so jobs may share GPUs; never run benchmarks/gpu_tests.sh beside them.
 #
-#   benchmarks/gpu_x4_jobs.sh smollm2   # #32's TP accuracy, and #27's SmolLM2 cells not yet run
-#   benchmarks/gpu_x4_jobs.sh tp_rest   # #32's remaining runs: QUEST and ReAttention over 3 GPUs (4 engines of at most 240 s each)
-#   benchmarks/gpu_x4_jobs.sh qwen      # #27's Qwen2.5-Coder-0.5B table
-#   benchmarks/gpu_x4_jobs.sh collect DEST   # every finished job's tarballs into DEST (a device call's $OUT)
+#   benchmarks/gpu_x4_jobs.sh smollm2          # #27's SmolLM2 cells (this session's list below)
+#   benchmarks/gpu_x4_jobs.sh qwen             # #27's Qwen2.5-Coder-0.5B cells
+#   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
+#   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
+#   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bg=benchmarks/background.sh
 smol=smollm2-135m-instruct
+qwen=qwen2.5-coder-0.5b-instruct
+building=0  # 1: build the prompts of each job instead of starting it
+
+job() {  # NAME VAR=VALUE... [-- PARTS]: benchmarks/gpu_real_eval.sh /tmp/res/NAME with those settings, in the background
+  local name=$1; shift
+  local vars=() parts=(eval)
+  while (($#)); do if [[ $1 == -- ]]; then shift; parts=("$@"); break; fi; vars+=("$1"); shift; done
+  if ((building)); then
+    [[ " ${parts[*]} " == *" eval "* ]] || return 0
+    env "${vars[@]}" bash -c 'python3 -m tokenselect.cli eval --model "$MODEL" --task "$TASKS" --lengths "$LENGTHS" \
+      --samples "${SAMPLES:-20}" --chat "${CHAT:-off}" --prompts-only 2>&1 | tail -1'
+  else
+    env "${vars[@]}" "$bg" start "$name" benchmarks/gpu_real_eval.sh "/tmp/res/$name" "${parts[@]}"
+  fi
+}
+
+smollm2() {
+  # every selective policy inside the window with its new default (dense_until = the window): full attention's scores
+  job smol_1x MODEL=$smol TASKS=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1,vt LENGTHS=1x \
+    POLICIES="streaming infllm quest reattention" KV=20000 LIMIT=540
+  # the within-window agreement (each selective policy with and without dense_until) and the Selection Cache on prose
+  job smol_checks MODEL=$smol KV=40000 -- checks
+  # the table's holes past the window
+  job smol_quest MODEL=$smol TASKS=number_string,niah_single_1,niah_single_2 LENGTHS=2x,8x POLICIES=quest PER_TASK=1 \
+    KV=70000 LIMIT=540
+  job smol_reattention MODEL=$smol TASKS=number_string,niah_single_1,niah_single_2 LENGTHS=2x POLICIES=reattention \
+    PER_TASK=1 KV=20000 LIMIT=540
+  job smol_infllm8 MODEL=$smol TASKS=passkey,niah_multikey_1,vt LENGTHS=8x POLICIES=infllm PER_TASK=1 KV=70000 LIMIT=540
+  job smol_dynamic MODEL=$smol TASKS=passkey,number_string,niah_single_1,niah_single_2 LENGTHS=1x,4x \
+    POLICIES=full@dynamic:4 PER_TASK=1 KV=40000 LIMIT=540
+}
+
+qwen() {
+  # full attention's missing cells, and InfLLM with its new default (it scored 30 at 1x without it)
+  job qwen_niah MODEL=$qwen TASKS=niah_single_1,niah_single_2 LENGTHS=1x,2x,4x POLICIES="full infllm" PER_TASK=1 \
+    KV=140000 LIMIT=${QWEN_LIMIT:-600}
+  # two more tasks for the model that reads its window
+  job qwen_tasks MODEL=$qwen TASKS=number_string,niah_multikey_1 LENGTHS=1x,2x,4x POLICIES="full tokenselect" \
+    PER_TASK=1 KV=140000 LIMIT=${QWEN_LIMIT:-600}
+}
+
 case "${1:-}" in
-  smollm2)
-    LIMIT=${TP_LIMIT:-780} $bg start tp benchmarks/gpu_tp_accuracy.sh /tmp/res/tp
-    # the chat template on (the headline table is off: the issue asks for both)
-    MODEL=$smol CHAT=on TASKS=passkey,niah_single_1,niah_single_2 LENGTHS=1x,4x POLICIES="full tokenselect infllm" \
-      PER_TASK=1 KV=40000 LIMIT=${LIMIT:-600} $bg start smol_chat benchmarks/gpu_real_eval.sh /tmp/res/smol_chat eval
-    # the tasks not yet in the table
-    MODEL=$smol CHAT=off TASKS=kv_retrieval,niah_single_3 LENGTHS=1x,4x POLICIES="full streaming infllm tokenselect" \
-      PER_TASK=1 KV=40000 LIMIT=${LIMIT:-600} $bg start smol_tasks benchmarks/gpu_real_eval.sh /tmp/res/smol_tasks eval
-    # InfLLM at 16x (128K), beside the table's other policies there
-    MODEL=$smol CHAT=off TASKS=number_string,niah_single_1,niah_single_2 LENGTHS=16x POLICIES="infllm" \
-      PER_TASK=1 KV=140000 LIMIT=${LIMIT:-600} $bg start smol_infllm16 benchmarks/gpu_real_eval.sh /tmp/res/smol_infllm16 eval
-    ;;
+  smollm2) smollm2 ;;
+  qwen) qwen ;;
+  prompts) building=1; "${2:?smollm2 or qwen}" ;;
   tp_rest)  # what #32 still lacks: QUEST and ReAttention over 3 GPUs (their one-GPU runs again beside them)
     POLICIES="quest reattention" LIMIT=${LIMIT:-540} TP_LIMIT=${TP_LIMIT:-240} \
       $bg start tp_rest benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_rest
-    ;;
-  qwen)
-    MODEL=qwen2.5-coder-0.5b-instruct CHAT=off TASKS=niah_single_1,niah_single_2 LENGTHS=1x,2x,4x \
-      POLICIES="full tokenselect infllm reattention" PER_TASK=1 KV=280000 LIMIT=${LIMIT:-540} \
-      $bg start qwen benchmarks/gpu_real_eval.sh /tmp/res/qwen eval
     ;;
   collect)
     dest=${2:?dest}
@@ -39,8 +68,10 @@ case "${1:-}" in
       job=$(basename "$d")
       [ -f "/tmp/bg/$job.rc" ] || { echo "$job still running: not collected"; continue; }
       for f in "$d"*.tgz; do if [ -e "$f" ]; then cp "$f" "$dest/${job}_$(basename "$f")"; fi; done
+      # the checks part writes a folder, not a tarball
+      if [ -d "$d/checks" ]; then tar czf "$dest/${job}_checks.tgz" -C "$d" checks; fi
     done
     tar czf "$dest/bg_logs.tgz" -C /tmp bg
     ls -l "$dest" ;;
-  *) sed -n '2,8p' "$0"; exit 2 ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
 esac

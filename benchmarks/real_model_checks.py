@@ -2,8 +2,8 @@
 
 1. No harm inside the window: on English prose of 1/4, 1/2 and 1x the model's window, the share of the last
    ``--positions`` prompt positions where a policy's most likely next token equals full attention's (top-1
-   agreement; full attention agrees with itself at 100%). TokenSelect runs twice: with its default
-   ``dense_until`` (the model's window) and with ``dense_until=0`` (the paper: select past n_init + k + n_local).
+   agreement; full attention agrees with itself at 100%). Every selective policy runs twice: with its default
+   ``dense_until`` (the model's window) and with ``dense_until=0`` (the paper: select past sinks + budget + window).
 2. The Selection Cache on real prose: TokenSelect decodes ``--decode`` greedy tokens after a prose prompt of
    ``--prose-length`` tokens, at each ``--thetas`` value; the hit rate is over every layer of every step.
 
@@ -25,7 +25,8 @@ from tokenselect import LLM, SamplingParams
 from tokenselect.data import prose_text
 from tokenselect.policies import policy_spec
 
-POLICIES = ["tokenselect", "tokenselect:dense_until=0", "streaming", "infllm", "quest", "reattention"]
+POLICIES = [f"{name}{variant}" for name in ("tokenselect", "streaming", "infllm", "quest", "reattention")
+            for variant in ("", ":dense_until=0")]
 
 
 def prose_ids(llm: LLM, n: int, offset: int = 0) -> list[int]:
@@ -101,9 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--thetas", default="0.9,0.8,0.7")
     p.add_argument("--device", default=None)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="the KV pool (default: sized by the free memory; give it where other processes share the GPU)")
     args = p.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, kv_cache_tokens=args.kv_cache_tokens)
     w = llm.window
     lengths = [w // 4, w // 2, w]
     prose = int(args.prose_length[:-1]) * w if args.prose_length.endswith("x") else int(args.prose_length)

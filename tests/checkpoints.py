@@ -68,7 +68,7 @@ def distinct_tokens(n: int, seed: int) -> list[int]:
 
 def small_sizes(attention: str) -> dict:
     """Sinks, window (and TokenSelect's k) small enough that short prompts of the tiny model select (full
-    attention has none); TokenSelect selects inside the model's window too (``dense_until`` 0)."""
+    attention has none), inside the model's window too (``dense_until`` 0)."""
     if attention == "full":
         return {}
-    return {"n_init": 4, "n_local": 16, **({"k": 16, "dense_until": 0} if attention == "tokenselect" else {})}
+    return {"n_init": 4, "n_local": 16, "dense_until": 0, **({"k": 16} if attention == "tokenselect" else {})}

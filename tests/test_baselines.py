@@ -172,22 +172,27 @@ def test_quest_chooses_a_partial_last_page_with_no_local_window():
     assert token_order(plan, slots) == list(range(n_init)) + [t - 2, t - 1]
 
 
-def test_quest_kept_bounds_follow_the_rule_step_after_step():
+@pytest.mark.parametrize("dense_until", [0, 30])
+def test_quest_kept_bounds_follow_the_rule_step_after_step(dense_until):
     """One sequence decoding from its first selecting step (one full page and a partial one) to 3x longer, a fresh
     query each step: every choice equals the rule's definition, with the bounds kept and extended across steps.
     Page 0 (keys of +-5 in every channel: bound 5 sum|q| for any query) wins until page 5 (+-8) enters the middle;
-    the sinks outnumber the window (n_init 8, n_local 2)."""
+    the sinks outnumber the window (n_init 8, n_local 2). With dense_until 30 the steps up to token 29 attend every
+    token, and the first selecting step bounds the 5 pages filled by then at once."""
     torch.manual_seed(6)
     n_init, n_local, ps, d = 8, 2, 4, 8
     keys = 0.1 * torch.randn(48, 2, d)
     keys[n_init], keys[n_init + 1] = 5.0, -5.0
     keys[n_init + 5 * ps + 1], keys[n_init + 5 * ps + 2] = 8.0, -8.0
     cache, slots = cache_with_keys(keys)
-    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local)
+    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local, dense_until=dense_until)
     winners = []
     for t in range(n_init + ps + n_local + 1, 48):  # the first step that selects: 5 middle tokens
         q = torch.randn(1, 4, d)
         plan = step(policy, slots[:t], decode=True, seq_id=0, q=q)
+        if t + 1 <= dense_until:
+            assert token_order(plan, slots) == list(range(t)) and policy.pages.get(0, 0) == 0, t
+            continue
         chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 1)
         assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t)), t
         winners.append(chosen[0])
@@ -264,15 +269,18 @@ def local_attention_received(chunks, keys: torch.Tensor, slots: torch.Tensor, n_
 
 
 @pytest.mark.parametrize("one_buffer", [False, True])  # True: every chunk's q in one buffer, as a step graph's output
-def test_infllm_representatives_and_block_choice(one_buffer):
+@pytest.mark.parametrize("dense_until", [0, 60])  # 60: chunks ending by token 60 attend everything, past the budget
+def test_infllm_representatives_and_block_choice(one_buffer, dense_until):
     """The representatives come from the attention each token received from its chunk's queries, which are
-    counted one chunk later: the policy must keep them even when the next chunk's q overwrites their buffer."""
+    counted one chunk later: the policy must keep them even when the next chunk's q overwrites their buffer, and
+    whether the chunk attended everything (inside ``dense_until``) or selected."""
     torch.manual_seed(3)
     t, n_heads, d = 120, 4, 8
     n_init, n_local, bs, r = 4, 16, 8, 2
     keys = torch.randn(t, 2, d)
     cache, slots = cache_with_keys(keys)
-    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=r)
+    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=r,
+                    dense_until=dense_until)
     chunks, buffer = [], torch.empty(5, n_heads, d)
     for t0 in range(0, t, 5):
         q = torch.randn(5, n_heads, d)

@@ -69,6 +69,11 @@ def test_attention_tokens_at_the_thresholds():
     assert attention_tokens(infllm, 8321) == (8321, 0)  # 8320 cached: the budget, every token
     assert attention_tokens(infllm, 8322) == (8320, (8322 - 4224) // 128 * 4)
     assert attention_tokens(infllm, 131072) == (8320, (131072 - 4224) // 128 * 4)
+    # every selective policy's dense_until: streaming's default (the window), InfLLM's past its own budget
+    assert attention_tokens({**streaming, "dense_until": None}, 8192) == (8192, 0)
+    assert attention_tokens({**streaming, "dense_until": None}, 8193) == (4224, 0)
+    assert attention_tokens({**infllm, "dense_until": 16384}, 16384) == (16384, 0)
+    assert attention_tokens({**infllm, "dense_until": 16384}, 16385) == (8320, (16385 - 4224) // 128 * 4)
     assert attention_tokens({"attention": "full", "window": 8192}, 5) == (5, 0)
     assert attention_tokens({"attention": "quest", "window": 8192}, 5) is None
     assert decode_floor(LLAMA, {"attention": "reattention", "window": 8192}, 5, 1.0) is None

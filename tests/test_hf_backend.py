@@ -176,10 +176,10 @@ def test_a_plain_cache_after_a_selection_cache_is_ordinary_attention_inside_the_
 # the policies' small settings: past n_init + budget + n_local after ~40 tokens of the tiny model (window 256)
 BASELINES = {
     "tokenselect": dict(k=16, n_init=4, n_local=16, dense_until=0),
-    "streaming": dict(n_init=4, n_local=16),
-    "quest": dict(k=16, page_size=4, n_init=4, n_local=16),
-    "infllm": dict(k=16, block_size=4, repr_keys=2, n_init=4, n_local=16),
-    "reattention": dict(n_init=4, n_local=16, span=4, n_spans=4),
+    "streaming": dict(n_init=4, n_local=16, dense_until=0),
+    "quest": dict(k=16, page_size=4, n_init=4, n_local=16, dense_until=0),
+    "infllm": dict(k=16, block_size=4, repr_keys=2, n_init=4, n_local=16, dense_until=0),
+    "reattention": dict(n_init=4, n_local=16, span=4, n_spans=4, dense_until=0),
 }
 CHUNK = 32  # the engine's prefill chunk; generate prefills in the same chunks (prefill_chunk_size)
 

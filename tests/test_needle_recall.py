@@ -34,9 +34,10 @@ def test_full_attention_sees_the_whole_needle_at_every_layer(tmp_path):
 
 
 def test_streaming_sees_the_needle_only_inside_its_window(tmp_path):
-    """Sinks of 4 and a window of 64: the needle at depth 0 or 0.5 of a 700-token prompt is outside both at every
-    layer; at depth 1 it sits just before the question, inside the last chunk's window."""
-    rows = run(tmp_path, "streaming", "n_init=4", "n_local=64")
+    """Sinks of 4 and a window of 64, from the start (dense_until 0, inside the model's window too): the needle at
+    depth 0 or 0.5 of a 700-token prompt is outside both at every layer; at depth 1 it sits just before the
+    question, inside the last chunk's window."""
+    rows = run(tmp_path, "streaming", "n_init=4", "n_local=64", "dense_until=0")
     for r in rows:
         expect = 1.0 if r["depth"] == 1.0 else 0.0
         assert r["last_chunk"] == [expect] * 8, (r["style"], r["depth"])

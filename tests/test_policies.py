@@ -9,7 +9,7 @@ from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.policies import make_policy
-from tokenselect.policies.base import ALL
+from tokenselect.policies.base import ALL, SELECT
 from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.tokenselect import TokenSelect
 
@@ -337,29 +337,43 @@ def test_defaults_fit_small_windows(tiny_llama):
         make_policy("full", llm.cache, TORCH, 256, 64, {"k": 3})
 
 
-def test_tokenselect_attends_densely_up_to_its_window_and_selects_past_it(tiny_llama):
-    """``dense_until`` defaults to the model's window (256 here): a step whose last position is inside it attends
-    every token as full attention does (equality included), one past it selects."""
-    from tokenselect.policies.tokenselect import TokenSelect
+SMALL = {  # sizes at which each selective policy selects from a few dozen tokens on (dense_until 0)
+    "tokenselect": dict(k=16, n_init=4, n_local=16),
+    "streaming": dict(n_init=4, n_local=16),
+    "quest": dict(k=16, n_init=4, n_local=16, page_size=4),
+    "reattention": dict(n_init=4, n_local=16, span=4, n_spans=4),
+    "infllm": dict(k=16, n_init=4, n_local=16, block_size=4),
+}
 
-    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=4, n_local=16)
+
+@pytest.mark.parametrize("attention", list(SMALL))
+def test_selective_policies_attend_densely_up_to_the_window_and_select_past_it(tiny_llama, attention):
+    """``dense_until`` defaults to the model's window (256 here) for every selective policy: a step whose last
+    position is inside it attends every token as full attention does (equality included), one past it selects.
+    A 300-token prompt's logits are full attention's at positions 0-255 and differ after; with ``dense_until=0``
+    (the papers) they differ inside the window too. InfLLM's local-score ring holds the 252 tokens past the sinks
+    that its first selecting chunk closes into blocks at once."""
+    llm = LLM(tiny_llama, attention, chunk_size=32, **SMALL[attention])
     policy = llm.policy
-    assert isinstance(policy, TokenSelect) and policy.dense_until == llm.window == 256
+    assert policy.dense_until == llm.window == 256
+    assert llm.policy_config["dense_until"] == 256  # what the results record
     assert policy.mode(255, 1) == ALL and policy.mode(224, 32) == ALL  # last position 255: inside
-    assert policy.mode(256, 1) != ALL and policy.mode(225, 32) != ALL  # one past the window
-    assert policy.mode(36, 1) == ALL  # below n_init + k + n_local the list holds everything anyway
-    ids = list(range(2, 200))
+    assert policy.mode(256, 1) == SELECT and policy.mode(225, 32) == SELECT  # one past the window
+    assert policy.mode(20, 1) == ALL  # below n_init + budget + n_local the list holds everything anyway
+    ids = torch.randint(2, 300, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     dense = llm.prompt_logits(ids)
-    assert llm.stats()["selection_cache_hits"] + llm.stats()["selection_cache_misses"] == 0
     llm.set_attention("full")
-    torch.testing.assert_close(dense, llm.prompt_logits(ids), atol=1e-5, rtol=0)
-    llm.set_attention("tokenselect", k=16, n_init=4, n_local=16, dense_until=0)  # the paper: selects from 37 on
-    assert (llm.prompt_logits(ids) - dense).abs().max() > 1e-3
-    llm.set_attention("tokenselect", k=16, n_init=4, n_local=16)
-    out = llm.generate([list(range(2, 300))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(out[0].token_ids) == 4 and llm.stats()["selection_cache_misses"] > 0  # past the window: selects
+    full = llm.prompt_logits(ids)
+    torch.testing.assert_close(dense[:256], full[:256], atol=1e-5, rtol=0)
+    assert (dense[256:] - full[256:]).abs().amax(dim=-1).min() > 1e-3  # every position past the window selects
+    llm.set_attention(attention, dense_until=0, **SMALL[attention])  # the paper: selects from a few dozen on
+    assert llm.policy.dense_until == 0 and llm.policy.mode(255, 1) == SELECT
+    assert (llm.prompt_logits(ids[:200]) - full[:200]).abs().max() > 1e-3
+    llm.set_attention(attention, **SMALL[attention])
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
     with pytest.raises(ValueError, match="dense_until must be >= 0"):
-        llm.set_attention("tokenselect", dense_until=-1)
+        llm.set_attention(attention, dense_until=-1)
 
 
 # ---- small helpers the engine and the benchmarks rely on (issue #34's mutation check) ---------------------------

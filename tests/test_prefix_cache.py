@@ -156,7 +156,7 @@ def engine(path, attention: str, reuse: bool = True, **settings) -> LLM:
 DOC = prompt(200, 1)
 QUESTIONS = [DOC + prompt(5 + 3 * i, 10 + i) for i in range(4)]
 # InfLLM selecting inside the tiny model's window: past n_init + 39 + 16 tokens, blocks of 8 tokens
-INFLLM = dict(n_local=16, k=32, block_size=8)
+INFLLM = dict(n_local=16, k=32, block_size=8, dense_until=0)
 
 
 @pytest.mark.parametrize("attention", ["full", "tokenselect", "infllm"])

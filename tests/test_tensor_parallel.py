@@ -35,11 +35,11 @@ ENGINE = dict(kv_cache_tokens=1024, chunk_size=32, device="cpu")
 # sizes at which a 2-layer model of window 256 selects in a prompt of a few hundred tokens (as ``small_sizes``)
 SETTINGS = {
     "full": {},
-    "streaming": dict(n_init=4, n_local=16),
+    "streaming": dict(n_init=4, n_local=16, dense_until=0),
     "tokenselect": dict(n_init=4, n_local=16, k=16, dense_until=0, theta=0.6),
-    "reattention": dict(n_init=4, n_local=16, span=4, n_spans=4),
-    "quest": dict(n_init=4, n_local=16, k=16, page_size=4),
-    "infllm": dict(n_init=4, n_local=16, k=16, block_size=4, repr_keys=2),
+    "reattention": dict(n_init=4, n_local=16, span=4, n_spans=4, dense_until=0),
+    "quest": dict(n_init=4, n_local=16, k=16, page_size=4, dense_until=0),
+    "infllm": dict(n_init=4, n_local=16, k=16, block_size=4, repr_keys=2, dense_until=0),
 }
 PROMPTS = [distinct_tokens(200, seed) for seed in range(2)]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

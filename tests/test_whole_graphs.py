@@ -187,9 +187,9 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     """Decode steps of a graph-ready policy (past its selection threshold, or attending everything as full attention
     does: TokenSelect inside ``dense_until``); the rest take the pieces."""
     llm = LLM(tiny_llama, "full", chunk_size=32, cuda_graphs=True)
-    sizes = {"n_init": 4, "n_local": 16}
-    for policy, settings, works in (("tokenselect", {"k": 16, "dense_until": 0, **sizes}, True), ("streaming", sizes, True),
-                                    ("tokenselect", {"k": 16, "dense_until": 200, **sizes}, True),
+    sizes = {"n_init": 4, "n_local": 16, "dense_until": 0}
+    for policy, settings, works in (("tokenselect", {"k": 16, **sizes}, True), ("streaming", sizes, True),
+                                    ("tokenselect", {"k": 16, **sizes, "dense_until": 200}, True),
                                     ("full", {}, True), ("quest", {}, False),
                                     ("infllm", {"k": 16, "block_size": 4, **sizes}, True),
                                     # inside InfLLM's threshold (4 + 128 + 3 + 16 tokens): every token, as full

@@ -76,11 +76,14 @@ def attention_tokens(settings: dict | None, length: int) -> tuple[int, int] | No
         return length, 0
     name, cached = settings["attention"], length - 1
     fixed = settings.get("n_init", 0) + settings.get("n_local", 0)
+    if "dense_until" in settings:  # None: the model's window (a selective policy's default)
+        dense_until = settings["window"] if settings["dense_until"] is None else settings["dense_until"]
+        if length <= dense_until:
+            return length, 0
     if name == "streaming":
         return min(length, fixed), 0
     if name == "tokenselect":
-        dense_until = settings["window"] if settings.get("dense_until") is None else settings["dense_until"]
-        if cached <= fixed + settings["k"] or length <= dense_until:
+        if cached <= fixed + settings["k"]:
             return length, 0
         return fixed + settings["k"], length - fixed
     if name == "infllm":

@@ -36,7 +36,7 @@ def policy_settings(name: str) -> dict[str, object]:
 
 def fitted_settings(name: str, settings: dict, window: int) -> dict:
     """Every setting of policy ``name`` as it runs on a model of ``window`` tokens: the given ones, the defaults
-    (sizes fitted to the window; TokenSelect's dense_until: the window). ValueError for a setting the policy
+    (sizes fitted to the window; a selective policy's dense_until: the window). ValueError for a setting the policy
     does not take or a value out of range."""
     if name not in POLICIES:
         raise ValueError(f"unknown attention {name!r}; choose from {', '.join(POLICIES)}")

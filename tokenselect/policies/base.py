@@ -228,20 +228,21 @@ class SelectivePolicy(AttentionPolicy):
     n_init: sink tokens at the start; n_local: most recent tokens; budget: at most this many
     middle tokens are chosen. positions: "reindex" (RoPE by index within the attended list, so
     positions never exceed n_init + budget + n_local + chunk) or "original" (cache positions).
+    dense_until: every token is attended while a step ends at or before this position (``mode``);
+    None or 0: from the policy's own threshold on (the papers).
     """
 
     POSITIONS = ("reindex", "original")  # the schemes ``attend`` knows; subclasses may add their own
 
-    dense_until = 0  # see ``mode``; TokenSelect sets it
-
     def __init__(self, cache: KVCache, kernels: Kernels, n_init: int, n_local: int, budget: int,
-                 positions: str = "reindex"):
+                 positions: str = "reindex", dense_until: int | None = 0):
         super().__init__(cache, kernels)
         if positions not in self.POSITIONS:
             raise ValueError(f"positions must be one of {', '.join(self.POSITIONS)}, not {positions!r}")
         if min(n_init, n_local, budget) < 0:
             raise ValueError("n_init, n_local and the selection budget must be >= 0")
         self.n_init, self.n_local, self.budget, self.positions = n_init, n_local, budget, positions
+        self.dense_until = dense_until or 0
 
     def mode(self, t: int, w: int) -> str:
         """SELECT, or ALL (every token at its own position, as full attention) while the list would hold them
@@ -313,6 +314,13 @@ def n_init_setting(default: int):
 def n_local_setting(default: int, low: int = 0):
     return setting(default, "most recent tokens always attended", unit="tokens", low=low, scales=True,
                    per_request=True)
+
+
+def dense_until_setting():
+    return setting(None, "attend every token (as full attention) while the context is at most this many tokens; 0: "
+                         "the paper's rule (select as soon as the context outgrows sinks + budget + window)",
+                   unit="tokens", low=0, kind=int, none="the model's window, so the model is unchanged at lengths it "
+                                                       "handles")
 
 
 def positions_setting(default: str = "reindex", choices: tuple = SelectivePolicy.POSITIONS):

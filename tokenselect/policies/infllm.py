@@ -48,8 +48,8 @@ from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..transfer import to_device
 from ..settings import Validated, setting
-from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
-                   selection_query)
+from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, dense_until_setting, n_init_setting,
+                   n_local_setting, positions_setting, selection_query)
 from .rows import Rows, grown
 
 POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
@@ -95,6 +95,7 @@ class InfLLMSettings(Validated):
     block_size: int = setting(128, "tokens per memory block", unit="tokens", low=1, scales=True)
     repr_keys: int = setting(4, "representative keys per block", low=1)
     positions: str = positions_setting("fixed", ("fixed", "reindex", "original"))
+    dense_until: int | None = dense_until_setting()
 
 
 @dataclass(eq=False)
@@ -139,13 +140,15 @@ class InfLLM(SelectivePolicy):
         self.n_blocks = s.k // block_size
         # at most n_blocks blocks + a remainder shorter than a block
         super().__init__(cache, kernels, n_init=s.n_init, n_local=n_local,
-                         budget=self.n_blocks * block_size + block_size - 1, positions=s.positions)
+                         budget=self.n_blocks * block_size + block_size - 1, positions=s.positions,
+                         dense_until=s.dense_until)
         self.k, self.block_size, self.repr_keys = s.k, block_size, min(s.repr_keys, block_size)
         self.window = window
         self.n_layers = cache.k.shape[0]
         # the ring holds every token not yet in a closed block: before the first selection the whole context past
-        # the sinks (at most budget + n_local, then a chunk), later the window, a block and the chunks around it
-        self.ring = self.budget + n_local + 2 * (chunk + block_size)
+        # the sinks (at most budget + n_local, or dense_until, then a chunk), later the window, a block and the chunks
+        # around it
+        self.ring = max(self.budget + n_local, self.dense_until - s.n_init) + 2 * (chunk + block_size)
         self.reprs: torch.Tensor | None = None  # [layers, pool blocks, H, d] fp32: the representatives
         self.free: list[int] = []  # pool blocks no sequence holds
         self.refs: dict[int, int] = {}  # pool block -> its holders (a sequence, a prefix snapshot), for held ones
@@ -158,9 +161,9 @@ class InfLLM(SelectivePolicy):
         self._spare: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def mode(self, t: int, w: int) -> str:
-        """SELECT past the budget; before it every token, at InfLLM's fixed positions once the step reaches past
-        the model's window (with the "fixed" scheme)."""
-        if t > self.n_init + self.budget + self.n_local:
+        """SELECT past the budget and ``dense_until``; before them every token, at InfLLM's fixed positions once the
+        step reaches past the model's window (with the "fixed" scheme)."""
+        if t > self.n_init + self.budget + self.n_local and t + w > self.dense_until:
             return SELECT
         return FIXED if self.positions == "fixed" and t + w > self.window and t > self.n_local else ALL
 
@@ -266,7 +269,8 @@ class InfLLM(SelectivePolicy):
         # from the first chunk on (inside the threshold too), so that neither the pool nor the block table grows under
         # the prompt's graphs
         self._reserve_blocks(memory, self.closed_before(capacity))
-        n = self.list_length(w)  # a selecting chunk's list; before the threshold, the whole table's live part fits
+        # a selecting chunk's list; before the threshold and inside dense_until, the whole table's live part fits
+        n = max(self.list_length(w), self.dense_until)
         shape = (tuple(q_shape), q_dtype, n)
         if memory.saved is None or _shape(memory.saved) != shape:
             self._give_back(memory)
@@ -424,8 +428,8 @@ class InfLLM(SelectivePolicy):
         else:
             saved_q, saved_list = step.buffers
             saved_q[layer].copy_(q)
-            # the whole table of a chunk inside the threshold is longer in a graph (its padded capacity) and shorter
-            # eagerly (t + w <= list_length) than the buffer: its live entries, the first t + w, fit either way
+            # the whole table of a chunk that attends everything is longer in a graph (its padded capacity) and
+            # shorter eagerly than the buffer (``prepare``): its live entries, the first t + w, fit either way
             n = min(saved_list.shape[1], attended.slots.numel())
             saved_list[layer, :n].copy_(attended.slots[:n])
         return attended

@@ -26,7 +26,8 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import SELECT, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting, selection_query
+from .base import (SELECT, SelectivePolicy, SeqStep, dense_until_setting, n_init_setting, n_local_setting,
+                   positions_setting, selection_query)
 from .rows import Rows, grown
 
 
@@ -38,6 +39,7 @@ class QuestSettings(Validated):
     n_init: int = n_init_setting(0)
     n_local: int = n_local_setting(16)
     positions: str = positions_setting()
+    dense_until: int | None = dense_until_setting()
 
 
 class Quest(SelectivePolicy):
@@ -46,7 +48,8 @@ class Quest(SelectivePolicy):
 
     def __init__(self, cache: KVCache, kernels: Kernels, **settings):
         s = self.Settings(**settings)
-        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions,
+                         dense_until=s.dense_until)
         self.k, self.page_size = s.k, s.page_size
         self.rows = Rows()
         self.pages: dict[int, int] = {}  # sequence id -> its full pages with bounds

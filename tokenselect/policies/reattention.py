@@ -23,7 +23,7 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting
+from .base import SelectivePolicy, SeqStep, dense_until_setting, n_init_setting, n_local_setting, positions_setting
 
 SCORE_ELEMENTS = 1 << 24  # scores computed per block of chunk queries, at most this many floats
 
@@ -37,6 +37,7 @@ class ReAttentionSettings(Validated):
                            low=0)
     top: int = setting(1, "best middle tokens each (chunk query, head) pair votes for", low=1)
     positions: str = positions_setting()
+    dense_until: int | None = dense_until_setting()
 
 
 class ReAttention(SelectivePolicy):
@@ -52,7 +53,7 @@ class ReAttention(SelectivePolicy):
                              f"model window {window}; lower n_local")
         n_spans = min(s.n_spans, room // s.span)
         super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=n_spans * s.span,
-                         positions=s.positions)
+                         positions=s.positions, dense_until=s.dense_until)
         self.span, self.n_spans, self.top = s.span, n_spans, s.top
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

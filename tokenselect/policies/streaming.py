@@ -17,7 +17,7 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated
-from .base import SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting
+from .base import SelectivePolicy, SeqStep, dense_until_setting, n_init_setting, n_local_setting, positions_setting
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class StreamingSettings(Validated):
     n_init: int = n_init_setting(128)
     n_local: int = n_local_setting(4096)
     positions: str = positions_setting()
+    dense_until: int | None = dense_until_setting()
 
 
 class StreamingLLM(SelectivePolicy):
@@ -33,7 +34,8 @@ class StreamingLLM(SelectivePolicy):
 
     def __init__(self, cache: KVCache, kernels: Kernels, **settings):
         s = self.Settings(**settings)
-        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=0, positions=s.positions)
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=0, positions=s.positions,
+                         dense_until=s.dense_until)
 
     def choose(self, layer: int, step: SeqStep, q: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The middle is evicted: nothing is chosen from it."""

@@ -22,8 +22,8 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import (PolicyStats, SelectivePolicy, SeqStep, n_init_setting, n_local_setting, positions_setting,
-                   selection_query)
+from .base import (PolicyStats, SelectivePolicy, SeqStep, dense_until_setting, n_init_setting, n_local_setting,
+                   positions_setting, selection_query)
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -40,10 +40,7 @@ class TokenSelectSettings(Validated):
     selector: str = setting("soft_vote", "head vote", choices=SELECTORS)
     score_scale: str = setting("raw", "per-head softmax scale for the vote: raw, sqrt_d or a number")
     positions: str = positions_setting()
-    dense_until: int | None = setting(None, "attend every token (as full attention) while the context is at most "
-                                            "this many tokens; 0: select as soon as the context exceeds n_init + k + "
-                                            "n_local (the paper)", unit="tokens", low=0, kind=int,
-                                      none="the model's window, so the model is unchanged at lengths it handles")
+    dense_until: int | None = dense_until_setting()
 
 
 class TokenSelect(SelectivePolicy):
@@ -52,8 +49,8 @@ class TokenSelect(SelectivePolicy):
 
     def __init__(self, cache: KVCache, kernels: Kernels, **settings):
         s = self.Settings(**settings)
-        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions)
-        self.dense_until = s.dense_until or 0
+        super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions,
+                         dense_until=s.dense_until)
         self.k, self.selector = s.k, s.selector
         self.scale = resolve_score_scale(s.score_scale, cache.k.shape[-1])
         # an entry: a miss's choice, [k] indices into the middle
