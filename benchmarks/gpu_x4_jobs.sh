@@ -5,6 +5,7 @@
 #
 #   benchmarks/gpu_x4_jobs.sh smollm2          # #27's SmolLM2 cells (this session's list below)
 #   benchmarks/gpu_x4_jobs.sh qwen             # #27's Qwen2.5-Coder-0.5B cells
+#   benchmarks/gpu_x4_jobs.sh more             # what ran after both, once SmolLM2's jobs had ended
 #   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
@@ -53,10 +54,19 @@ qwen() {
     PER_TASK=1 KV=140000 LIMIT=${QWEN_LIMIT:-600}
 }
 
+more() {  # (2026-11-27, second session: started by hand with these settings, after the GPU tests)
+  job qwen_infllm_tasks MODEL=$qwen TASKS=number_string,niah_multikey_1 LENGTHS=1x,2x,4x POLICIES=infllm PER_TASK=1 \
+    KV=140000 LIMIT=330 GPUS=2
+  job qwen_checks CUDA_VISIBLE_DEVICES=2 MODEL=$qwen KV=140000 -- checks
+  job smol_16x MODEL=$smol TASKS=passkey,niah_multikey_1,vt LENGTHS=16x POLICIES="full infllm tokenselect streaming" \
+    KV=140000 LIMIT=330 GPU_FIRST=3 GPUS=1
+}
+
 case "${1:-}" in
   smollm2) smollm2 ;;
   qwen) qwen ;;
-  prompts) building=1; "${2:?smollm2 or qwen}" ;;
+  more) more ;;
+  prompts) building=1; "${2:?smollm2, qwen or more}" ;;
   tp_rest)  # what #32 still lacks: QUEST and ReAttention over 3 GPUs (their one-GPU runs again beside them)
     POLICIES="quest reattention" LIMIT=${LIMIT:-540} TP_LIMIT=${TP_LIMIT:-240} \
       $bg start tp_rest benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_rest
