@@ -659,6 +659,64 @@ def test_paged_dot_with_a_whole_chunk_of_rows_per_kv_head(dtype):
     torch.testing.assert_close(got, TORCH.paged_dot(q, k_pool, slots), atol=1e-3, rtol=1e-4)
 
 
+def live_scores(q, k_pool, slots, n_valid) -> torch.Tensor:
+    """fp32 scores [R, N] of head-major rows against their kv head's keys, -inf past n_valid (the test's own)."""
+    n_kv = k_pool.shape[1]
+    per_kv = q.shape[0] // n_kv
+    keys = k_pool[slots].float()
+    scores = torch.stack([q[r].float() @ keys[:, r // per_kv].T for r in range(q.shape[0])])
+    if n_valid is not None:
+        scores[:, int(n_valid):] = float("-inf")
+    return scores
+
+
+@pytest.mark.parametrize("d", [64, 80])  # 80: padded to 128 lanes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_kv,group,chunk", [(4, 1, 5), (2, 4, 9), (1, 8, 9)])  # GQA 1/4/8; 5, 36, 72 rows a kv head
+@pytest.mark.parametrize("n,n_valid", [(1, None), (37, 20), (300, None), (300, 0)])
+def test_paged_argmax_matches_reference(n, n_valid, n_kv, group, chunk, dtype, d):
+    """Random ragged inputs: every row's pick is its best live key's index, the reference's wherever the two best
+    scores are further apart than rounding (fp32 products: 1e-4; bf16 keys exact in the tf32 products: 1e-3), and
+    scores within that of the best elsewhere; with no live slot, 0."""
+    gen = torch.Generator().manual_seed(n * 100 + n_kv * 10 + group + d)
+    q = query((n_kv * group * chunk, d), dtype, gen)
+    k_pool = torch.randn(n + 50, n_kv, d, generator=gen).to(DEVICE, dtype)
+    slots = slot_list(n, n + 50, gen)
+    live = None if n_valid is None else torch.tensor(n_valid, device=DEVICE)
+    got, want = TRITON.paged_argmax(q, k_pool, slots, live), TORCH.paged_argmax(q, k_pool, slots, live)
+    assert got.shape == want.shape == (q.shape[0],) and got.dtype == want.dtype == torch.int64
+    if n_valid == 0:
+        assert not got.any() and not want.any()
+        return
+    scores = live_scores(q.cpu(), k_pool.cpu(), slots.cpu(), n_valid)
+    tol = 1e-4 if dtype == torch.float32 else 1e-3
+    top2 = scores.topk(min(2, scores.shape[1]), dim=1).values
+    clear = top2[:, 0] - top2[:, -1] > tol if scores.shape[1] > 1 else torch.ones(len(scores), dtype=torch.bool)
+    best = top2[:, 0]
+    for picks in (got.cpu(), want.cpu()):
+        assert (picks < (n if n_valid is None else n_valid)).all()
+        assert (scores.gather(1, picks[:, None])[:, 0] >= best - tol).all()
+        assert torch.equal(picks[clear], scores[clear].argmax(dim=1))
+    assert clear.float().mean() > 0.9  # the comparison is not vacuous
+
+
+@pytest.mark.parametrize("kernels", [TRITON, TORCH], ids=lambda k: k.name)
+def test_paged_argmax_takes_the_first_of_equal_maxima(kernels):
+    """A slot listed twice scores the same twice: the earlier listing is the pick, as ``torch.argmax`` does, also
+    where the equal maxima fall in different blocks of the kernel (entries 3 and 200). Small integer keys and
+    queries: every dot product is exact, so the maxima are equal however a kernel sums."""
+    gen = torch.Generator().manual_seed(5)
+    k_pool = torch.randint(-3, 4, (400, 1, 16), generator=gen).float().to(DEVICE)
+    slots = torch.randperm(400, generator=gen)[:300].to(DEVICE)
+    q = torch.zeros(3, 16, device=DEVICE)
+    q[0] = k_pool[slots[3], 0]  # its own key scores highest (|k|^2)
+    q[1], q[2] = q[0], -q[0]
+    slots[200] = slots[3]
+    picks = kernels.paged_argmax(q, k_pool, slots)
+    assert picks[0] == picks[1] == 3
+    assert picks[2] == (-(k_pool[slots, 0] @ q[0])).argmax()
+
+
 def raw_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (fp8 has no equality kernel in every build)."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

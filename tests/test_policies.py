@@ -293,28 +293,30 @@ def test_reattention_spans_only_around_tokens_with_votes():
     assert order == list(range(4)) + list(range(118, 122)) + list(range(180, 200))
 
 
+@pytest.mark.parametrize("top", [1, 2])
 @pytest.mark.parametrize("per_block", [1, 3, 16])
-def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block):
-    """A long chunk's scores are computed a block of queries at a time (SCORE_ELEMENTS): every query votes once,
-    whatever the blocks (of 1, of 3 with a partial last one, one block): query i's heads all vote for token
-    20 + 16 i."""
+def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block, top):
+    """Every (query, head) pair votes for its ``top`` best keys once: with top 1 in one pass of ``paged_argmax``,
+    with more a block of queries at a time (SCORE_ELEMENTS: blocks of 1, of 3 with a partial last one, one block).
+    Query i's heads read dimension i, which token 20 + 16 i holds at 5 and token 21 + 16 i at 4: top 1 votes for
+    the first, top 2 for both."""
     from tokenselect.policies import reattention
 
     gen = torch.Generator().manual_seed(3)
     t, d, w = 300, 16, 16
     keys = 0.01 * torch.randn(t, 2, d, generator=gen)
     q = torch.zeros(w, 4, d)
-    winners = [20 + 16 * i for i in range(w)]
-    for i, token in enumerate(winners):  # query i's heads read dimension i, which only token 20 + 16 i holds
+    for i in range(w):
         q[i, :, i] = 1.0
-        keys[token, :, i] = 5.0
+        keys[20 + 16 * i, :, i], keys[21 + 16 * i, :, i] = 5.0, 4.0
+    voted = [20 + 16 * i + j for i in range(w) for j in range(top)]  # 4 votes each
     cache, slots = cache_with_keys(keys)
-    # 14 spans for 16 tokens of 4 votes each: the earliest 14 win (a query counted twice would win over them)
-    policy = ReAttention(cache, TORCH, window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2, chunk=w)
+    # the earliest 14 of the voted tokens win (a query counted twice would win over them)
+    policy = ReAttention(cache, TORCH, window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2, chunk=w, top=top)
     monkeypatch.setattr(reattention, "SCORE_ELEMENTS", 4 * (t + w - 4 - 16) * per_block)  # heads x middle x queries
     order = step(policy, slots, q, decode=False).order(slots)
-    assert order == list(range(4)) + [x for token in winners[:-2] for x in range(token - 2, token + 2)] + list(
-        range(284, 300))
+    covered = sorted({x for token in voted[:w - 2] for x in range(token - 2, token + 2)})
+    assert order == list(range(4)) + covered + list(range(284, 300))
 
 
 # ---- end to end --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from .block_scores import block_scores, block_scores_ref
 from .head_vote import head_soft_vote, head_soft_vote_ref
+from .paged_argmax import paged_argmax, paged_argmax_ref
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref
 from .selection_check import selection_check, selection_check_ref
 from .selection_update import selection_update, selection_update_ref
@@ -40,7 +41,9 @@ class Kernels:
     window_mass(q [c, H, d], k_pool, slots [n], c, t0, lo, n_local, scale) -> [t0 + c - lo, H] fp32 (InfLLM's
     local score, ``window_mass.py``);
     block_scores(rows [R, K], index [n], query [K] (any float dtype, read in fp32), n_valid=None) -> [n] fp32
-    (InfLLM's memory lookup, ``block_scores.py``)."""
+    (InfLLM's memory lookup, ``block_scores.py``);
+    paged_argmax(q [R, d] head-major, k_pool, slots [N], n_valid=None) -> [R] int64, each row's best slot index
+    (ReAttention's vote, ``paged_argmax.py``)."""
 
     name: str
     paged_dot: Callable
@@ -51,13 +54,14 @@ class Kernels:
     selection_update: Callable
     window_mass: Callable
     block_scores: Callable
+    paged_argmax: Callable
 
 
 KERNELS = {
     "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
-                      selection_update_ref, window_mass_ref, block_scores_ref),
+                      selection_update_ref, window_mass_ref, block_scores_ref, paged_argmax_ref),
     "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, selection_update,
-                      window_mass, block_scores),
+                      window_mass, block_scores, paged_argmax),
 }
 
 

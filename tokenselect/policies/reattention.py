@@ -1,7 +1,7 @@
 """ReAttention: position-agnostic top-k before ordinary RoPE attention (Liu et al., 2024).
 
-Every (chunk query, head) pair picks its ``top`` best middle tokens by un-rotated dot product;
-the picks are pooled as votes, the ``n_spans`` most-voted tokens win, and each winner is widened
+Every (chunk query, head) pair picks its ``top`` best middle tokens by un-rotated dot product (the
+default, one, in a kernel pass that never writes the scores: ``paged_argmax``); the picks are pooled as votes, the ``n_spans`` most-voted tokens win, and each winner is widened
 to a span of ``span`` neighbours (overlaps merged). The attended list [global, spans, local] is
 then placed at contiguous positions, so the model's window is never exceeded: the number of spans
 is capped so that global + spans + local + chunk fits in ``window``.
@@ -64,15 +64,20 @@ class ReAttention(SelectivePolicy):
         dead = step.once(f"reattention dead {m}", lambda: self.cache.arange(m) >= live)
         k_pool = self.cache.k_select[layer]
         n_heads = q.shape[1]
-        block = max(1, SCORE_ELEMENTS // (n_heads * m))
         votes = torch.zeros(m, dtype=torch.float64, device=dev)  # counts, exact in fp64 beside the tie-break
-        for start in range(0, q.shape[0], block):
-            part = q[start:start + block]  # [b, n_heads, d], in its own dtype (an fp8 pool's keys are upcast)
-            # head-major rows: row h*b + i is head h, so the GQA mapping row -> kv head stays h // group
-            rows = part.transpose(0, 1).reshape(n_heads * part.shape[0], -1)
-            scores = self.kernels.paged_dot(rows, k_pool, middle).masked_fill_(dead, float("-inf"))  # [rows, M]
-            picks = torch.topk(scores, min(self.top, m), dim=1).indices.flatten()
+        # head-major rows: row h*b + i is head h, so the GQA mapping row -> kv head stays h // group (q: in its own
+        # dtype; an fp8 pool's keys are upcast)
+        if self.top == 1:  # each row's best key in one pass: the scores are never written
+            picks = self.kernels.paged_argmax(q.transpose(0, 1).reshape(-1, q.shape[2]), k_pool, middle, live)
             votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
+        else:  # the scores of a block of queries at a time, and their top picks
+            block = max(1, SCORE_ELEMENTS // (n_heads * m))
+            for start in range(0, q.shape[0], block):
+                part = q[start:start + block]  # [b, n_heads, d]
+                rows = part.transpose(0, 1).reshape(n_heads * part.shape[0], -1)
+                scores = self.kernels.paged_dot(rows, k_pool, middle).masked_fill_(dead, float("-inf"))  # [rows, M]
+                picks = torch.topk(scores, min(self.top, m), dim=1).indices.flatten()
+                votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
         self.heads.sum(votes)  # every rank's heads' votes (``parallel.HeadReduce``)
         # the n_spans most-voted tokens among those with a vote, of equal votes the earliest (so that the choice
         # does not depend on the table's padding)

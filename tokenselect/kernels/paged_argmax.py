@@ -1,0 +1,103 @@
+"""Paged argmax (ReAttention's vote): each query row's best key by un-rotated dot product, read in place through
+a slot list, without writing the scores.
+
+    best[r] = argmax_t <q[r], k_pool[slots[t], r // rows_per_kv]>   over t < n_valid, the first of equal maxima
+
+The rows are head-major, ``[n_kv * rows_per_kv, d]``: the rows of kv head j are j * rows_per_kv onwards, which is
+how ReAttention lays out a chunk's (query head, query) pairs. A program takes BLOCK_R rows of one kv head and walks
+the live slots in blocks of BLOCK_N keys, keeping each row's running maximum and where it was: the keys are read
+once per BLOCK_R rows and the [rows, N] scores never reach memory. (Scoring through ``paged_dot`` wrote them and
+ran a top-k over them, a prefill's worth of full attention's memory traffic in every layer.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_dot import dot_fp32
+
+REF_SCORES = 1 << 24  # the reference scores blocks of rows, at most this many floats at a time
+
+
+def paged_argmax_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor,
+                     n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [R, d] head-major (R = n_kv * rows_per_kv), k_pool: [S, n_kv, d], slots: [N], n_valid: None or int64 []
+    (only slots[:n_valid] are candidates) -> [R] int64: the index into ``slots`` of each row's largest score, the
+    first of equal ones (0 where no slot is live)."""
+    n_kv, n = k_pool.shape[1], slots.numel()
+    per_kv = q.shape[0] // n_kv
+    keys = k_pool[slots].float()  # [N, n_kv, d]
+    dead = None if n_valid is None else torch.arange(n, device=slots.device) >= n_valid
+    best = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
+    if n == 0:
+        return best
+    step = max(1, REF_SCORES // n)
+    for kv in range(n_kv):
+        for start in range(0, per_kv, step):
+            rows = slice(kv * per_kv + start, kv * per_kv + min(start + step, per_kv))
+            scores = q[rows].float() @ keys[:, kv].T  # [rows, N]
+            if dead is not None:
+                scores = scores.masked_fill(dead, float("-inf"))
+            best[rows] = scores.argmax(dim=1)  # the first of equal maxima
+    return best
+
+
+@triton.jit
+def _argmax_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, n_valid_ptr, N, per_kv, stride_slot, stride_kvh,
+                   D: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """Program (row tile, kv head): out[r] for the tile's rows r of that kv head. A later block replaces a row's
+    best only with a strictly larger score, and within a block the leftmost maximum wins: the first of equal
+    maxima overall, as ``torch.argmax``."""
+    tile, kvh = tl.program_id(0), tl.program_id(1)
+    n_live = N
+    if MASKED:
+        n_live = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, D_P)  # D padded to a power of two
+    row_ok, dim_ok = rows < per_kv, dims < D
+    q_rows = (kvh * per_kv + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    best = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    where = tl.zeros((BLOCK_R,), tl.int32)
+    for start in range(0, n_live, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        live = cols < n_live
+        slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
+                    mask=dim_ok[:, None] & live[None, :], other=0.0)
+        s = tl.where(live[None, :], dot_fp32(q, k, IEEE), float("-inf"))  # [BLOCK_R, BLOCK_N]
+        m = tl.max(s, axis=1)
+        i = tl.argmax(s, axis=1, tie_break_left=True)
+        better = m > best
+        where = tl.where(better, start + i, where)
+        best = tl.where(better, m, best)
+    tl.store(out_ptr + q_rows, where.to(tl.int64), mask=row_ok)
+
+
+# (rows, keys per block, warps, pipeline stages): 32 rows a program keep enough programs for the SMs at a chunk's
+# 1-2K rows per kv head; fp32 products run on CUDA cores with fp32 operands, in smaller blocks
+ARGMAX_TILE, FP32_ARGMAX_TILE = (32, 128, 4, 3), (32, 64, 4, 2)
+
+
+def paged_argmax(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor,
+                 n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of :func:`paged_argmax_ref` (same arguments; the same indices wherever two scores differ by
+    more than rounding)."""
+    n_kv, d, n = k_pool.shape[1], q.shape[1], slots.numel()
+    per_kv = q.shape[0] // n_kv
+    out = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
+    if n == 0 or per_kv == 0:
+        return out
+    ieee = torch.float32 in (q.dtype, k_pool.dtype)
+    block_r, block_n, warps, stages = FP32_ARGMAX_TILE if ieee else ARGMAX_TILE
+    if d > 128:
+        block_n //= 2
+    _argmax_kernel[(triton.cdiv(per_kv, block_r), n_kv)](
+        q.contiguous(), k_pool, slots.contiguous(), out, n_valid, n, per_kv, k_pool.stride(0), k_pool.stride(1),
+        D=d, D_P=max(16, triton.next_power_of_2(d)), BLOCK_R=block_r, BLOCK_N=block_n, IEEE=ieee,
+        MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
+    )
+    return out
