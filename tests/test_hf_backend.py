@@ -357,13 +357,9 @@ def test_readme_example_runs(tiny_llama, tmp_path, monkeypatch, capsys):
 def test_speed_script_on_a_tiny_model(tmp_path):
     """benchmarks/hf_backend_speed.py at a tiny size on the CPU: both systems timed at each length and policy, the
     same greedy tokens (same weights, same prefill chunks), a markdown table with the command."""
-    import importlib.util
-    from pathlib import Path
+    from benchmark_scripts import load
 
-    spec = importlib.util.spec_from_file_location(
-        "hf_backend_speed", Path(__file__).parent.parent / "benchmarks" / "hf_backend_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("hf_backend_speed")
     out = tmp_path / "speed.md"
     argv = ["--random", "tiny", "--lengths", "150,300", "--decode-steps", "3", "--prompt", "random",
             "--policies", "full,tokenselect:k=16;n_init=4;n_local=16;dense_until=0", "--out", str(out)]
@@ -384,16 +380,12 @@ def test_eval_backend_transformers_writes_a_table_for_gemma3(tmp_path, capsys):
     """`tokenselect eval --backend transformers` on a Gemma 3 checkpoint (an architecture our engine does not
     load) written by benchmarks/hf_tiny_checkpoint.py (as for benchmarks/results/eval_hf_tiny_gemma3_cpu.md), on
     the CPU: a table of full, tokenselect and infllm, the policies selecting past their small budget."""
-    import importlib.util
     import json
-    from pathlib import Path
 
+    from benchmark_scripts import load
     from tokenselect.cli import build_parser
 
-    spec = importlib.util.spec_from_file_location(
-        "hf_tiny_checkpoint", Path(__file__).parent.parent / "benchmarks" / "hf_tiny_checkpoint.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+    builder = load("hf_tiny_checkpoint")
     path = builder.write("gemma3", tmp_path / "gemma3")
     out = tmp_path / "run"
     args = build_parser().parse_args([

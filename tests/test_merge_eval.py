@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_scripts import load
 
 
 def load_merge():
-    spec = importlib.util.spec_from_file_location("merge_eval", ROOT / "benchmarks" / "merge_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load("merge_eval").main
 
 
 def write_run(folder: Path, policy: str, length: str, scores: list[float], hits: int = 0, misses: int = 0,

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_scripts import load
 
 
 def needle_recall():
-    spec = importlib.util.spec_from_file_location("needle_recall", ROOT / "benchmarks" / "needle_recall.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("needle_recall")
 
 
 def run(tmp_path, policy: str, *settings: str) -> list[dict]:

@@ -517,13 +517,9 @@ def test_a_chats_next_turn_reuses_the_previous_answer_where_decode_computes_what
 
 def test_benchmark_script_runs_at_a_tiny_size(tmp_path):
     """``benchmarks/prefix_reuse.py`` (the GPU benchmark) end to end on the CPU: its runs, its token counts."""
-    import importlib.util
-    from pathlib import Path
+    from benchmark_scripts import load
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_reuse.py"
-    spec = importlib.util.spec_from_file_location("prefix_reuse", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("prefix_reuse")
     assert bench.main([str(tmp_path), "--config", "tiny", "--layers", "1", "--doc-tokens", "700", "--questions", "3",
                        "--question-tokens", "16", "--max-tokens", "2", "--chunk-size", "64",
                        "--kv-cache-tokens", "4096", "--device", "cpu"]) == 0

@@ -3,18 +3,9 @@ rate on prose, on the tiny checkpoint (window 256)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def real_model_checks():
-    spec = importlib.util.spec_from_file_location("real_model_checks", ROOT / "benchmarks" / "real_model_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load
 
 
 def test_checks_agree_inside_the_window_and_count_the_selection_caches_hits(tiny_llama, tmp_path, monkeypatch):
@@ -23,7 +14,7 @@ def test_checks_agree_inside_the_window_and_count_the_selection_caches_hits(tiny
     context (64 tokens < 4 + 128). Of 3 tokens the first comes from the prefill and 2 from decode steps, each looking
     up the Selection Cache in the 2 layers: theta -1 stores at the first step and reuses at the second (2 hits of 4);
     --kv-cache-tokens sizes the engine's pool."""
-    module = real_model_checks()
+    module = load("real_model_checks")
     engines = []
     real_llm = module.LLM
     monkeypatch.setattr(module, "LLM", lambda *a, **k: engines.append(real_llm(*a, **k)) or engines[-1])
