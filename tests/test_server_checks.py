@@ -18,8 +18,9 @@ from tokenselect.server_options import ServerOptions
 
 
 def guarded(options: ServerOptions, headers: dict, chunks=(b"{}",), method: str = "POST", path: str = "/v1/completions",
-            length: bool = True):
-    """(status, error object or None, the body the app behind the guard read) of one request through ``Guard``."""
+            length: bool = True, messages: list | None = None):
+    """(status, error object or None, the body the app behind the guard read) of one request through ``Guard``.
+    A header given as None is left out; ``messages``: the ASGI messages the client sends, instead of ``chunks``'."""
     read = []
 
     async def app(scope, receive, send):
@@ -28,7 +29,8 @@ def guarded(options: ServerOptions, headers: dict, chunks=(b"{}",), method: str 
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    if messages is None:
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
 
     async def receive():
         return messages.pop(0) if messages else {"type": "http.disconnect"}
@@ -42,7 +44,7 @@ def guarded(options: ServerOptions, headers: dict, chunks=(b"{}",), method: str 
     if length and method == "POST" and "content-length" not in headers:
         headers["content-length"] = str(sum(map(len, chunks)))
     scope = {"type": "http", "method": method, "path": path,
-             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]}
+             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items() if v is not None]}
     asyncio.run(Guard(app, options)(scope, receive, send))
     if not sent:
         return None, None, read[0] if read else None
@@ -69,6 +71,11 @@ def test_the_guard_checks_the_host_header():
     assert guarded(ServerOptions(allowed_hosts=("*",)), {"host": "anything.at.all:1"})[0] == 200
     # refused before the body is read, whatever the method
     assert guarded(default, {"host": "evil"}, method="GET", path="/v1/models")[0] == 400
+    # no Host header at all (HTTP/1.0): the empty name, refused unless every host is allowed
+    status, error, read = guarded(default, {"host": None})
+    assert (status, error["code"], read) == (400, "invalid_host", None)
+    assert error["message"] == "host '' is not served here (--allowed-hosts)"
+    assert guarded(ServerOptions(allowed_hosts=("*",)), {"host": None})[0] == 200
 
 
 def test_the_guard_checks_the_api_key_except_for_health():
@@ -103,8 +110,36 @@ def test_the_guard_refuses_a_body_past_its_limit_and_passes_the_rest_whole():
     assert (status, error["message"], read) == (400, "bad Content-Length header", None)
     assert guarded(options, {}, chunks=(b"01234",), length=False)[0] == 200  # no Content-Length: counted
     assert guarded(options, {}, chunks=(b"0123456789ab",), length=False)[0] == 413
-    # a GET's body is not the guard's business
+    # a GET's body is not the guard's business; a PUT's and a PATCH's are, as a POST's
     assert guarded(options, {"content-length": "x"}, method="GET", path="/v1/models")[0] == 200
+    for method in ("PUT", "PATCH"):
+        status, error, read = guarded(options, {}, chunks=(b"0123456789a",), method=method)
+        assert (status, error["code"], read) == (413, "request_too_large", None), method
+        assert guarded(options, {}, chunks=(b"0123456789",), method=method)[:3:2] == (200, b"0123456789")
+    # ASGI's defaults: a message without "body" is an empty one, without "more_body" the last one
+    assert guarded(options, {}, messages=[{"type": "http.request"}]) == (200, None, b"")
+    assert guarded(options, {}, messages=[{"type": "http.request", "body": b"01"}]) == (200, None, b"01")
+    # a client gone before its body: the app is never called and nothing is sent
+    assert guarded(options, {}, chunks=()) == (None, None, None)
+
+
+def test_the_guard_passes_other_scopes_with_their_own_channels():
+    """A lifespan or websocket scope goes to the app with the very receive and send it came with: the app's
+    lifespan starts and stops the engine thread."""
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((scope["type"], receive, send))
+
+    async def receive():
+        return {}
+
+    async def send(message):
+        pass
+
+    for kind in ("lifespan", "websocket"):
+        asyncio.run(Guard(app, ServerOptions())({"type": kind}, receive, send))
+    assert seen == [("lifespan", receive, send), ("websocket", receive, send)]
 
 
 def test_unsupported_fields_are_refused_unless_their_value_changes_nothing():
