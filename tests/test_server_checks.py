@@ -57,7 +57,8 @@ def test_the_guard_checks_the_host_header():
     default = ServerOptions()
     for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:80", "[::1]:8000", "[::1]"):
         assert guarded(default, {"host": host})[0] == 200, host
-    for host in ("attacker.example:8000", "localhost.attacker.example", "", "[::2]:8000", "127.0.0.2"):
+    for host in ("attacker.example:8000", "localhost.attacker.example", "", "[::2]:8000", "127.0.0.2", "[::1]evil",
+                 "[::1]]:8000", "[::1"):
         status, error, read = guarded(default, {"host": host})
         assert (status, error["code"], read) == (400, "invalid_host", None), host
         assert error["message"] == f"host {host.lower()!r} is not served here (--allowed-hosts)"

@@ -419,7 +419,11 @@ class Guard:
     def refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         allowed = self.options.allowed_hosts or LOOPBACK_HOSTS
         host = headers.get(b"host", b"").decode("latin-1").lower()
-        name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+        if host.startswith("["):  # an IPv6 literal, then at most ":port"; anything else is no name of ours
+            inside, closed, rest = host[1:].partition("]")
+            name = inside if closed and (rest == "" or rest.startswith(":")) else host
+        else:
+            name = host.rsplit(":", 1)[0]
         if not any(a == "*" or name == a.lower() or (a.startswith("*.") and name.endswith(a[1:].lower()))
                    for a in allowed):
             return APIError(400, f"host {host!r} is not served here (--allowed-hosts)", code="invalid_host")
