@@ -58,7 +58,7 @@ def test_the_guard_checks_the_host_header():
     for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:80", "[::1]:8000", "[::1]"):
         assert guarded(default, {"host": host})[0] == 200, host
     for host in ("attacker.example:8000", "localhost.attacker.example", "", "[::2]:8000", "127.0.0.2", "[::1]evil",
-                 "[::1]]:8000", "[::1"):
+                 "[::1]]:8000", "[::1", "localhost:1:8000", "127.0.0.1:evil:8000"):  # only the last ':port' goes
         status, error, read = guarded(default, {"host": host})
         assert (status, error["code"], read) == (400, "invalid_host", None), host
         assert error["message"] == f"host {host.lower()!r} is not served here (--allowed-hosts)"
