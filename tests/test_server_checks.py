@@ -18,9 +18,10 @@ from tokenselect.server_options import ServerOptions
 
 
 def guarded(options: ServerOptions, headers: dict, chunks=(b"{}",), method: str = "POST", path: str = "/v1/completions",
-            length: bool = True, messages: list | None = None):
+            length: bool = True, messages: list | None = None, response_headers: list | None = None):
     """(status, error object or None, the body the app behind the guard read) of one request through ``Guard``.
-    A header given as None is left out; ``messages``: the ASGI messages the client sends, instead of ``chunks``'."""
+    A header given as None is left out; ``messages``: the ASGI messages the client sends, instead of ``chunks``';
+    ``response_headers``: a list that gets the response's headers."""
     read = []
 
     async def app(scope, receive, send):
@@ -49,6 +50,8 @@ def guarded(options: ServerOptions, headers: dict, chunks=(b"{}",), method: str 
     if not sent:
         return None, None, read[0] if read else None
     status = sent[0]["status"]
+    if response_headers is not None:
+        response_headers.extend(sent[0]["headers"])
     body = b"".join(m.get("body", b"") for m in sent[1:])
     return status, (json.loads(body)["error"] if status != 200 else None), (read[0] if read else None)
 
@@ -87,6 +90,9 @@ def test_the_guard_checks_the_api_key_except_for_health():
         status, error, read = guarded(options, {"authorization": auth} if auth else {})
         assert (status, error["code"], error["type"], read) == (401, "invalid_api_key", "invalid_request_error", None)
         assert error["message"] == "missing or wrong API key: send 'Authorization: Bearer <key>'"
+    headers = []
+    assert guarded(options, {}, response_headers=headers)[0] == 401
+    assert (b"www-authenticate", b"Bearer") in headers  # RFC 9110: a 401 names its scheme
     assert guarded(options, {}, method="GET", path="/health")[0] == 200
     assert guarded(options, {}, method="GET", path="/v1/models")[0] == 401
     assert guarded(ServerOptions(), {})[0] == 200  # no key set: none asked
