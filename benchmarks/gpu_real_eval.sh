@@ -11,8 +11,8 @@
 # at once per process, default 1: each prefill chunk then runs as one CUDA graph), LIMIT (seconds each process
 # may take; one past it stops at its next step and keeps the samples it finished, which the table names),
 # PER_TASK=1 (one process per policy and task instead of per policy), GPUS (spread the processes over this many
-# GPUs, round robin; default all the machine has), GPU_FIRST (the first of them; default 0). Everything lands in OUTDIR/eval.tgz (the merged table, plots,
-# and every run's predictions and log).
+# GPUs, round robin; default all the machine has), GPU_FIRST (the first of them; default 0). Everything lands in
+# OUTDIR/eval.tgz (the merged table, plots, and every run's predictions and log).
 set -euo pipefail
 dest=${1:?usage: benchmarks/gpu_real_eval.sh OUTDIR [eval] [checks]}
 shift

@@ -8,6 +8,7 @@ slot lists are unsorted subsets of a larger pool, and GQA groups are 1, 4 and 8.
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 
@@ -698,6 +699,20 @@ def test_paged_argmax_matches_reference(n, n_valid, n_kv, group, chunk, dtype, d
         assert (scores.gather(1, picks[:, None])[:, 0] >= best - tol).all()
         assert torch.equal(picks[clear], scores[clear].argmax(dim=1))
     assert clear.float().mean() > 0.9  # the comparison is not vacuous
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 7])
+def test_paged_argmax_reference_scores_in_blocks_of_rows_as_in_one(monkeypatch, rows_per_block):
+    """The reference scores REF_SCORES floats at a time, a block of each kv head's rows (of 1, of 3 and 7 with a
+    partial last block): the picks are those of one block of all rows."""
+    module = importlib.import_module("tokenselect.kernels.paged_argmax")  # (the package's name is the function)
+    gen = torch.Generator().manual_seed(rows_per_block)
+    q, k_pool = query((2 * 4 * 5, 16), torch.float32, gen), pool(90, 16, torch.float32, gen)
+    slots, live = slot_list(60, 90, gen), torch.tensor(45, device=DEVICE)
+    whole = module.paged_argmax_ref(q, k_pool, slots, live)
+    monkeypatch.setattr(module, "REF_SCORES", N_KV * 60 * rows_per_block)
+    assert torch.equal(module.paged_argmax_ref(q, k_pool, slots, live), whole)
+    assert (whole < 45).all() and whole.unique().numel() > 5
 
 
 @pytest.mark.parametrize("kernels", [TRITON, TORCH], ids=lambda k: k.name)

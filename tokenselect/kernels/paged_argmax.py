@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_dot import dot_fp32
+from .paged_dot import dot_fp32, paged_dot_ref
 
 REF_SCORES = 1 << 24  # the reference scores blocks of rows, at most this many floats at a time
 
@@ -25,22 +25,21 @@ def paged_argmax_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor,
                      n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """q: [R, d] head-major (R = n_kv * rows_per_kv), k_pool: [S, n_kv, d], slots: [N], n_valid: None or int64 []
     (only slots[:n_valid] are candidates) -> [R] int64: the index into ``slots`` of each row's largest score, the
-    first of equal ones (0 where no slot is live)."""
-    n_kv, n = k_pool.shape[1], slots.numel()
-    per_kv = q.shape[0] // n_kv
-    keys = k_pool[slots].float()  # [N, n_kv, d]
-    dead = None if n_valid is None else torch.arange(n, device=slots.device) >= n_valid
+    first of equal ones (0 where no slot is live). The scores are ``paged_dot_ref``'s, for a block of each kv
+    head's rows at a time."""
+    n_kv, d, n = k_pool.shape[1], q.shape[1], slots.numel()
     best = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
     if n == 0:
         return best
-    step = max(1, REF_SCORES // n)
-    for kv in range(n_kv):
-        for start in range(0, per_kv, step):
-            rows = slice(kv * per_kv + start, kv * per_kv + min(start + step, per_kv))
-            scores = q[rows].float() @ keys[:, kv].T  # [rows, N]
-            if dead is not None:
-                scores = scores.masked_fill(dead, float("-inf"))
-            best[rows] = scores.argmax(dim=1)  # the first of equal maxima
+    by_kv, best_by_kv = q.reshape(n_kv, -1, d), best.view(n_kv, -1)  # [n_kv, rows_per_kv, ...]
+    dead = None if n_valid is None else torch.arange(n, device=slots.device) >= n_valid
+    step = max(1, REF_SCORES // (n_kv * n))
+    for start in range(0, by_kv.shape[1], step):
+        part = by_kv[:, start:start + step]
+        scores = paged_dot_ref(part.reshape(-1, d), k_pool, slots)  # [n_kv * rows, N] fp32, head-major
+        if dead is not None:
+            scores = scores.masked_fill(dead, float("-inf"))
+        best_by_kv[:, start:start + step] = scores.argmax(dim=1).view(n_kv, -1)  # the first of equal maxima
     return best
 
 

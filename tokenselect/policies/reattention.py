@@ -1,8 +1,9 @@
 """ReAttention: position-agnostic top-k before ordinary RoPE attention (Liu et al., 2024).
 
 Every (chunk query, head) pair picks its ``top`` best middle tokens by un-rotated dot product (the
-default, one, in a kernel pass that never writes the scores: ``paged_argmax``); the picks are pooled as votes, the ``n_spans`` most-voted tokens win, and each winner is widened
-to a span of ``span`` neighbours (overlaps merged). The attended list [global, spans, local] is
+default, one, in a kernel pass that never writes the scores: ``paged_argmax``); the picks are pooled
+as votes, the ``n_spans`` most-voted tokens win, and each winner is widened to a span of ``span``
+neighbours (overlaps merged). The attended list [global, spans, local] is
 then placed at contiguous positions, so the model's window is never exceeded: the number of spans
 is capped so that global + spans + local + chunk fits in ``window``.
 Defaults follow the paper: global 32, local 4096, span 32, 127 spans.
