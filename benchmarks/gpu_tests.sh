@@ -59,7 +59,10 @@ graphs=(tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_bench_de
         tests/test_models.py tests/test_precision.py tests/test_baselines.py tests/test_prefix_cache.py
         tests/test_toy_policy.py)
 python3 -m pytest -q --collect-only tests/test_kernels.py 2>/dev/null | grep '::' > "$out/kernel_ids.txt"
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l); gpus=$((gpus > 0 ? gpus : 1))
+# GPU_TESTS_GPUS="0 1": run on these GPUs only (the others left to other work); default every GPU the machine has
+read -r -a gpu_ids <<< "${GPU_TESTS_GPUS:-$(seq -s ' ' 0 $(($(nvidia-smi -L 2>/dev/null | wc -l) - 1)))}"
+((${#gpu_ids[@]} > 0)) || gpu_ids=(0)
+gpus=${#gpu_ids[@]}
 graph_shards=${GRAPH_SHARDS:-1}
 jobs=()  # NAME:ids-file, one pytest process each
 for ((i = 0; i < graph_shards; i++)); do
@@ -77,10 +80,11 @@ run_job() {  # NAME GPU
 }
 pids=()
 if ((gpus == 1)); then  # every process side by side on the one GPU (the tests fit beside each other there)
-  for name in "${jobs[@]}"; do run_job "$name" 0 & pids+=($!); done
+  for name in "${jobs[@]}"; do run_job "$name" "${gpu_ids[0]}" & pids+=($!); done
 else  # one process at a time on each GPU: a test that sizes its KV pool by the free memory must find it free
   for ((g = 0; g < gpus; g++)); do
-    ( status=0; for ((j = g; j < ${#jobs[@]}; j += gpus)); do run_job "${jobs[j]}" "$g" || status=1; done; exit $status ) &
+    ( status=0; for ((j = g; j < ${#jobs[@]}; j += gpus)); do run_job "${jobs[j]}" "${gpu_ids[g]}" || status=1; done
+      exit $status ) &
     pids+=($!)
   done
 fi

@@ -6,6 +6,8 @@
 #   benchmarks/gpu_x4_jobs.sh smollm2          # #27's SmolLM2 cells (this session's list below)
 #   benchmarks/gpu_x4_jobs.sh qwen             # #27's Qwen2.5-Coder-0.5B cells
 #   benchmarks/gpu_x4_jobs.sh more             # what ran after both, once SmolLM2's jobs had ended
+#   benchmarks/gpu_x4_jobs.sh tests            # the GPU tests on GPUs 0-1 in the background (third session)
+#   benchmarks/gpu_x4_jobs.sh third_smollm2 | third_qwen | third_after   # the third session's jobs (below)
 #   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
@@ -62,11 +64,47 @@ more() {  # (2026-11-27, second session: started by hand with these settings, af
     KV=140000 LIMIT=330 GPU_FIRST=3 GPUS=1
 }
 
+# The third session (2026-11-27): the GPU tests on GPUs 0-1 from the first call (`tests`), these beside them on
+# GPUs 2-3, then `third_after` on GPUs 0-1 once the tests end.
+third_smollm2() {  # full, TokenSelect and InfLLM's missing cells; streaming and YaRN's columns whole (cheap)
+  local all=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1,vt,kv_retrieval,niah_single_3
+  job smol_core MODEL=$smol TASKS=kv_retrieval,niah_single_3 LENGTHS=2x,8x,16x POLICIES="full tokenselect infllm" \
+    PER_TASK=1 KV=140000 LIMIT=1300 GPU_FIRST=2 GPUS=2
+  job smol_vt16 MODEL=$smol TASKS=vt LENGTHS=16x POLICIES="full infllm" KV=140000 LIMIT=1300 GPU_FIRST=2 GPUS=2
+  job smol_cheap MODEL=$smol TASKS=$all LENGTHS=1x,2x,4x,8x,16x POLICIES="streaming full@yarn:4" PER_TASK=1 \
+    KV=140000 LIMIT=1300 GPU_FIRST=2 GPUS=2
+}
+
+third_qwen() {  # Qwen2.5 at 8x its window (256K), and ReAttention with its default past the window
+  job qwen_8x MODEL=$qwen TASKS=niah_single_1,niah_single_2,number_string,niah_multikey_1 LENGTHS=8x \
+    POLICIES="full tokenselect infllm" PER_TASK=1 KV=270000 LIMIT=1300 GPU_FIRST=2 GPUS=2
+  job qwen_reattention MODEL=$qwen TASKS=niah_single_1,niah_single_2 LENGTHS=2x,4x,8x POLICIES=reattention \
+    PER_TASK=1 KV=270000 LIMIT=1300 GPU_FIRST=2 GPUS=2
+}
+
+third_after() {  # on GPUs 0-1 once the tests are done: QUEST, dynamic NTK and ReAttention's holes, needle recall
+  local six=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1,vt
+  local common=(MODEL=$smol PER_TASK=1 KV=140000 LIMIT=${AFTER_LIMIT:-650} GPU_FIRST=0 GPUS=2)
+  job smol_quest "${common[@]}" TASKS=$six LENGTHS=2x,4x,8x,16x POLICIES=quest
+  job smol_dynamic "${common[@]}" TASKS=$six LENGTHS=2x,8x,16x POLICIES=full@dynamic:4
+  job smol_reattention "${common[@]}" TASKS=$six LENGTHS=4x,8x,16x POLICIES=reattention
+  if ((building)); then return 0; fi
+  for length in 8x 16x; do
+    CUDA_VISIBLE_DEVICES=$([ $length = 8x ] && echo 0 || echo 1) LIMIT=${AFTER_LIMIT:-650} \
+      "$bg" start "nr$length" benchmarks/gpu_needle_recall.sh "/tmp/res/nr$length/run" "$length" 20 ruler_essay,prose default:
+  done
+}
+
 case "${1:-}" in
+  tests)  # the GPU tests on GPUs 0 and 1, in the background, from a copy of the tree with the embedded model
+    mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
+    (cd /tmp/repo_tests && GPU_TESTS_GPUS="0 1" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 TREE_COMMIT=${TREE_COMMIT:-} \
+      "$bg" start tests benchmarks/gpu_tests.sh /tmp/res/tests/run 4) ;;
+  third_smollm2|third_qwen|third_after) "$1" ;;
   smollm2) smollm2 ;;
   qwen) qwen ;;
   more) more ;;
-  prompts) building=1; "${2:?smollm2, qwen or more}" ;;
+  prompts) building=1; "${2:?smollm2, qwen, more or a third_ group}" ;;
   tp_rest)  # what #32 still lacks: QUEST and ReAttention over 3 GPUs (their one-GPU runs again beside them)
     POLICIES="quest reattention" LIMIT=${LIMIT:-540} TP_LIMIT=${TP_LIMIT:-240} \
       $bg start tp_rest benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_rest
@@ -80,6 +118,8 @@ case "${1:-}" in
       for f in "$d"*.tgz; do if [ -e "$f" ]; then cp "$f" "$dest/${job}_$(basename "$f")"; fi; done
       # the checks part writes a folder, not a tarball
       if [ -d "$d/checks" ]; then tar czf "$dest/${job}_checks.tgz" -C "$d" checks; fi
+      # the GPU tests write a folder too (the needle recall's folder comes with its own tarball)
+      if [ -d "$d/run" ] && [ ! -e "$d/run.tgz" ]; then tar czf "$dest/${job}_run.tgz" -C "$d" run; fi
     done
     tar czf "$dest/bg_logs.tgz" -C /tmp bg
     ls -l "$dest" ;;

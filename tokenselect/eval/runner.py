@@ -154,9 +154,11 @@ def make_samples(tokenizer, window: int, tasks: list[str], lengths: list[str], n
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             for i in todo:
-                tmp = files[i].with_suffix(".tmp")
+                # a name of this process's own: processes building the same prompt side by side never write
+                # into one file; the replace leaves whole files only for those reading beside them
+                tmp = files[i].with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(built[i]))
-                tmp.replace(files[i])  # whole files only, for the processes reading beside this one
+                tmp.replace(files[i])
     return built
 
 
