@@ -9,6 +9,13 @@ adds lengths); where two runs share a cell they must have answered the very same
 two runs of one policy under different engine settings). A run's Selection Cache counts are summed per column. A run
 killed before it wrote its summary (only predictions.jsonl, a line per finished sample) merges from its
 predictions, and the table names it.
+
+    python benchmarks/merge_eval.py --repeats OUT RUN_DIR[=LABEL] ...
+
+lets runs repeat cells (a column run whole again beside cells an older run holds): of a repeated cell the run with
+more samples stands (the earlier one on a tie), and the table says how many of the samples both answered got the
+same prediction (the prompts are the same; a difference is the code or the GPU between the runs). A run's Selection
+Cache counts are summed whole, its cells that another run stands for included.
 """
 
 from __future__ import annotations
@@ -40,9 +47,20 @@ def killed_line(killed: list[str]) -> str:
             f"Cache counts): {', '.join(killed)}.\n" if killed else "")
 
 
-def main(out: str, *runs: str) -> None:
+def repeats_line(repeated: set, agree: int, shared: int) -> str:
+    """The note on cells that more than one run answered (``--repeats``), or ''."""
+    if not repeated:
+        return ""
+    return (f"\nCells answered by more than one run ({len(repeated)}; the run with more samples stands): the samples both "
+            f"answered got the same prediction in {agree} of {shared}.\n")
+
+
+def main(out: str, *runs: str, repeats: bool = False) -> None:
     title, killed = "", []
-    records, configs, prompts, selection_cache = [], [], {}, {}
+    configs, prompts, selection_cache = [], {}, {}
+    cells: dict = {}  # (policy, task, length) -> the rows of the run that stands for it
+    repeated: set = set()
+    agree = shared = 0
     for spec in runs:
         path, _, label = spec.partition("=")
         run = Path(path)
@@ -66,11 +84,22 @@ def main(out: str, *runs: str) -> None:
             if any(known.get(sample, answers) != answers for sample, answers in answered.items()):
                 raise SystemExit(f"{run} answered other prompts for {cell} than an earlier run: not mergeable")
             known.update(answered)
-        seen = {(r["policy"], r["task"], r["length"]) for r in records}
-        twice = sorted(seen & {(r["policy"], r["task"], r["length"]) for r in rows})
-        if twice:
-            raise SystemExit(f"{run} repeats cells of an earlier run: {twice[:3]}")
-        records += rows
+        by_cell: dict = {}
+        for r in rows:
+            by_cell.setdefault((r["policy"], r["task"], r["length"]), []).append(r)
+        twice = sorted(set(cells) & set(by_cell))
+        if twice and not repeats:
+            raise SystemExit(f"{run} repeats cells of an earlier run: {twice[:3]} (--repeats allows it)")
+        for cell, mine_rows in by_cell.items():
+            if cell in cells:
+                theirs = {r["sample"]: r["prediction"] for r in cells[cell]}
+                both = [r for r in mine_rows if r["sample"] in theirs]
+                shared += len(both)
+                agree += sum(r["prediction"] == theirs[r["sample"]] for r in both)
+                repeated.add(cell)
+                if len(mine_rows) <= len(cells[cell]):
+                    continue
+            cells[cell] = mine_rows
         configs.append(summary["config"])
         for policy, counts in hit_rates.items():
             total = selection_cache.setdefault(policy, {"hits": 0, "misses": 0})
@@ -79,6 +108,7 @@ def main(out: str, *runs: str) -> None:
             total["hit_rate"] = round(total["hits"] / max(1, total["hits"] + total["misses"]), 4)
         if (run / "table.md").is_file():
             title = title or (run / "table.md").read_text().splitlines()[0]
+    records = [r for rows in cells.values() for r in rows]
     scores = summarize(records)
     target = Path(out)
     write_outputs(records, scores, {"merged": [str(r) for r in runs], "configs": configs}, target, selection_cache)
@@ -87,12 +117,13 @@ def main(out: str, *runs: str) -> None:
     policies = ", ".join(dict.fromkeys(r["policy"] for r in records))
     (target / "table.md").write_text(f"{title}\n\n{table}\n\nPolicies {policies}: one `tokenselect eval` "
                                      f"process each, merged by `benchmarks/merge_eval.py`.\n"
-                                     f"{short_cells(records)}{killed_line(killed)}"
+                                     f"{short_cells(records)}{killed_line(killed)}{repeats_line(repeated, agree, shared)}"
                                      f"{selection_cache_lines(selection_cache)}")
     print(table)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
+    args = [a for a in sys.argv[1:] if a != "--repeats"]
+    if len(args) < 2:
         raise SystemExit(__doc__)
-    main(*sys.argv[1:])
+    main(*args, repeats="--repeats" in sys.argv[1:])

@@ -89,3 +89,28 @@ def test_a_run_killed_before_its_summary_merges_from_its_predictions(tmp_path):
     assert "Runs killed before their summary (their finished samples merged from predictions.jsonl; no Selection " \
            "Cache counts): killed (3 samples).\n" in table
     assert table.startswith("# Eval: test model\n")
+
+
+def test_repeated_cells_need_the_flag_and_the_fuller_run_stands(tmp_path):
+    """With --repeats a cell two runs answered comes from the run with more samples (the earlier on a tie), and the
+    table counts the shared samples whose predictions agree; without it the repeat is refused."""
+    merge = load_merge()
+    short = write_run(tmp_path / "short", "full", "2x", [1.0, 0.0])
+    whole = write_run(tmp_path / "whole", "full", "2x", [1.0, 1.0, 1.0])
+    rows = [json.loads(line) for line in (whole / "predictions.jsonl").read_text().splitlines()]
+    rows[1]["prediction"] = "y"  # sample 1 answered differently from the short run's
+    (whole / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="repeats cells"):
+        merge(str(tmp_path / "refused"), str(short), str(whole))
+    merge(str(tmp_path / "out"), str(short), str(whole), repeats=True)
+    table = (tmp_path / "out" / "table.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| niah_single_1 | 2x"))
+    assert row.split("|")[3].strip().startswith("100.0")  # the whole run's 3 samples, not the short run's 2
+    assert "fewer than" not in table
+    assert "Cells answered by more than one run (1; the run with more samples stands): the samples both answered " \
+           "got the same prediction in 1 of 2.\n" in table
+    tie = write_run(tmp_path / "tie", "full", "2x", [0.0, 0.0, 0.0])
+    merge(str(tmp_path / "out_tie"), str(whole), str(tie), repeats=True)
+    row = next(line for line in (tmp_path / "out_tie" / "table.md").read_text().splitlines()
+               if line.startswith("| niah_single_1 | 2x"))
+    assert row.split("|")[3].strip().startswith("100.0")  # a tie: the earlier run stands
