@@ -8,6 +8,7 @@
 #   benchmarks/gpu_x4_jobs.sh more             # what ran after both, once SmolLM2's jobs had ended
 #   benchmarks/gpu_x4_jobs.sh tests            # the GPU tests on GPUs 0-1 in the background (third session)
 #   benchmarks/gpu_x4_jobs.sh third_smollm2 | third_qwen | third_after   # the third session's jobs (below)
+#   benchmarks/gpu_x4_jobs.sh fourth_qwen      # what the third left of Qwen2.5's table: 8x whole, 16x
 #   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
@@ -95,16 +96,27 @@ third_after() {  # on GPUs 0-1 once the tests are done: QUEST, dynamic NTK and R
   done
 }
 
+# What the third session left for a fourth (each GPU its own share: a dense 256K prefill wants a GPU without
+# neighbours; TokenSelect and InfLLM's processes share well)
+fourth_qwen() {
+  local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
+  local common=(MODEL=$qwen PER_TASK=1 KV=540000 LIMIT=${FOURTH_LIMIT:-1300})
+  job qwen_full8 "${common[@]}" TASKS=$four LENGTHS=8x POLICIES=full GPU_FIRST=0 GPUS=2
+  job qwen_ts16 "${common[@]}" TASKS=$four LENGTHS=16x POLICIES=tokenselect GPU_FIRST=2 GPUS=1
+  job qwen_infllm8 "${common[@]}" TASKS=$four LENGTHS=8x POLICIES=infllm GPU_FIRST=3 GPUS=1
+  job qwen_reattention48 "${common[@]}" TASKS=$four LENGTHS=4x,8x POLICIES=reattention GPU_FIRST=3 GPUS=1
+}
+
 case "${1:-}" in
   tests)  # the GPU tests on GPUs 0 and 1, in the background, from a copy of the tree with the embedded model
     mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
     (cd /tmp/repo_tests && GPU_TESTS_GPUS="0 1" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 TREE_COMMIT=${TREE_COMMIT:-} \
       "$bg" start tests benchmarks/gpu_tests.sh /tmp/res/tests/run 4) ;;
-  third_smollm2|third_qwen|third_after) "$1" ;;
+  third_smollm2|third_qwen|third_after|fourth_qwen) "$1" ;;
   smollm2) smollm2 ;;
   qwen) qwen ;;
   more) more ;;
-  prompts) building=1; "${2:?smollm2, qwen, more or a third_ group}" ;;
+  prompts) building=1; "${2:?smollm2, qwen, more, or a third_ or fourth_ group}" ;;
   tp_rest)  # what #32 still lacks: QUEST and ReAttention over 3 GPUs (their one-GPU runs again beside them)
     POLICIES="quest reattention" LIMIT=${LIMIT:-540} TP_LIMIT=${TP_LIMIT:-240} \
       $bg start tp_rest benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_rest
