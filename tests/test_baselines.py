@@ -312,6 +312,18 @@ def test_infllm_representatives_and_block_choice(one_buffer, dense_until):
     assert policy._memory == {}
 
 
+def test_infllm_graph_tensors_are_its_memory_itself():
+    """What a whole-step graph records and a check run restores: nothing before the first sequence, then the ring of
+    local scores (state) and the representatives and block table (read) themselves, at their addresses."""
+    cache, slots = cache_with_keys(torch.randn(100, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, chunk=8, k=16, n_init=4, n_local=16, block_size=8)
+    assert policy.graph_state() == () and policy.graph_reads() == ()
+    step(policy, slots[:0], decode=False, seq_id=0, q=torch.randn(8, 4, 8))
+    state, reads = policy.graph_state(), policy.graph_reads()
+    assert len(state) == 1 and state[0] is policy.mass
+    assert len(reads) == 2 and reads[0] is policy.reprs and reads[1] is policy.table
+
+
 def test_infllm_refuses_chunks_its_ring_cannot_hold():
     """The local scores of the tokens not yet in a closed block live in a ring sized for the policy's chunk: a
     longer chunk is an error that says so, not scores silently overwritten."""

@@ -467,6 +467,38 @@ def test_infllm_restored_memory_is_the_memory_a_prefill_builds(tiny_llama):
             torch.testing.assert_close(mine.ring[entries], theirs.ring[entries], rtol=0, atol=0)
 
 
+def snapshots_of(policy) -> list:
+    """The snapshots ``policy`` takes from now on, in order (its own ``snapshot`` still takes them)."""
+    taken, take = [], policy.snapshot
+    policy.snapshot = lambda *args: taken.append(take(*args)) or taken[-1]
+    return taken
+
+
+def test_infllm_snapshot_among_its_sinks_holds_no_local_scores_and_restores(tiny_llama):
+    """A prompt's chunk boundary at 32 tokens, inside InfLLM's 48 sinks: the snapshot there has no ring entries (its
+    local scores start after the sinks), and a question that starts from it answers as without reuse."""
+    settings = dict(n_init=48)
+    first, second = DOC[:36] + prompt(4, 10), DOC[:36] + prompt(6, 11)
+    llm = engine(tiny_llama, "infllm", **settings)
+    taken = snapshots_of(llm.policy)
+    llm.generate(first, GREEDY)
+    snapshot = next(state for state in taken if state.t == 32)
+    assert snapshot.ring.shape == (llm.config.n_layers, 0, llm.config.n_heads) and snapshot.closed == 0
+    out = llm.generate(second, GREEDY)[0]
+    assert out.cached_tokens == 32
+    assert out.token_ids == engine(tiny_llama, "infllm", reuse=False, **settings).generate(second, GREEDY)[0].token_ids
+
+
+def test_infllm_restores_only_its_own_snapshots(tiny_llama):
+    llm = engine(tiny_llama, "infllm")
+    taken = snapshots_of(llm.policy)
+    llm.generate(QUESTIONS[0], GREEDY)
+    theirs = taken[-1]
+    other = engine(tiny_llama, "infllm").policy
+    with pytest.raises(AssertionError, match="^a prefix snapshot of another InfLLM instance$"):
+        other.restore(0, theirs)
+
+
 def test_infllm_eviction_drops_the_snapshot_and_a_match_falls_back_to_the_one_before(tiny_llama):
     llm = engine(tiny_llama, "infllm")
     llm.generate(QUESTIONS[0], GREEDY)  # snapshots at 160 and 192, the last two chunk boundaries of its prompt
