@@ -293,6 +293,50 @@ def test_reattention_spans_only_around_tokens_with_votes():
     assert order == list(range(4)) + list(range(118, 122)) + list(range(180, 200))
 
 
+def test_reattention_with_no_room_for_a_span_attends_the_sinks_and_the_window():
+    """A budget of 0 (n_init + n_local + chunk == window): a selecting step attends the sinks and the window only."""
+    torch.manual_seed(6)
+    t, d = 200, 16
+    cache, slots = cache_with_keys(torch.randn(t, 2, d))
+    policy = ReAttention(cache, TORCH, window=100, n_init=10, n_local=60, span=4, n_spans=8, chunk=30)
+    order = step(policy, slots, torch.randn(1, 4, d), decode=True).order(slots)
+    assert order == list(range(10)) + list(range(t - 60, t))
+
+
+def test_reattention_span_stops_at_the_live_middles_end():
+    """The winner is the middle's last live token: its span (w - 2 .. w + 1) is clipped to the live middle, so the
+    window's first token (middle index ``live``) is attended once, as the window, not also as the span's end."""
+    torch.manual_seed(7)
+    t, d, n_init, n_local = 200, 16, 4, 20
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(1, 4, d)
+    w = t - n_local - 1
+    keys[w] = loud_along(q, 5.0)
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=n_init, n_local=n_local, span=4, n_spans=1, chunk=1)
+    order = step(policy, slots, q, decode=True).order(slots)
+    assert order == list(range(n_init)) + [w - 2, w - 1, w] + list(range(t - n_local, t))
+
+
+@pytest.mark.parametrize("top", [1, 2])
+def test_reattention_heads_vote_with_their_own_kv_heads(top):
+    """GQA, 4 query heads over 2 KV heads, a chunk of 2 queries: heads 0-1 read KV head 0, where only token 60 (then
+    61) is loud along their direction; heads 2-3 read KV head 1, where only token 120 (then 121) is. Each query's
+    heads vote for their own KV head's tokens (a query's heads reading another query's KV head would vote
+    elsewhere): top 1 for 60 and 120, top 2 for 61 and 121 too."""
+    torch.manual_seed(8)
+    t, d = 200, 16
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.zeros(2, 4, d)
+    q[:, :2, 0], q[:, 2:, 1] = 1.0, 1.0  # heads 0-1 along dimension 0, heads 2-3 along dimension 1
+    keys[60, 0, 0], keys[61, 0, 0], keys[120, 1, 1], keys[121, 1, 1] = 5.0, 4.0, 5.0, 4.0
+    keys[60:62, 1, 1], keys[120:122, 0, 0] = -5.0, -5.0  # the least liked on the other KV head
+    cache, slots = cache_with_keys(keys)
+    policy = ReAttention(cache, TORCH, window=1000, n_init=4, n_local=20, span=4, n_spans=2 * top, chunk=2, top=top)
+    order = step(policy, slots, q, decode=False).order(slots)
+    assert order == list(range(4)) + list(range(58, 61 + top)) + list(range(118, 121 + top)) + list(range(180, 200))
+
+
 @pytest.mark.parametrize("top", [1, 2])
 @pytest.mark.parametrize("per_block", [1, 3, 16])
 def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block, top):
