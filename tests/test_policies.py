@@ -200,6 +200,34 @@ def test_selection_cache_reuses_the_stored_selection():
     assert policy.selection_cache.misses == 3
 
 
+def test_a_hit_gives_the_vote_and_the_top_k_no_live_candidate():
+    """A decode step's Selection Cache decision gates the work: on a miss the vote and the top-k see the live middle,
+    on a hit none of it (their kernels read nothing; the cached choice is returned)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    cache, slots = cache_with_keys(torch.randn(300, 2, 16))
+    seen = []  # the live count each kernel was given, in call order
+
+    def vote(query, k_pool, middle, scale, live):
+        seen.append(("vote", int(live)))
+        return TORCH.head_soft_vote(query, k_pool, middle, scale, live)
+
+    def topk(scores, k, n_valid=None, values=None, out=None):
+        seen.append(("topk", int(n_valid)))
+        return TORCH.topk(scores, k, n_valid, values, out)
+
+    kernels = dataclasses.replace(TORCH, head_soft_vote=vote, topk=topk)
+    policy = TokenSelect(cache, kernels, k=16, n_init=4, n_local=8, theta=0.5)
+    q = torch.randn(1, 4, 16)
+    first = step(policy, slots, q, decode=True, seq_id=7)
+    live = 300 - 4 - 8  # the middle: past the sinks, before the window
+    assert seen == [("vote", live), ("topk", live)]
+    again = step(policy, slots, q, decode=True, seq_id=7)
+    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 1)
+    assert seen[2:] == [("vote", 0), ("topk", 0)] and torch.equal(first.slots, again.slots)
+
+
 # ---- ReAttention ------------------------------------------------------------------------------------
 
 def test_reattention_widens_winners_into_spans():

@@ -137,8 +137,10 @@ def mutmut_config(spec: dict) -> str:
              "pytest_add_cli_args = " + json.dumps(["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"] + [
                  arg for test in spec.get("deselect", []) for arg in ("--deselect", test)]),
              'also_copy = ["pytest.ini", "docs"]',
-             "timeout_multiplier = 20.0",  # a shared, loaded machine: a slow test is not an endless loop
-             "timeout_constant = 10.0",
+             # the limit is CPU seconds (RLIMIT_CPU: SIGXCPU, exit -24), which a shared machine does not inflate as
+             # it does wall time; a mutant that loops costs the whole limit (x 20 held one for 25 minutes)
+             "timeout_multiplier = 4.0",
+             "timeout_constant = 30.0",
              'process_isolation = "forkserver"']
     return "\n".join(lines) + "\n"
 
