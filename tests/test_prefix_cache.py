@@ -435,33 +435,39 @@ def test_infllm_ten_questions_in_turn_and_at_once_answer_as_without_reuse(tiny_l
     assert prefix.state_bytes == 0 and not policy.refs and sorted(policy.free) == list(range(policy.reprs.shape[1]))
 
 
-def test_infllm_restored_memory_is_the_memory_a_prefill_builds(tiny_llama):
-    """A sequence starting after the cached document (192 tokens) has, before its first step, the memory a sequence
-    that computed the document has there: the same closed blocks and representatives, the same local scores."""
-    llm = engine(tiny_llama, "infllm")
-    llm.generate(QUESTIONS[0], GREEDY)
-    seq = llm.add_request(QUESTIONS[1], GREEDY)
+@pytest.mark.parametrize("n_local, first, second, at, pieces", [
+    (16, QUESTIONS[0], QUESTIONS[1], 192, 1),
+    # a ring of (32 + 28) + 2 * (32 + 8) = 140 entries: at 160 the live tokens 132..159 wrap around its end
+    (28, DOC[:170] + prompt(4, 10), DOC[:170] + prompt(6, 11), 160, 2)])
+def test_infllm_restored_memory_is_the_memory_a_prefill_builds(tiny_llama, n_local, first, second, at, pieces):
+    """A sequence starting after the cached document (``at`` tokens) has, before its first step, the memory a
+    sequence that computed the document has there: the same closed blocks and representatives, the same local
+    scores, also where the live tokens' ring entries wrap around the ring's end (two pieces)."""
+    settings = dict(n_local=n_local)
+    llm = engine(tiny_llama, "infllm", **settings)
+    llm.generate(first, GREEDY)
+    seq = llm.add_request(second, GREEDY)
     with torch.inference_mode():
-        llm.scheduler.schedule()  # admitted: it starts after 192 tokens, from the snapshot there
-    assert seq.n_cached == 192
-    ref = engine(tiny_llama, "infllm", reuse=False)
-    own = ref.add_request(QUESTIONS[1], GREEDY)
-    while own.n_cached < 192:
+        llm.scheduler.schedule()  # admitted: it starts after ``at`` tokens, from the snapshot there
+    assert seq.n_cached == at
+    ref = engine(tiny_llama, "infllm", reuse=False, **settings)
+    own = ref.add_request(second, GREEDY)
+    while own.n_cached < at:
         ref.step()
-    cfg, n = llm.config, len(QUESTIONS[1])
-    shape = (n - 192, cfg.n_heads, cfg.head_dim)
+    cfg, n = llm.config, len(second)
+    shape = (n - at, cfg.n_heads, cfg.head_dim)
     for engine_, s in ((llm, seq), (ref, own)):  # what the first step of the rest sees (the last chunk counted)
-        s.slots[192:n] = engine_.scheduler.allocate(n - 192)
+        s.slots[at:n] = engine_.scheduler.allocate(n - at)
         with torch.inference_mode():
-            engine_.policy.prepare(s.id, s.slots, 192, n, False, shape, torch.float32)
+            engine_.policy.prepare(s.id, s.slots, at, n, False, shape, torch.float32)
     a, b = llm.policy._memory[seq.id], ref.policy._memory[own.id]
     assert len(a.layers) == cfg.n_layers
     for layer, (mine, theirs) in enumerate(zip(a.layers, b.layers)):
-        assert (mine.closed, mine.tracked) == (theirs.closed, theirs.tracked) and mine.closed == (192 - 4 - 16) // 8
+        assert (mine.closed, mine.tracked) == (theirs.closed, theirs.tracked) and mine.closed == (at - 4 - n_local) // 8
         torch.testing.assert_close(llm.policy.representatives(seq.id, layer),
                                    ref.policy.representatives(own.id, layer), rtol=0, atol=0)
-        live = [entries for entries, _ in llm.policy.ring_spans(llm.policy.tracked_from(mine), 192)]
-        assert sum(e.stop - e.start for e in live) == 192 - 4 - mine.closed * 8 > 0
+        live = [entries for entries, _ in llm.policy.ring_spans(llm.policy.tracked_from(mine), at)]
+        assert len(live) == pieces and sum(e.stop - e.start for e in live) == at - 4 - mine.closed * 8 > 0
         for entries in live:
             assert mine.ring[entries].abs().sum() > 0
             torch.testing.assert_close(mine.ring[entries], theirs.ring[entries], rtol=0, atol=0)
