@@ -139,6 +139,22 @@ def test_reindexed_positions_stay_inside_the_window():
     assert order == sorted(order) and len(set(order)) == n
 
 
+def test_a_budget_larger_than_the_window_lists_every_chosen_token():
+    """k = 8 chosen tokens beside a window of 2 and one own token (the frame around the choice shorter than the
+    choice): the list holds exactly the 8 loudest middle tokens, between the sinks and the window."""
+    torch.manual_seed(9)
+    t, d = 120, 16
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(1, 4, d)
+    loud = [10, 23, 37, 50, 64, 71, 88, 99]
+    for i, token in enumerate(loud):
+        keys[token] = (3.0 + i) * q[0].view(2, 2, d).mean(1)
+    cache, slots = cache_with_keys(keys)
+    policy = TokenSelect(cache, TORCH, k=8, n_init=2, n_local=2, theta=None)
+    order = step(policy, slots, q, decode=True).order(slots)
+    assert order == [0, 1] + loud + [t - 2, t - 1]
+
+
 def test_original_positions_are_cache_positions():
     plan, slots, _ = plan_for("original")
     assert plan.positions.tolist() == plan.order(slots)
