@@ -506,6 +506,18 @@ def test_full_attention_runs_as_a_graph_unless_the_values_are_on_the_host():
     assert not FullAttention(offloaded, TORCH).graph_ready(0, 1) and not FullAttention(offloaded, TORCH).graph_ready(100)
 
 
+def test_a_selective_policy_runs_as_a_graph_while_it_selects_or_with_the_values_on_the_device():
+    """While it attends every token its list is full attention's, so with the values on the host it is not
+    graph-ready (as full attention); once it selects (1 + 4 + 1 tokens fit, 100 do not) it is, either way."""
+    on_device = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"))
+    offloaded = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"), offload="values")
+    for cache in (on_device, offloaded):
+        policy = TokenSelect(cache, TORCH, k=4, n_init=1, n_local=1)
+        assert policy.mode(5, 1) == ALL and policy.mode(100, 1) == SELECT
+        assert policy.graph_ready(100, 1)
+        assert policy.graph_ready(5, 1) == (cache is on_device)
+
+
 def test_tokenselect_graph_state_is_its_selection_cache():
     """What a whole-step graph records and a check run restores: nothing before the first sequence, then the
     Selection Cache's entries and counters themselves (a graph reads them at their addresses)."""
