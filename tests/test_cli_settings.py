@@ -133,6 +133,7 @@ def test_the_settings_describe_themselves(capsys):
     assert "--top TOP" in text and "--max-num-seqs" in text  # every declared setting has its flag
     assert "attention policy settings (unset: the paper's defaults; defaults marked 'x min(1, window/8192)' shrink " \
            "with a model window under 8192 tokens):" in text  # the scaling, said once where the flags are listed
+    assert "--config CONFIG JSON or YAML file of settings (flags override it)" in text and "engine settings:" in text
     docs = Path(__file__).parent.parent / "docs" / "settings.md"
     assert docs.read_text() == settings_markdown(), "regenerate: python -m tokenselect.policies > docs/settings.md"
     assert {spec.name for spec in specs(POLICIES["tokenselect"].Settings) if spec.per_request} == {"k", "n_local",
