@@ -324,6 +324,21 @@ def test_infllm_graph_tensors_are_its_memory_itself():
     assert len(reads) == 2 and reads[0] is policy.reprs and reads[1] is policy.table
 
 
+def test_an_infllm_snapshot_releases_its_blocks_once():
+    """Releasing a snapshot gives its pool blocks' references back; releasing it again gives nothing back twice."""
+    torch.manual_seed(0)
+    cache, slots = cache_with_keys(torch.randn(100, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, chunk=8, k=16, n_init=4, n_local=16, block_size=8)
+    for t in range(0, 64, 8):  # prefill in chunks of 8: the blocks before the window close
+        step(policy, slots[:t], decode=False, seq_id=0, q=torch.randn(8, 4, 8))
+    state = policy.snapshot(0, slots, 64)
+    assert state.blocks and all(policy.refs[b] == 2 for b in state.blocks)  # the sequence's and the snapshot's
+    state.release()
+    assert all(policy.refs[b] == 1 for b in state.blocks) and state.ring is None
+    state.release()
+    assert all(policy.refs[b] == 1 for b in state.blocks)
+
+
 def test_infllm_refuses_chunks_its_ring_cannot_hold():
     """The local scores of the tokens not yet in a closed block live in a ring sized for the policy's chunk: a
     longer chunk is an error that says so, not scores silently overwritten."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -219,8 +221,6 @@ def test_selection_cache_reuses_the_stored_selection():
 def test_a_hit_gives_the_vote_and_the_top_k_no_live_candidate():
     """A decode step's Selection Cache decision gates the work: on a miss the vote and the top-k see the live middle,
     on a hit none of it (their kernels read nothing; the cached choice is returned)."""
-    import dataclasses
-
     torch.manual_seed(0)
     cache, slots = cache_with_keys(torch.randn(300, 2, 16))
     seen = []  # the live count each kernel was given, in call order

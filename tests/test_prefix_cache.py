@@ -495,25 +495,6 @@ def test_infllm_snapshot_among_its_sinks_holds_no_local_scores_and_restores(tiny
     assert out.token_ids == engine(tiny_llama, "infllm", reuse=False, **settings).generate(second, GREEDY)[0].token_ids
 
 
-def test_an_infllm_snapshot_releases_its_blocks_once():
-    """Releasing a snapshot gives its pool blocks' references back; releasing it again gives nothing back twice."""
-    torch.manual_seed(0)
-    from policy_steps import cache_with_keys, step
-    from tokenselect.kernels import get_kernels
-    from tokenselect.policies.infllm import InfLLM
-
-    cache, slots = cache_with_keys(torch.randn(100, 2, 8))
-    policy = InfLLM(cache, get_kernels("torch"), window=1000, chunk=8, k=16, n_init=4, n_local=16, block_size=8)
-    for t in range(0, 64, 8):  # prefill in chunks of 8: the blocks before the window close
-        step(policy, slots[:t], decode=False, seq_id=0, q=torch.randn(8, 4, 8))
-    state = policy.snapshot(0, slots, 64)
-    assert state.blocks and all(policy.refs[b] == 2 for b in state.blocks)  # the sequence's and the snapshot's
-    state.release()
-    assert all(policy.refs[b] == 1 for b in state.blocks) and state.ring is None
-    state.release()
-    assert all(policy.refs[b] == 1 for b in state.blocks)
-
-
 def test_infllm_restores_only_its_own_snapshots(tiny_llama):
     llm = engine(tiny_llama, "infllm")
     taken = snapshots_of(llm.policy)
