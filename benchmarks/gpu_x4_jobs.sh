@@ -66,7 +66,7 @@ more() {  # (2026-11-27, second session: started by hand with these settings, af
 }
 
 # The third session (2026-11-27): the GPU tests on GPUs 0-1 from the first call (`tests`), these beside them on
-# GPUs 2-3, then `third_after` on GPUs 0-1 once the tests end.
+# GPUs 2-3, then `third_after` once the tests end (as it ran: on GPU 1, and the needle recall on GPUs 0 and 2).
 third_smollm2() {  # full, TokenSelect and InfLLM's missing cells; streaming and YaRN's columns whole (cheap)
   local all=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1,vt,kv_retrieval,niah_single_3
   job smol_core MODEL=$smol TASKS=kv_retrieval,niah_single_3 LENGTHS=2x,8x,16x POLICIES="full tokenselect infllm" \
@@ -83,16 +83,18 @@ third_qwen() {  # Qwen2.5 at 8x its window (256K), and ReAttention with its defa
     PER_TASK=1 KV=270000 LIMIT=1300 GPU_FIRST=2 GPUS=2
 }
 
-third_after() {  # on GPUs 0-1 once the tests are done: QUEST, dynamic NTK and ReAttention's holes, needle recall
+third_after() {  # once the tests are done: QUEST, dynamic NTK and ReAttention's holes, needle recall at 8x and 16x
   local six=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1,vt
-  local common=(MODEL=$smol PER_TASK=1 KV=140000 LIMIT=${AFTER_LIMIT:-650} GPU_FIRST=0 GPUS=2)
+  local common=(MODEL=$smol PER_TASK=1 KV=140000 LIMIT=${AFTER_LIMIT:-300} GPU_FIRST=1 GPUS=1)
   job smol_quest "${common[@]}" TASKS=$six LENGTHS=2x,4x,8x,16x POLICIES=quest
   job smol_dynamic "${common[@]}" TASKS=$six LENGTHS=2x,8x,16x POLICIES=full@dynamic:4
   job smol_reattention "${common[@]}" TASKS=$six LENGTHS=4x,8x,16x POLICIES=reattention
   if ((building)); then return 0; fi
-  for length in 8x 16x; do
-    CUDA_VISIBLE_DEVICES=$([ $length = 8x ] && echo 0 || echo 1) LIMIT=${AFTER_LIMIT:-650} \
-      "$bg" start "nr$length" benchmarks/gpu_needle_recall.sh "/tmp/res/nr$length/run" "$length" 20 ruler_essay,prose default:
+  local gpu_length gpu length
+  for gpu_length in 0:8x 2:16x; do
+    gpu=${gpu_length%:*} length=${gpu_length#*:}
+    CUDA_VISIBLE_DEVICES=$gpu LIMIT=${RECALL_LIMIT:-250} "$bg" start "nr$length" \
+      benchmarks/gpu_needle_recall.sh "/tmp/res/nr$length/run" "$length" 20 ruler_essay,prose default:
   done
 }
 
