@@ -100,13 +100,16 @@ third_after() {  # once the tests are done: QUEST, dynamic NTK and ReAttention's
 
 # What the third session left for a fourth (each GPU its own share: a dense 256K prefill wants a GPU without
 # neighbours; TokenSelect and InfLLM's processes share well)
-fourth_qwen() {
+fourth_qwen() {  # on 4 GPUs as listed; on 2: full attention and ReAttention on GPU 0, the others on GPU 1
   local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
-  local common=(MODEL=$qwen PER_TASK=1 KV=540000 LIMIT=${FOURTH_LIMIT:-1300})
-  job qwen_full8 "${common[@]}" TASKS=$four LENGTHS=8x POLICIES=full GPU_FIRST=0 GPUS=2
-  job qwen_ts16 "${common[@]}" TASKS=$four LENGTHS=16x POLICIES=tokenselect GPU_FIRST=2 GPUS=1
-  job qwen_infllm8 "${common[@]}" TASKS=$four LENGTHS=8x POLICIES=infllm GPU_FIRST=3 GPUS=1
-  job qwen_reattention48 "${common[@]}" TASKS=$four LENGTHS=4x,8x POLICIES=reattention GPU_FIRST=3 GPUS=1
+  local common=(MODEL=$qwen PER_TASK=1 LIMIT=${FOURTH_LIMIT:-1300})
+  local n; n=$(nvidia-smi -L | wc -l)
+  # KV: 16x is 524,288 prompt tokens, 8x 262,144 (the pool holds a prompt and its answer)
+  job qwen_full8 "${common[@]}" KV=280000 TASKS=$four LENGTHS=8x POLICIES=full GPU_FIRST=0 GPUS=$((n < 4 ? 1 : 2))
+  job qwen_ts16 "${common[@]}" KV=540000 TASKS=$four LENGTHS=16x POLICIES=tokenselect GPU_FIRST=$((n < 4 ? 1 : 2)) GPUS=1
+  job qwen_infllm8 "${common[@]}" KV=280000 TASKS=$four LENGTHS=8x POLICIES=infllm GPU_FIRST=$((n < 4 ? 1 : 3)) GPUS=1
+  job qwen_reattention48 "${common[@]}" KV=280000 TASKS=$four LENGTHS=4x,8x POLICIES=reattention \
+    GPU_FIRST=$((n < 4 ? 0 : 3)) GPUS=1
 }
 
 case "${1:-}" in
