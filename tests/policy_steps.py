@@ -52,5 +52,7 @@ def step(policy, past: torch.Tensor, q: torch.Tensor, decode: bool, seq_id: int 
         if each == layer:
             live = got.slots.numel() if got.n_valid is None else int(got.n_valid)
             slots, positions, q_positions = (x.clone() for x in (got.slots[:live], got.key_pos[:live], got.q_pos))
+    # no token is attended twice: a partial choice's closed-up tail (the entries past n_valid) must not count
+    assert slots.unique().numel() == slots.numel(), f"a slot attended twice: {slots.tolist()}"
     mine = torch.isin(slots, own)
     return Seen(slots[~mine], positions[~mine], q_positions)

@@ -8,6 +8,7 @@ end-to-end generation far past the model window.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -266,6 +267,49 @@ def local_attention_received(chunks, keys: torch.Tensor, slots: torch.Tensor, n_
                     if 0 <= i - j < n_local:
                         received[j, h] += pj
     return received
+
+
+def test_infllm_scores_blocks_with_a_chunks_mean_query_and_a_decode_steps_own():
+    """The block scores' query: a selecting prefill chunk's fp32 mean of its queries (as TokenSelect's), a decode
+    step's own query (spied on the real kernel)."""
+    torch.manual_seed(6)
+    t, bs = 120, 8
+    cache, slots = cache_with_keys(torch.randn(t, 2, 8))
+    queries = []
+
+    def block_scores(rows, index, query, n_valid=None):
+        queries.append(query.clone())
+        return TORCH.block_scores(rows, index, query, n_valid)
+
+    kernels = dataclasses.replace(TORCH, block_scores=block_scores)
+    policy = InfLLM(cache, kernels, window=1000, k=2 * bs, n_init=4, n_local=16, block_size=bs, repr_keys=2,
+                    dense_until=0)
+    for t0 in range(0, t, 5):
+        q = torch.randn(5, 4, 8)
+        step(policy, slots[:t0], decode=False, seq_id=0, q=q)
+    torch.testing.assert_close(queries[-1], q.mean(dim=0).flatten(), rtol=0, atol=1e-6)  # the last chunk's
+    q = torch.randn(1, 4, 8)
+    step(policy, slots, decode=True, seq_id=0, q=q)
+    assert torch.equal(queries[-1], q[0].flatten())
+
+
+def test_infllm_selecting_lists_are_list_length_long():
+    """A selecting step's list holds exactly ``list_length(w)`` entries, a chunk's and a decode step's, the live ones
+    marked by n_valid: the graphs are captured at that shape (``prepare`` sizes their buffers by it)."""
+    torch.manual_seed(5)
+    t, n_init, n_local, bs = 120, 4, 16, 8
+    cache, slots = cache_with_keys(torch.randn(t, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=2,
+                    dense_until=0)
+    lists = []
+    attend = policy.attend
+    policy.attend = lambda *a: lists.append(attend(*a)) or lists[-1]
+    for t0 in range(0, t, 5):
+        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, 8))
+    chunk = lists[-1]
+    step(policy, slots, decode=True, seq_id=0, q=torch.randn(1, 4, 8))
+    assert (chunk.slots.numel(), lists[-1].slots.numel()) == (policy.list_length(5), policy.list_length(1))
+    assert int(lists[-1].n_valid) < policy.list_length(1)  # the tail's longest reach is not all live
 
 
 @pytest.mark.parametrize("one_buffer", [False, True])  # True: every chunk's q in one buffer, as a step graph's output

@@ -21,7 +21,7 @@ from tokenselect.policies.selection_cache import SelectionCache
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
 
-from policy_steps import step
+from policy_steps import cache_with_keys, step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
@@ -82,9 +82,7 @@ def test_tokenselect_reuses_its_selection_at_cos_equal_theta():
     """Through the policy: a decode query whose cosine with the cached one is exactly theta takes the hit path."""
     torch.manual_seed(0)
     t, n_init, n_local, k = 60, 2, 4, 8
-    cache = KVCache(1, 64, 1, 4, torch.float32, torch.device("cpu"))
-    slots = cache.allocate(t)
-    cache.write(0, slots, torch.randn(t, 1, 4), torch.randn(t, 1, 4))
+    cache, slots = cache_with_keys(torch.randn(t, 1, 4))
     policy = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=0.5)
     first = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
     second = torch.tensor([[[1.0, 1.0, 1.0, 1.0]]])  # cos(first, second) = 1 / 2 exactly

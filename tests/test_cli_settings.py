@@ -241,11 +241,12 @@ def test_a_declared_setting_describes_its_default_unit_scaling_and_range():
     assert (a.name, a.default, a.help, a.kind, a.describe_default(), a.describe_range()) == (
         "a", None, "plain", str, "none", "")
     assert (b.kind, b.unit, b.scales, b.per_request, b.low, b.high) == (int, "tokens", True, True, 1, None)
-    assert b.describe_default() == "4 tokens x min(1, window/8192)" and b.describe_range() == "[1, inf]"
+    assert b.describe_default() == "4 tokens x min(1, window/8192)" and b.describe_range() == "[1, inf] tokens"
     assert (c.kind, c.describe_default(), c.describe_range(), c.scales, c.per_request) == (
         float, "0.5", "[-inf, 1.0]", False, False)
     assert (d.choices, d.describe_range(), e.describe_range(), e.kind) == (("x", "y"), "x, y", "", str)
-    assert (fg.flag, fg.kind, fg.none, fg.describe_default()) == ("--f-g", int, "off", "off")
+    assert (fg.flag, fg.kind, fg.none, fg.describe_default(), fg.describe_range()) == (
+        "--f-g", int, "off", "off", "[0, inf] tokens")  # a None default's unit: in the range
     assert Example(b=1, c=-3.0, d="y", f_g=None).b == 1
     for bad, match in (({"b": 0}, "b must be >= 1, not 0"), ({"c": 1.5}, r"c must be in \[.*, 1.0\], not 1.5"),
                        ({"d": "z"}, "d must be one of x, y, not 'z'"), ({"f_g": -1}, "f_g must be >= 0, not -1")):
@@ -263,7 +264,7 @@ def test_engine_flags_help_carries_each_settings_help_default_and_range():
     parser = argparse.ArgumentParser()
     add_flags(parser, EngineSettings)
     helps = {a.option_strings[0]: a.help for a in parser._actions}
-    assert helps["--chunk-size"] == "prefill chunk (default 512, or window/4 if smaller; [1, inf])"
+    assert helps["--chunk-size"] == "prefill chunk (default 512, or window/4 if smaller; [1, inf] tokens)"
     assert helps["--kv-offload"].startswith("values: keep the V pool") and \
         helps["--kv-offload"].endswith("(default none; none, values)")
     assert helps["--dtype"].endswith("bfloat16, float16 (default auto)")  # no range: closed after the default

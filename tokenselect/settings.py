@@ -64,7 +64,9 @@ class Spec:
             return ", ".join(map(str, self.choices))
         if self.low is None and self.high is None:
             return ""
-        return f"[{'-inf' if self.low is None else self.low}, {'inf' if self.high is None else self.high}]"
+        # the unit here too: a setting whose default is None (described by its ``none`` text) shows it only here
+        return f"[{'-inf' if self.low is None else self.low}, {'inf' if self.high is None else self.high}]" + (
+            f" {self.unit}" if self.unit else "")
 
 
 def specs(settings_type) -> list[Spec]:

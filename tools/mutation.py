@@ -39,6 +39,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # Triton kernels) are fenced off with "# pragma: no mutate start/end" in the scratch copy
 KERNEL_KEEP = ("_checked_out",)
 
+# the tests of the selection path's policies
+POLICY_TESTS = ["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
+                "tests/test_boundaries.py", "tests/test_cli_settings.py", "tests/test_toy_policy.py",
+                "tests/test_tail_chunk.py", "tests/test_whole_graphs.py",
+                "tests/test_bench_dense.py::test_policy_specs_carry_their_own_settings"]
+# two tests through Triton's interpreter: minutes each, for every surviving mutant (benchmarks/gpu_tests.sh runs
+# them on a GPU)
+INTERPRETER_GRAPH_TESTS = [
+    "tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
+    "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]
+INFLLM_SNAPSHOTS = ["InfLLMState", "InfLLM.snapshot", "InfLLM.restore", "InfLLM.release", "InfLLM._unref",
+                    "InfLLM.graph_reads", "InfLLM.graph_state", "InfLLM.representatives"]
+
 SETS: dict[str, dict] = {
     "selection_cache": dict(
         mutate=["tokenselect/policies/selection_cache.py", "tokenselect/kernels/selection_check.py",
@@ -76,36 +89,40 @@ SETS: dict[str, dict] = {
             "test_scatter_rows_writes_kv_pools_in_one_launch", "test_row_copy_of_a_layer_of_a_pool_and_bad_input",
             "test_row_copy_reference_is_the_definition")],
         launchers=True),
-    # the policies after issue #29 (one ``attend`` path of device tensor ops; settings in ``settings.py``), in two
-    # sets: the selection path, then the baselines. tests/test_whole_graphs.py runs the graph path (``graph_ready``,
-    # ``graph_state``, the fixed-shape steps) on a CPU too, less its two tests through Triton's interpreter (minutes
-    # each, for every surviving mutant; benchmarks/gpu_tests.sh runs them on a GPU)
+    # the policies after issue #29 (one ``attend`` path of device tensor ops; settings in ``settings.py``), in sets
+    # that each finish on 2 cores in well under an hour. tests/test_whole_graphs.py runs the graph path
+    # (``graph_ready``, ``graph_state``, the fixed-shape steps) on a CPU too, less its two tests through Triton's
+    # interpreter (minutes each, for every surviving mutant; benchmarks/gpu_tests.sh runs them on a GPU)
+    "policies_base": dict(
+        mutate=["tokenselect/policies/base.py"],
+        tests=POLICY_TESTS, deselect=INTERPRETER_GRAPH_TESTS),
     "policies": dict(
-        mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/base.py", "tokenselect/policies/full.py",
+        mutate=["tokenselect/policies/__init__.py", "tokenselect/policies/full.py",
                 "tokenselect/policies/streaming.py", "tokenselect/policies/tokenselect.py",
                 "tokenselect/policies/rows.py"],
-        tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",
-               "tests/test_boundaries.py", "tests/test_cli_settings.py", "tests/test_toy_policy.py",
-               "tests/test_tail_chunk.py", "tests/test_whole_graphs.py",
-               "tests/test_bench_dense.py::test_policy_specs_carry_their_own_settings"],
-        deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
-                  "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
-    # the baselines in two sets (all three in one would not finish in an hour on 2 shared cores)
+        tests=POLICY_TESTS, deselect=INTERPRETER_GRAPH_TESTS),
     "policies_baselines": dict(
         mutate=["tokenselect/policies/reattention.py", "tokenselect/policies/quest.py"],
         tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py",
                "tests/test_whole_graphs.py"],
-        deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
-                  "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]),
+        deselect=INTERPRETER_GRAPH_TESTS),
+    # InfLLM's selection and memory, less its snapshots (the next set): the prefix-cache tests, two thirds of the
+    # time of every test that reaches InfLLM, run only for the snapshot code
     "policies_infllm": dict(
         mutate=["tokenselect/policies/infllm.py"],
-        # test_prefix_cache.py: InfLLM's memory snapshots and their restore (issue #30)
+        skip={"tokenselect/policies/infllm.py": INFLLM_SNAPSHOTS},
+        tests=["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
+               "tests/test_whole_graphs.py"],
+        deselect=INTERPRETER_GRAPH_TESTS),
+    # InfLLM's memory snapshots and their restore (issue #30)
+    "policies_infllm_snapshots": dict(
+        mutate=["tokenselect/policies/infllm.py"],
+        only={"tokenselect/policies/infllm.py": INFLLM_SNAPSHOTS},
         tests=["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
                "tests/test_whole_graphs.py", "tests/test_prefix_cache.py"],
-        deselect=["tests/test_whole_graphs.py::test_full_attention_through_whole_graphs_with_the_triton_kernels",
-                  "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels",
-                  # reads benchmarks/, which the scratch copy's mutants tree does not hold
-                  "tests/test_prefix_cache.py::test_benchmark_script_runs_at_a_tiny_size"]),
+        deselect=INTERPRETER_GRAPH_TESTS + [
+            # reads benchmarks/, which the scratch copy's mutants tree does not hold
+            "tests/test_prefix_cache.py::test_benchmark_script_runs_at_a_tiny_size"]),
     # the request validation: the settings' declared ranges and types (settings.py: a policy's, the engine's and a
     # request's values are checked by ``problem``) and server.py's request parsing (the request models' methods, the
     # Host / API key / body size guard, the prompt, stop-string, unsupported-field and per-request policy checks);
@@ -125,8 +142,41 @@ SETS: dict[str, dict] = {
             "test_per_request_policy_settings_equal_an_engine_started_with_them")]),
 }
 
+# appended to the scratch copy's tests/conftest.py. With -x a killed mutant stops at its first failing test, so the
+# order of its tests decides what a kill costs: fastest first, by the durations mutmut measured in its first (stats)
+# run. Each mutant's run also logs its wall time, from which a set's time and a split's are read.
+FAST_FIRST = """
+
+# --- added by tools/mutation.py ---
+import json as _mutation_json
+import time as _mutation_time
+
+
+def pytest_collection_modifyitems(session, config, items):
+    try:
+        with open("mutmut-stats.json") as f:
+            durations = _mutation_json.load(f)["duration_by_test"]
+    except (OSError, ValueError, KeyError):
+        return
+    items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
+
+
+def pytest_sessionstart(session):
+    session.config._mutation_start = _mutation_time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if mutant and mutant not in ("fail", "list_all_tests", "stats"):
+        with open("mutant_times.jsonl", "a") as f:
+            f.write(_mutation_json.dumps(dict(mutant=mutant, seconds=round(
+                _mutation_time.time() - session.config._mutation_start, 2), exit=int(exitstatus))) + "\\n")
+"""
+
 COPY = ["tokenselect", "tests", "docs", "pytest.ini", "pyproject.toml"]  # docs: test_cli_settings reads docs/settings.md
-ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH="")
+# one torch thread: a test's CPU time then equals its wall time (the time limit is in CPU seconds), and the mutants
+# run side by side on the machine's cores instead of each spreading over them
+ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def mutmut_config(spec: dict) -> str:
@@ -138,9 +188,13 @@ def mutmut_config(spec: dict) -> str:
                  arg for test in spec.get("deselect", []) for arg in ("--deselect", test)]),
              'also_copy = ["pytest.ini", "docs"]',
              # the limit is CPU seconds (RLIMIT_CPU: SIGXCPU, exit -24), which a shared machine does not inflate as
-             # it does wall time; a mutant that loops costs the whole limit (x 20 held one for 25 minutes)
-             "timeout_multiplier = 4.0",
-             "timeout_constant = 30.0",
+             # it does wall time: mutmut allows 2 x multiplier x (the time of every test that reaches the mutated
+             # function + constant), here 2x those tests + 10 s, and a surviving mutant runs them once (with one
+             # torch thread, CPU time is about wall time). A mutant that loops costs the whole limit, so a wide one
+             # dominates a set's time (x 20 held one for 25 minutes; at 8x + 240 s three loops of InfLLM's took 36 of
+             # a run's first 45 minutes)
+             "timeout_multiplier = 1.0",
+             "timeout_constant = 5.0",
              'process_isolation = "forkserver"']
     return "\n".join(lines) + "\n"
 
@@ -158,26 +212,53 @@ def prepare(name: str, work: Path) -> Path:
             shutil.copy2(src, scratch / item)
     with open(scratch / "pyproject.toml", "a") as f:
         f.write(mutmut_config(SETS[name]))
+    add_fast_first(scratch / "tests")
     if SETS[name].get("launchers"):
         for path in SETS[name]["mutate"]:
             fence_launchers(scratch / path)
     for path, keep in SETS[name].get("only", {}).items():
         fence_all_but(scratch / path, keep)
+    for path, skip in SETS[name].get("skip", {}).items():
+        fence(scratch / path, lambda qualname: qualname in skip)
     return scratch
 
 
-def fence_all_but(path: Path, keep: list[str]) -> None:
-    """Put every top-level function and class of the file but those named in ``keep`` inside no-mutate pragmas."""
+def add_fast_first(tests: Path) -> None:
+    """Append FAST_FIRST to a copy of the tests' conftest.py (once)."""
+    conftest = tests / "conftest.py"
+    if FAST_FIRST not in conftest.read_text():
+        with open(conftest, "a") as f:
+            f.write(FAST_FIRST)
+
+
+def fence(path: Path, fenced) -> None:
+    """Put the top-level functions and classes, and the methods, of the file for which ``fenced(name)`` holds
+    (``name``: ``"f"``, ``"Class"`` or ``"Class.method"``) inside no-mutate pragmas. A class is looked into only
+    when it is not fenced whole."""
     import ast
 
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     lines = path.read_text().splitlines(keepends=True)
-    fences = [(min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno)
-              for node in ast.parse("".join(lines)).body
-              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name not in keep]
-    for start, end in sorted(fences, reverse=True):
+    spans = []
+    for node in ast.parse("".join(lines)).body:
+        if not isinstance(node, defs):
+            continue
+        inner = [(f"{node.name}.{n.name}", n) for n in node.body if isinstance(n, defs)] \
+            if isinstance(node, ast.ClassDef) else []
+        for name, item in ([(node.name, node)] if fenced(node.name) else inner):
+            if name == node.name or fenced(name):
+                spans.append((min([item.lineno] + [d.lineno for d in item.decorator_list]), item.end_lineno))
+    for start, end in sorted(spans, reverse=True):
         lines[end:end] = ["# pragma: no mutate end\n"]
         lines[start - 1:start - 1] = ["# pragma: no mutate start\n"]
     path.write_text("".join(lines))
+
+
+def fence_all_but(path: Path, keep: list[str]) -> None:
+    """Fence everything but ``keep`` (names as in ``fence``; a class named with a method keeps only the methods
+    named)."""
+    outer = {name.split(".")[0] for name in keep}
+    fence(path, lambda name: name not in keep and name not in outer and name.split(".")[0] not in keep)
 
 
 def fence_launchers(path: Path) -> None:
@@ -199,6 +280,9 @@ def run_set(name: str, work: Path, children: int, resume: bool = False) -> dict:
     """Run the set's mutants in a fresh scratch copy, or with ``resume`` continue the last run's copy (mutmut
     tests only the mutants that have no result yet: a run cut off by a deadline picks up where it stopped)."""
     scratch = work / name if resume and (work / name / "mutants").is_dir() else prepare(name, work)
+    for tests in (scratch / "tests", scratch / "mutants" / "tests"):
+        if tests.is_dir():
+            add_fast_first(tests)
     start = time.time()
     with open(scratch / "mutmut.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)], cwd=scratch,
@@ -213,6 +297,7 @@ def recheck(name: str, work: Path, children: int) -> dict:
     survivors = summarize(name, work)["survivors"]
     shutil.copytree(ROOT / "tests", scratch / "tests", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    add_fast_first(scratch / "tests")
     (scratch / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_config(SETS[name]))
     if survivors:
         with open(scratch / "mutmut.log", "a") as log:
@@ -243,6 +328,7 @@ def at_import(name: str, work: Path, patterns: list[str], tests: list[str] | Non
     chosen = [m for m in candidates if not patterns or any(fnmatch.fnmatchcase(m, p) for p in patterns)]
     shutil.copytree(ROOT / "tests", scratch / "mutants" / "tests", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    add_fast_first(scratch / "mutants" / "tests")
     spec = SETS[name]
     tests = [t for t in (tests or spec["tests"]) if Path(ROOT, t.split("::")[0]).exists()]
     args = ["-p", "no:cacheprovider", "-p", "no:benchmark", "-x", "-q"] + [
