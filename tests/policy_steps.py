@@ -50,6 +50,7 @@ def step(policy, past: torch.Tensor, q: torch.Tensor, decode: bool, seq_id: int 
     for each in range(layers):
         got = policy.attend(each, seq, q, own)
         if each == layer:
+            assert got.key_pos.dtype == got.q_pos.dtype == torch.int64  # positions index RoPE's tables
             live = got.slots.numel() if got.n_valid is None else int(got.n_valid)
             slots, positions, q_positions = (x.clone() for x in (got.slots[:live], got.key_pos[:live], got.q_pos))
     # no token is attended twice: a partial choice's closed-up tail (the entries past n_valid) must not count

@@ -271,17 +271,23 @@ def local_attention_received(chunks, keys: torch.Tensor, slots: torch.Tensor, n_
 
 def test_infllm_scores_blocks_with_a_chunks_mean_query_and_a_decode_steps_own():
     """The block scores' query: a selecting prefill chunk's fp32 mean of its queries (as TokenSelect's), a decode
-    step's own query (spied on the real kernel)."""
+    step's own query; and the scores and the top-k both see only the closed blocks, so that the scores read no
+    block whose representatives are not made yet (spied on the real kernels)."""
     torch.manual_seed(6)
     t, bs = 120, 8
     cache, slots = cache_with_keys(torch.randn(t, 2, 8))
-    queries = []
+    queries, live = [], []
 
     def block_scores(rows, index, query, n_valid=None):
         queries.append(query.clone())
+        live.append(("scores", None if n_valid is None else int(n_valid)))
         return TORCH.block_scores(rows, index, query, n_valid)
 
-    kernels = dataclasses.replace(TORCH, block_scores=block_scores)
+    def topk(scores, k, n_valid=None, values=None, out=None):
+        live.append(("topk", None if n_valid is None else int(n_valid)))
+        return TORCH.topk(scores, k, n_valid, values, out)
+
+    kernels = dataclasses.replace(TORCH, block_scores=block_scores, topk=topk)
     policy = InfLLM(cache, kernels, window=1000, k=2 * bs, n_init=4, n_local=16, block_size=bs, repr_keys=2,
                     dense_until=0)
     for t0 in range(0, t, 5):
@@ -291,6 +297,32 @@ def test_infllm_scores_blocks_with_a_chunks_mean_query_and_a_decode_steps_own():
     q = torch.randn(1, 4, 8)
     step(policy, slots, decode=True, seq_id=0, q=q)
     assert torch.equal(queries[-1], q[0].flatten())
+    closed = policy.closed_before(t)  # (120 - 4 - 16) // 8 = 12 of the table's 14 whole blocks
+    assert live[-2:] == [("scores", closed), ("topk", closed)] and closed < (t - 4) // bs
+
+
+def test_infllm_decode_writes_its_own_tokens_attention_into_the_ring():
+    """A selecting decode step's own token gets, in its ring entry, the attention its query gives it over the step's
+    list (the own entry is the list's first): per head, softmax(q . k / sqrt(d)) at that entry."""
+    torch.manual_seed(7)
+    t, d, bs = 120, 8, 8
+    cache, slots = cache_with_keys(torch.randn(t, 2, d))
+    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=4, n_local=16, block_size=bs, repr_keys=2,
+                    dense_until=0)
+    lists = []
+    attend = policy.attend
+    policy.attend = lambda *a: lists.append(attend(*a)) or lists[-1]
+    for t0 in range(0, t, 5):
+        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, d))
+    cache.write(0, torch.tensor([0]), 3 * torch.randn(1, 2, d), torch.randn(1, 2, d))  # the own token's key (slot 0)
+    q = torch.randn(1, 4, d)
+    step(policy, slots, decode=True, seq_id=0, q=q)
+    seen = lists[-1]
+    assert seen.slots[0] == 0  # the own entry first
+    live = seen.slots[:int(seen.n_valid)]
+    logits = torch.einsum("hd,nhd->hn", q[0], cache.k[0][live].repeat_interleave(2, dim=1)) / math.sqrt(d)
+    row = policy._memory[0].row
+    torch.testing.assert_close(policy.mass[row, 0, t % policy.ring], logits.softmax(dim=1)[:, 0], rtol=1e-5, atol=1e-6)
 
 
 def test_infllm_selecting_lists_are_list_length_long():
