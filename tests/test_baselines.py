@@ -301,13 +301,15 @@ def test_infllm_scores_blocks_with_a_chunks_mean_query_and_a_decode_steps_own():
     assert live[-2:] == [("scores", closed), ("topk", closed)] and closed < (t - 4) // bs
 
 
-def test_infllm_decode_writes_its_own_tokens_attention_into_the_ring():
-    """A selecting decode step's own token gets, in its ring entry, the attention its query gives it over the step's
-    list (the own entry is the list's first): per head, softmax(q . k / sqrt(d)) at that entry."""
+def test_infllm_decode_counts_its_attention_on_its_window_into_the_ring():
+    """A selecting decode step writes into the ring what its query gives each token over the step's list (per head,
+    softmax(q . k / sqrt(d))): its own token's entry set to its share (the own entry is the list's first), each
+    token of its local window (the n_local - 1 before it; the sinks have no entry) added its share, every other
+    entry untouched (the tail's remainder before the window, the chosen blocks, the sinks)."""
     torch.manual_seed(7)
-    t, d, bs = 120, 8, 8
+    t, d, bs, n_init, n_local = 120, 8, 8, 4, 16
     cache, slots = cache_with_keys(torch.randn(t, 2, d))
-    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=4, n_local=16, block_size=bs, repr_keys=2,
+    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=2,
                     dense_until=0)
     lists = []
     attend = policy.attend
@@ -315,14 +317,27 @@ def test_infllm_decode_writes_its_own_tokens_attention_into_the_ring():
     for t0 in range(0, t, 5):
         step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, d))
     cache.write(0, torch.tensor([0]), 3 * torch.randn(1, 2, d), torch.randn(1, 2, d))  # the own token's key (slot 0)
+    row = policy._memory[0].row
+    before = []  # the ring as the decode step's count finds it (its prepare counts the last chunk's attention first)
+    count = policy.count_own_query
+    policy.count_own_query = lambda *a: before.append(policy.mass[row, 0].clone()) or count(*a)
     q = torch.randn(1, 4, d)
     step(policy, slots, decode=True, seq_id=0, q=q)
+    before = before[0]  # [ring, H]
     seen = lists[-1]
-    assert seen.slots[0] == 0  # the own entry first
     live = seen.slots[:int(seen.n_valid)]
+    assert live[0] == 0  # the own entry first
     logits = torch.einsum("hd,nhd->hn", q[0], cache.k[0][live].repeat_interleave(2, dim=1)) / math.sqrt(d)
-    row = policy._memory[0].row
-    torch.testing.assert_close(policy.mass[row, 0, t % policy.ring], logits.softmax(dim=1)[:, 0], rtol=1e-5, atol=1e-6)
+    share = logits.softmax(dim=1)  # [H, n]
+    token = {int(s): i for i, s in enumerate(slots)} | {0: t}
+    expected = before.clone()
+    for entry, slot in enumerate(live.tolist()):
+        if token[slot] == t:
+            expected[t % policy.ring] = share[:, entry]
+        elif t - (n_local - 1) <= token[slot] < t:
+            expected[token[slot] % policy.ring] += share[:, entry]
+    assert policy.ring > t  # no two tokens share an entry here
+    torch.testing.assert_close(policy.mass[row, 0], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_infllm_selecting_lists_are_list_length_long():
@@ -438,18 +453,25 @@ def test_infllm_whole_context_is_full_attention_inside_the_window_only():
     assert past.q_positions.tolist() == [16, 17, 18, 19]
 
 
+@pytest.mark.parametrize("k", [16, 64])  # 64: the memory (sinks and blocks) longer than the tail
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("positions", ["reindex", "original"])
-def test_infllm_other_position_schemes(positions):
+def test_infllm_other_position_schemes(positions, decode, k):
+    """A selecting step's list in order (the sinks, the chosen blocks, the tail), re-indexed 0, 1, ... with the
+    queries after it, or at the tokens' own positions; a decode step's own entry (the list's first) too."""
     torch.manual_seed(4)
     cache, slots = cache_with_keys(torch.randn(200, 2, 8))
-    policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, positions=positions)
-    plan = step(policy, slots, decode=False, seq_id=0, q=torch.randn(2, 4, 8))
+    policy = InfLLM(cache, TORCH, window=1000, k=k, n_init=4, n_local=16, block_size=8, positions=positions)
+    w = 1 if decode else 2
+    plan = step(policy, slots, decode=decode, seq_id=0, q=torch.randn(w, 4, 8))
     order = token_order(plan, slots)
+    n_memory = 4 + k + (200 - 4 - 16) % 8  # the sinks, the chosen blocks, the remainder before the window
+    assert order[:4] == [0, 1, 2, 3] and order[n_memory:] == list(range(184, 200)) and order == sorted(order)
     if positions == "reindex":
         assert plan.positions.tolist() == list(range(len(order)))
-        assert plan.q_positions.tolist() == [len(order), len(order) + 1]
+        assert plan.q_positions.tolist() == list(range(len(order), len(order) + w))
     else:
-        assert plan.positions.tolist() == order and plan.q_positions.tolist() == [200, 201]
+        assert plan.positions.tolist() == order and plan.q_positions.tolist() == list(range(200, 200 + w))
 
 
 # ---- RoPE scaling overrides ----------------------------------------------------------------------------
