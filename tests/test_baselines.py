@@ -340,11 +340,37 @@ def test_infllm_decode_counts_its_attention_on_its_window_into_the_ring():
     torch.testing.assert_close(policy.mass[row, 0], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_infllm_selecting_lists_are_list_length_long():
+def test_infllm_pool_grows_as_sequences_ask_and_holds_every_block_once():
+    """The representatives' pool grows (from its 256-block floor, by 1.25x, or by what a sequence asks when that is
+    more) while two sequences of one-token blocks close 688 blocks each, 100 a chunk, and a third asks 3000 at once;
+    every block of the grown pool is held or free, once."""
+    torch.manual_seed(8)
+    t, w = 700, 100
+    cache, slots = cache_with_keys(torch.randn(t, 2, 8))
+    policy = InfLLM(cache, TORCH, window=10 ** 5, chunk=w, k=4, n_init=4, n_local=8, block_size=1, repr_keys=1,
+                    dense_until=0)
+    sizes = []
+    for seq_id in (0, 1):
+        for t0 in range(0, t, w):
+            step(policy, slots[:t0], decode=False, seq_id=seq_id, q=torch.randn(w, 4, 8))
+            sizes.append(policy.reprs.shape[1])
+    held = [policy._memory[s].blocks for s in (0, 1)]
+    assert [len(h) for h in held] == [policy.closed_before(t)] * 2 == [688, 688]
+    assert sorted(held[0] + held[1] + policy.free) == list(range(sizes[-1]))
+    assert sizes[0] == 256 and sizes[-1] >= 2 * 688 and sorted(sizes) == sizes
+    third = policy.memory(2, 4, torch.device("cpu"))  # a request larger than 1.25x the pool: it grows by the request
+    policy._reserve_blocks(third, 3000)
+    assert len(third.blocks) == 3000
+    assert sorted(held[0] + held[1] + third.blocks + policy.free) == list(range(policy.reprs.shape[1]))
+
+
+@pytest.mark.parametrize("t", [120, 115])  # the remainder before the window: 100 % 8 = 4 tokens, 95 % 8 = 7 (its most)
+def test_infllm_selecting_lists_are_list_length_long(t):
     """A selecting step's list holds exactly ``list_length(w)`` entries, a chunk's and a decode step's, the live ones
-    marked by n_valid: the graphs are captured at that shape (``prepare`` sizes their buffers by it)."""
+    marked by n_valid: the graphs are captured at that shape (``prepare`` sizes their buffers by it). With the
+    longest remainder (block_size - 1 tokens) a decode step's list is all live."""
     torch.manual_seed(5)
-    t, n_init, n_local, bs = 120, 4, 16, 8
+    n_init, n_local, bs = 4, 16, 8
     cache, slots = cache_with_keys(torch.randn(t, 2, 8))
     policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=2,
                     dense_until=0)
@@ -356,7 +382,8 @@ def test_infllm_selecting_lists_are_list_length_long():
     chunk = lists[-1]
     step(policy, slots, decode=True, seq_id=0, q=torch.randn(1, 4, 8))
     assert (chunk.slots.numel(), lists[-1].slots.numel()) == (policy.list_length(5), policy.list_length(1))
-    assert int(lists[-1].n_valid) < policy.list_length(1)  # the tail's longest reach is not all live
+    assert int(lists[-1].n_valid) == 1 + n_init + 2 * bs + (t - n_init - n_local) % bs + n_local
+    assert (int(lists[-1].n_valid) == policy.list_length(1)) == (t == 115)
 
 
 @pytest.mark.parametrize("one_buffer", [False, True])  # True: every chunk's q in one buffer, as a step graph's output
