@@ -19,7 +19,8 @@ from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters, _c
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
 from tokenselect.policies import add_policy_args, policy_kwargs
-from tokenselect.policies.infllm import InfLLM
+from tokenselect.policies.base import SeqStep, start_step
+from tokenselect.policies.infllm import FIXED, InfLLM
 from tokenselect.policies.quest import Quest
 from tokenselect.policies.streaming import StreamingLLM
 
@@ -362,6 +363,22 @@ def test_infllm_pool_grows_as_sequences_ask_and_holds_every_block_once():
     policy._reserve_blocks(third, 3000)
     assert len(third.blocks) == 3000
     assert sorted(held[0] + held[1] + third.blocks + policy.free) == list(range(policy.reprs.shape[1]))
+
+
+def test_infllm_fixed_positions_attend_only_the_live_part_of_a_padded_table():
+    """Past the window but inside its budget, the fixed scheme attends the whole table at InfLLM's positions. In a
+    graph the table is padded past the step's tokens: the list's live count stays length + w, not the table's."""
+    torch.manual_seed(2)
+    cache, slots = cache_with_keys(torch.randn(40, 2, 8))
+    policy = InfLLM(cache, TORCH, window=24, chunk=8, k=16, n_init=4, n_local=8, block_size=4, positions="fixed")
+    t = 26  # past the window (24), inside the budget (4 + 16 + 8 = 28)
+    own = torch.arange(1)
+    seq = start_step(policy, 0, torch.cat([slots[:t], own]), t, 1, True, (1, 4, 8), torch.float32)
+    assert seq.mode == FIXED
+    padded = SeqStep(torch.cat([seq.table, slots[t:]]), seq.length, seq.row, True, seq.mode, seq.buffers)
+    got = policy.attend(0, padded, torch.randn(1, 4, 8), own)
+    assert got.slots.numel() == 40 + 1 and int(got.n_valid) == t + 1
+    assert got.key_pos[:t + 1].tolist() == [0] * (t - 8) + list(range(8)) + [8]
 
 
 @pytest.mark.parametrize("t", [120, 115])  # the remainder before the window: 100 % 8 = 4 tokens, 95 % 8 = 7 (its most)
