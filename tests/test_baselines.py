@@ -365,6 +365,29 @@ def test_infllm_pool_grows_as_sequences_ask_and_holds_every_block_once():
     assert sorted(held[0] + held[1] + third.blocks + policy.free) == list(range(policy.reprs.shape[1]))
 
 
+def test_infllm_keeps_a_decoded_tokens_ring_entry_at_the_next_step():
+    """Two decode steps in a row: the first writes its token's entry (its own share), the second adds to it what its
+    query gives that token (now in its window) and does not start it again."""
+    torch.manual_seed(9)
+    t, d = 120, 8
+    cache, slots = cache_with_keys(torch.randn(t, 2, d))
+    policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, repr_keys=2, dense_until=0)
+    for t0 in range(0, t, 5):
+        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, d))
+    cache.write(0, torch.arange(2), torch.randn(2, 2, d), torch.randn(2, 2, d))  # the decoded tokens' keys
+    row = policy._memory[0].row
+    entries = []
+    for own in (0, 1):  # token t at slot 0, then token t + 1 at slot 1
+        table = torch.cat([slots, torch.arange(own + 1)])
+        seq = start_step(policy, 0, table, t + own, 1, True, (1, 4, d), torch.float32)
+        got = policy.attend(0, seq, torch.randn(1, 4, d), torch.tensor([own]))
+        entries.append((policy.mass[row, 0, t % policy.ring].clone(), got))
+    (first, _), (second, got) = entries
+    live = got.slots[:int(got.n_valid)].tolist()
+    assert live[0] == 1 and 0 in live  # the second step's own entry first; token t in its window
+    assert torch.all(second > first)  # added to, not started again
+
+
 def test_infllm_fixed_positions_attend_only_the_live_part_of_a_padded_table():
     """Past the window but inside its budget, the fixed scheme attends the whole table at InfLLM's positions. In a
     graph the table is padded past the step's tokens: the list's live count stays length + w, not the table's."""
