@@ -388,6 +388,43 @@ def test_infllm_keeps_a_decoded_tokens_ring_entry_at_the_next_step():
     assert torch.all(second > first)  # added to, not started again
 
 
+def test_infllm_sequences_keep_their_memory_while_others_grow_its_rows():
+    """Three more sequences start while the first is mid-prompt, growing the per-sequence state twice: the first's
+    memory moves with it, and its representatives are those it builds alone."""
+    t, d = 120, 8
+    torch.manual_seed(10)
+    keys = torch.randn(t, 2, d)
+    queries = [torch.randn(5, 4, d) for _ in range(0, t, 5)]
+
+    def representatives(others: bool) -> torch.Tensor:
+        torch.manual_seed(11)
+        cache, slots = cache_with_keys(keys)
+        policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, repr_keys=2,
+                        dense_until=0)
+        for i, t0 in enumerate(range(0, t, 5)):
+            step(policy, slots[:t0], decode=False, seq_id=0, q=queries[i])
+            if others and t0 == 50:
+                for seq_id in (1, 2, 3):
+                    step(policy, slots[:0], decode=False, seq_id=seq_id, q=queries[0])
+        step(policy, slots, decode=True, seq_id=0, q=torch.ones(1, 4, d))
+        return policy.representatives(0, 0)
+
+    torch.testing.assert_close(representatives(True), representatives(False), rtol=0, atol=0)
+
+
+def test_infllm_keeps_its_chunk_buffers_of_at_most_four_shapes():
+    """A prompt's chunks of 7 different widths: the buffers of each width are kept for a later prompt, of the last
+    four widths only (``SPARE_SHAPES``)."""
+    torch.manual_seed(12)
+    cache, slots = cache_with_keys(torch.randn(40, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, dense_until=0)
+    t0 = 0
+    for w in range(1, 8):
+        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(w, 4, 8))
+        t0 += w
+    assert [shape[0][0] for shape in policy._spare] == [3, 4, 5, 6]  # given back as the next width came
+
+
 def test_infllm_fixed_positions_attend_only_the_live_part_of_a_padded_table():
     """Past the window but inside its budget, the fixed scheme attends the whole table at InfLLM's positions. In a
     graph the table is padded past the step's tokens: the list's live count stays length + w, not the table's."""
