@@ -79,11 +79,11 @@ def test_skip_fences_only_what_it_names(tmp_path):
 
 
 def test_the_infllm_sets_split_its_methods_between_them(tmp_path):
-    """policies_infllm and policies_infllm_snapshots mutate disjoint parts of infllm.py that together hold every
-    function of the file."""
+    """policies_infllm, policies_infllm_state and policies_infllm_snapshots mutate disjoint parts of infllm.py that
+    together hold every function of the file."""
     source = (ROOT / "tokenselect" / "policies" / "infllm.py").read_text()
     parts = []
-    for name in ("policies_infllm", "policies_infllm_snapshots"):
+    for name in ("policies_infllm", "policies_infllm_state", "policies_infllm_snapshots"):
         path = tmp_path / f"{name}.py"
         path.write_text(source)
         spec = mutation.SETS[name]
@@ -92,10 +92,10 @@ def test_the_infllm_sets_split_its_methods_between_them(tmp_path):
         for skip in spec.get("skip", {}).values():
             mutation.fence(path, lambda qualname: qualname in skip)
         parts.append(unfenced(path.read_text()))
-    selection, snapshots = parts
-    assert {"snapshot", "restore", "_unref"} <= set(snapshots) and not {"snapshot", "restore"} & set(selection)
-    assert {"memory_list", "close_blocks", "prepare"} <= set(selection)
-    assert sorted(selection + snapshots) == sorted(unfenced(source))
+    step, state, snapshots = parts
+    assert {"snapshot", "restore", "_unref"} <= set(snapshots) and not {"snapshot", "restore"} & set(step + state)
+    assert {"memory_list", "close_blocks"} <= set(step) and {"prepare", "_reserve_blocks"} <= set(state)
+    assert sorted(step + state + snapshots) == sorted(unfenced(source))
 
 
 def test_fast_first_is_added_once_and_orders_by_the_recorded_durations(tmp_path, monkeypatch):

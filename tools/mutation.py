@@ -51,6 +51,10 @@ INTERPRETER_GRAPH_TESTS = [
     "tests/test_whole_graphs.py::test_tokenselect_through_whole_graphs_with_the_triton_kernels"]
 INFLLM_SNAPSHOTS = ["InfLLMState", "InfLLM.snapshot", "InfLLM.restore", "InfLLM.release", "InfLLM._unref",
                     "InfLLM.graph_reads", "InfLLM.graph_state", "InfLLM.representatives"]
+INFLLM_STEP = ["InfLLM.attend", "InfLLM.memory_list", "InfLLM.count_own_query", "InfLLM.list_positions",
+               "InfLLM.count_attention", "InfLLM.close_blocks"]
+INFLLM_TESTS = ["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
+                "tests/test_whole_graphs.py"]
 
 SETS: dict[str, dict] = {
     "selection_cache": dict(
@@ -106,20 +110,22 @@ SETS: dict[str, dict] = {
         tests=["tests/test_policies.py", "tests/test_baselines.py", "tests/test_boundaries.py",
                "tests/test_whole_graphs.py"],
         deselect=INTERPRETER_GRAPH_TESTS),
-    # InfLLM's selection and memory, less its snapshots (the next set): the prefix-cache tests, two thirds of the
-    # time of every test that reaches InfLLM, run only for the snapshot code
+    # InfLLM in three sets: its step (the list, the block choice, the attention it counts), its per-sequence state
+    # (rows, pool blocks, ring), and its snapshots, the only code the prefix-cache tests (two thirds of the time of
+    # every test that reaches InfLLM) run for
     "policies_infllm": dict(
         mutate=["tokenselect/policies/infllm.py"],
-        skip={"tokenselect/policies/infllm.py": INFLLM_SNAPSHOTS},
-        tests=["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
-               "tests/test_whole_graphs.py"],
-        deselect=INTERPRETER_GRAPH_TESTS),
+        only={"tokenselect/policies/infllm.py": INFLLM_STEP},
+        tests=INFLLM_TESTS, deselect=INTERPRETER_GRAPH_TESTS),
+    "policies_infllm_state": dict(
+        mutate=["tokenselect/policies/infllm.py"],
+        skip={"tokenselect/policies/infllm.py": INFLLM_STEP + INFLLM_SNAPSHOTS},
+        tests=INFLLM_TESTS, deselect=INTERPRETER_GRAPH_TESTS),
     # InfLLM's memory snapshots and their restore (issue #30)
     "policies_infllm_snapshots": dict(
         mutate=["tokenselect/policies/infllm.py"],
         only={"tokenselect/policies/infllm.py": INFLLM_SNAPSHOTS},
-        tests=["tests/test_baselines.py", "tests/test_policies.py", "tests/test_boundaries.py",
-               "tests/test_whole_graphs.py", "tests/test_prefix_cache.py"],
+        tests=INFLLM_TESTS + ["tests/test_prefix_cache.py"],
         deselect=INTERPRETER_GRAPH_TESTS + [
             # reads benchmarks/, which the scratch copy's mutants tree does not hold
             "tests/test_prefix_cache.py::test_benchmark_script_runs_at_a_tiny_size"]),
