@@ -302,21 +302,29 @@ def test_infllm_scores_blocks_with_a_chunks_mean_query_and_a_decode_steps_own():
     assert live[-2:] == [("scores", closed), ("topk", closed)] and closed < (t - 4) // bs
 
 
+def infllm_prompted(t: int, seed: int, **sizes):
+    """An InfLLM (dense_until 0, window 1000; k=16, n_init=4, n_local=16, block_size=8, repr_keys=2 unless given)
+    after a prompt of t tokens (keys [t, 2, 8]) prefilled 5 at a time -> (cache, slots, policy, the Attended of every
+    ``attend`` call, in order)."""
+    torch.manual_seed(seed)
+    cache, slots = cache_with_keys(torch.randn(t, 2, 8))
+    policy = InfLLM(cache, TORCH, window=1000, **(dict(k=16, n_init=4, n_local=16, block_size=8, repr_keys=2,
+                                                       dense_until=0) | sizes))
+    lists = []
+    attend = policy.attend
+    policy.attend = lambda *a: lists.append(attend(*a)) or lists[-1]
+    for t0 in range(0, t, 5):
+        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, 8))
+    return cache, slots, policy, lists
+
+
 def test_infllm_decode_counts_its_attention_on_its_window_into_the_ring():
     """A selecting decode step writes into the ring what its query gives each token over the step's list (per head,
     softmax(q . k / sqrt(d))): its own token's entry set to its share (the own entry is the list's first), each
     token of its local window (the n_local - 1 before it; the sinks have no entry) added its share, every other
     entry untouched (the tail's remainder before the window, the chosen blocks, the sinks)."""
-    torch.manual_seed(7)
-    t, d, bs, n_init, n_local = 120, 8, 8, 4, 16
-    cache, slots = cache_with_keys(torch.randn(t, 2, d))
-    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=2,
-                    dense_until=0)
-    lists = []
-    attend = policy.attend
-    policy.attend = lambda *a: lists.append(attend(*a)) or lists[-1]
-    for t0 in range(0, t, 5):
-        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, d))
+    t, d, n_local = 120, 8, 16
+    cache, slots, policy, lists = infllm_prompted(t, seed=7)
     cache.write(0, torch.tensor([0]), 3 * torch.randn(1, 2, d), torch.randn(1, 2, d))  # the own token's key (slot 0)
     row = policy._memory[0].row
     before = []  # the ring as the decode step's count finds it (its prepare counts the last chunk's attention first)
@@ -368,12 +376,8 @@ def test_infllm_pool_grows_as_sequences_ask_and_holds_every_block_once():
 def test_infllm_keeps_a_decoded_tokens_ring_entry_at_the_next_step():
     """Two decode steps in a row: the first writes its token's entry (its own share), the second adds to it what its
     query gives that token (now in its window) and does not start it again."""
-    torch.manual_seed(9)
     t, d = 120, 8
-    cache, slots = cache_with_keys(torch.randn(t, 2, d))
-    policy = InfLLM(cache, TORCH, window=1000, k=16, n_init=4, n_local=16, block_size=8, repr_keys=2, dense_until=0)
-    for t0 in range(0, t, 5):
-        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, d))
+    cache, slots, policy, _ = infllm_prompted(t, seed=9)
     cache.write(0, torch.arange(2), torch.randn(2, 2, d), torch.randn(2, 2, d))  # the decoded tokens' keys
     row = policy._memory[0].row
     entries = []
@@ -446,16 +450,8 @@ def test_infllm_selecting_lists_are_list_length_long(t):
     """A selecting step's list holds exactly ``list_length(w)`` entries, a chunk's and a decode step's, the live ones
     marked by n_valid: the graphs are captured at that shape (``prepare`` sizes their buffers by it). With the
     longest remainder (block_size - 1 tokens) a decode step's list is all live."""
-    torch.manual_seed(5)
     n_init, n_local, bs = 4, 16, 8
-    cache, slots = cache_with_keys(torch.randn(t, 2, 8))
-    policy = InfLLM(cache, TORCH, window=1000, k=2 * bs, n_init=n_init, n_local=n_local, block_size=bs, repr_keys=2,
-                    dense_until=0)
-    lists = []
-    attend = policy.attend
-    policy.attend = lambda *a: lists.append(attend(*a)) or lists[-1]
-    for t0 in range(0, t, 5):
-        step(policy, slots[:t0], decode=False, seq_id=0, q=torch.randn(5, 4, 8))
+    cache, slots, policy, lists = infllm_prompted(t, seed=5)
     chunk = lists[-1]
     step(policy, slots, decode=True, seq_id=0, q=torch.randn(1, 4, 8))
     assert (chunk.slots.numel(), lists[-1].slots.numel()) == (policy.list_length(5), policy.list_length(1))
