@@ -609,9 +609,10 @@ def test_infllm_counts_the_same_with_either_kernel_set():
 
     gen = torch.Generator().manual_seed(13)
     t, n_heads, d = 150, 8, 16
-    cache = KVCache(1, t, N_KV, d, torch.float32, torch.device(DEVICE))
+    cache = KVCache(1, 30 + t, N_KV, d, torch.float32, torch.device(DEVICE))
+    own = cache.allocate(30)  # slots 0..29: a step's own tokens (``step`` puts them there), apart from the context's
     slots = cache.allocate(t)[torch.randperm(t, generator=gen).to(DEVICE)]
-    cache.write(0, slots, *torch.randn(2, t, N_KV, d, generator=gen).to(DEVICE))
+    cache.write(0, torch.cat([own, slots]), *torch.randn(2, 30 + t, N_KV, d, generator=gen).to(DEVICE))
     policies = [InfLLM(cache, kern, window=1000, k=16, n_init=4, n_local=16, block_size=8, repr_keys=2)
                 for kern in (TRITON, TORCH)]
     for t0 in range(0, t, 30):
