@@ -219,7 +219,6 @@ def prepare(name: str, work: Path) -> Path:
             shutil.copy2(src, scratch / item)
     with open(scratch / "pyproject.toml", "a") as f:
         f.write(mutmut_config(SETS[name]))
-    add_fast_first(scratch / "tests")
     if SETS[name].get("launchers"):
         for path in SETS[name]["mutate"]:
             fence_launchers(scratch / path)
@@ -287,7 +286,7 @@ def run_set(name: str, work: Path, children: int, resume: bool = False) -> dict:
     """Run the set's mutants in a fresh scratch copy, or with ``resume`` continue the last run's copy (mutmut
     tests only the mutants that have no result yet: a run cut off by a deadline picks up where it stopped)."""
     scratch = work / name if resume and (work / name / "mutants").is_dir() else prepare(name, work)
-    for tests in (scratch / "tests", scratch / "mutants" / "tests"):
+    for tests in (scratch / "tests", scratch / "mutants" / "tests"):  # a fresh copy, or a resumed one's two
         if tests.is_dir():
             add_fast_first(tests)
     start = time.time()
