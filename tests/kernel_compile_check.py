@@ -21,7 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
-        ("paged_dot", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check", "selection_update",
+        ("paged_dot", "paged_argmax", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check", "selection_update",
          "topk", "window_mass", "row_copy", "block_scores")}
 
 
@@ -41,8 +41,16 @@ def main() -> None:
                 "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
                 "stride_slot": i32, "stride_kvh": i32},
-                {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "IEEE": ieee,
-                 "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4, num_stages=2 if ieee else 3)
+                {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "DOT_TY": dot,
+                 "IEEE": ieee, "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4,
+                num_stages=2 if ieee else 3)
+        argmax = mods["paged_argmax"]
+        block_r, block_n, warps, stages = argmax.FP32_ARGMAX_TILE if ieee else argmax.ARGMAX_TILE
+        compile_one("paged_argmax", "_argmax_kernel", {
+            "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": i64p, "n_valid_ptr": i64p, "N": i32,
+            "per_kv": i32, "stride_slot": i32, "stride_kvh": i32},
+            {"D": 128, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot, "IEEE": ieee,
+             "MASKED": True}, num_warps=warps, num_stages=stages)
         for live in (False, True):  # the whole list, or its first *n_valid_ptr entries
             attention = mods["sparse_attention"]
             for rotated, split, tile in ((False, True, attention.FP32_DECODE_TILE if ieee else attention.DECODE_TILE),

@@ -15,9 +15,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton.language as tl
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
+from tokenselect.kernels.dot import exact_dot_type
 from tokenselect.kernels.head_vote import head_soft_vote_ref
 from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
 from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
@@ -118,6 +120,46 @@ def test_head_soft_vote_reads_fp8_keys():
     q, slots = query((8, 128), torch.bfloat16, gen), slot_list(2500, 3000, gen)
     torch.testing.assert_close(TRITON.head_soft_vote(q, k_pool, slots, 0.1),
                                TORCH.head_soft_vote(q, k_pool, slots, 0.1), atol=1e-5, rtol=1e-4)
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def test_every_fp8_value_is_exact_in_both_16_bit_types():
+    """The premise of ``exact_dot_type``: a 16-bit query multiplies fp8 keys in its own type with no rounding."""
+    for fp8 in FP8:
+        values = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(fp8).float()
+        values = values[values.isfinite()]
+        for wide in (torch.bfloat16, torch.float16):
+            assert torch.equal(values.to(wide).float(), values), (fp8, wide)
+
+
+def test_exact_dot_type():
+    """The query's 16-bit type where the keys convert into it exactly; tf32 for mixed 16-bit types; IEEE fp32 with
+    fp32 on either side."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert exact_dot_type(bf16, bf16) == (tl.bfloat16, False) and exact_dot_type(fp16, fp16) == (tl.float16, False)
+    for fp8 in FP8:
+        assert exact_dot_type(bf16, fp8) == (tl.bfloat16, False) and exact_dot_type(fp16, fp8) == (tl.float16, False)
+    assert exact_dot_type(bf16, fp16) == (tl.float32, False) and exact_dot_type(fp16, bf16) == (tl.float32, False)
+    for other in (bf16, fp16, FP8[0], fp32):
+        assert exact_dot_type(fp32, other) == (tl.float32, True) and exact_dot_type(other, fp32) == (tl.float32, True)
+
+
+@pytest.mark.parametrize("q_dtype, k_dtype", [(torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2),
+                                              (torch.float16, torch.float16), (torch.bfloat16, torch.float16),
+                                              (torch.float16, torch.bfloat16)])
+def test_paged_dot_and_argmax_with_every_pair_of_operand_types(q_dtype, k_dtype):
+    """A query of one type against keys of another: the scores of the values as stored (the reference upcasts both
+    to fp32), however the kernel multiplies them (its own 16-bit type, or tf32 for mixed 16-bit types)."""
+    gen = torch.Generator().manual_seed(17)
+    q, k_pool = query((N_KV * 4, 128), q_dtype, gen), pool(1500, 128, torch.float32, gen).to(k_dtype)
+    slots = slot_list(1200, 1500, gen)
+    torch.testing.assert_close(TRITON.paged_dot(q, k_pool, slots), TORCH.paged_dot(q, k_pool, slots),
+                               atol=1e-3, rtol=1e-4)
+    best = TRITON.paged_argmax(q, k_pool, slots)
+    scores = TORCH.paged_dot(q, k_pool, slots)
+    torch.testing.assert_close(scores.gather(1, best[:, None]).flatten(), scores.max(dim=1).values, atol=1e-3, rtol=1e-4)
 
 
 def fp8_pool_and_its_bf16_twin(n: int, d: int, gen: torch.Generator) -> tuple[KVCache, KVCache]:
@@ -338,11 +380,13 @@ def test_topk_matches_reference(n, k, dtype):
     assert torch.equal(TORCH.topk(scores, k, values=slots), slots[ref])
 
 
-@pytest.mark.parametrize("step", [1, 3 << 7, 1 << 13])  # keys that differ in the last byte only, across two
-@pytest.mark.parametrize("sign", [1, -1])  # bytes, and in the second byte and up
+# keys that differ in the last two digits (bits 0-9, 10-20), in the middle one and up with equal last digits, across
+# the last two, and in the top two
+@pytest.mark.parametrize("step", [1, 1 << 10, 3 << 7, 1 << 13])
+@pytest.mark.parametrize("sign", [1, -1])
 def test_topk_resolves_every_digit(step, sign):
     """fp32 scores whose bit patterns share their top bits and differ step apart below them (distinct, in a random
-    order, of one sign): the radix select has to pin the k-th largest in its lower bytes."""
+    order, of one sign): the radix select has to pin the k-th largest in its lower digits."""
     gen = torch.Generator().manual_seed(step)
     n, k = 6000, 1777
     bits = 0x3F800000 + torch.randperm(n, generator=gen).to(torch.int64) * step

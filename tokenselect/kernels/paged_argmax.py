@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_dot import dot_fp32, paged_dot_ref
+from .dot import exact_dot_type, mma
+from .paged_dot import paged_dot_ref
 
 REF_SCORES = 1 << 24  # the reference scores blocks of rows, at most this many floats at a time
 
@@ -46,7 +47,7 @@ def paged_argmax_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor,
 @triton.jit
 def _argmax_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, n_valid_ptr, N, per_kv, stride_slot, stride_kvh,
                    D: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                   IEEE: tl.constexpr, MASKED: tl.constexpr):
+                   DOT_TY: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
     """Program (row tile, kv head): out[r] for the tile's rows r of that kv head. A later block replaces a row's
     best only with a strictly larger score, and within a block the leftmost maximum wins: the first of equal
     maxima overall, as ``torch.argmax``."""
@@ -58,7 +59,8 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, n_valid_ptr, N, per_kv, stri
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < per_kv, dims < D
     q_rows = (kvh * per_kv + rows).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                other=0.0).to(DOT_TY)
     best = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     where = tl.zeros((BLOCK_R,), tl.int32)
     for start in range(0, n_live, BLOCK_N):
@@ -67,7 +69,7 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, n_valid_ptr, N, per_kv, stri
         slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
                     mask=dim_ok[:, None] & live[None, :], other=0.0)
-        s = tl.where(live[None, :], dot_fp32(q, k, IEEE), float("-inf"))  # [BLOCK_R, BLOCK_N]
+        s = tl.where(live[None, :], mma(q, k.to(DOT_TY), IEEE), float("-inf"))  # [BLOCK_R, BLOCK_N]
         m = tl.max(s, axis=1)
         i = tl.argmax(s, axis=1, tie_break_left=True)
         better = m > best
@@ -90,13 +92,13 @@ def paged_argmax(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor,
     out = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
     if n == 0 or per_kv == 0:
         return out
-    ieee = torch.float32 in (q.dtype, k_pool.dtype)
+    dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
     block_r, block_n, warps, stages = FP32_ARGMAX_TILE if ieee else ARGMAX_TILE
     if d > 128:
         block_n //= 2
     _argmax_kernel[(triton.cdiv(per_kv, block_r), n_kv)](
         q.contiguous(), k_pool, slots.contiguous(), out, n_valid, n, per_kv, k_pool.stride(0), k_pool.stride(1),
-        D=d, D_P=max(16, triton.next_power_of_2(d)), BLOCK_R=block_r, BLOCK_N=block_n, IEEE=ieee,
+        D=d, D_P=max(16, triton.next_power_of_2(d)), BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     return out

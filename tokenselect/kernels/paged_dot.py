@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dot import exact_dot_type, mma
+
 
 def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q: [n_heads, head_dim], k_pool: [n_slots, n_kv_heads, head_dim], slots: [N] -> scores [n_heads, N] fp32."""
@@ -28,18 +30,10 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
 
 
 @triton.jit
-def dot_fp32(a, b, IEEE: tl.constexpr):
-    """a [M, K] @ b [K, N] with fp32 accumulation. 16-bit and fp8 values are exact in tf32, so tf32
-    tensor cores lose nothing for them; fp32 data (IEEE) gets full-precision products."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
-
-
-@triton.jit
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
                    stride_slot, stride_kvh, D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, IEEE: tl.constexpr, STATS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
+                   STATS: tl.constexpr,
                    MASKED: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh: for each block b of
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
@@ -59,14 +53,15 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
     if group_id * BLOCKS < last:  # (a program past the live blocks reads nothing, not even the query)
-        q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(DOT_TY)
         for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, last)):
             cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok, live = cols < N, cols < n_live
             slots = tl.load(slot_ptr + cols, mask=live, other=0).to(tl.int64)
             k = tl.load(k_ptr + slots[None, :] * stride_slot + kvh * stride_kvh + dims[:, None],
                         mask=dim_ok[:, None] & live[None, :], other=0.0)
-            s = dot_fp32(q, k, IEEE) * scale  # [BLOCK_G, BLOCK_N]
+            s = mma(q, k.to(DOT_TY), IEEE) * scale  # [BLOCK_G, BLOCK_N]
             if MASKED:
                 s = tl.where(live[None, :], s, float("-inf"))
             tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s,
@@ -101,7 +96,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
     out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
-    ieee = torch.float32 in (q.dtype, k_pool.dtype)
+    dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
     _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
     block_n = scores_block(q, k_pool)
     n_blocks = triton.cdiv(n, block_n)
@@ -113,7 +108,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
         q.contiguous(), k_pool, slots.contiguous(), out, m, l, n_valid, n, group, n_kv, n_blocks, float(scale),
         k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCKS=blocks,
-        IEEE=ieee, STATS=stats, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
+        DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     return out, m, l
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_attention import INTERPRETED
+from .dot import INTERPRETED
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

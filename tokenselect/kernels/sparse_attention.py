@@ -31,11 +31,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..rope import rotate
+from .dot import DOT_TYPES, INTERPRETED, mma
 
 LOG2E = 1.4426950408889634
-# Triton 3.6's CPU interpreter multiplies bf16 dot operands as their raw 16-bit patterns; there the
-# 16-bit operands go to tl.dot as fp32 (the same products: a product of two 16-bit floats is exact in fp32)
-INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 def sparse_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
@@ -91,17 +89,6 @@ def _rope_halves(x1, x2, pos, inv_freq, rope_scale):
 
 
 @triton.jit
-def _mma(a, b, IEEE: tl.constexpr):
-    """a [M, K] @ b [K, N] accumulated in fp32: full-precision products for fp32 operands (IEEE),
-    tensor-core products of 16-bit operands otherwise."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    if INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_valid_ptr, N, n_kv, rope_scale,
                         k_stride_slot, k_stride_kvh, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr,
                         LIVE: tl.constexpr):
@@ -150,7 +137,7 @@ def _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot
     if not ROTATED:
         k_pos = tl.load(kpos_ptr + j, mask=col_ok, other=0).to(tl.float32)
         k1, k2 = _rope_halves(k1.to(tl.float32), k2.to(tl.float32), k_pos, inv_freq, rope_scale)
-    s = _mma(q1, tl.trans(k1.to(DOT_TY)), IEEE) + _mma(q2, tl.trans(k2.to(DOT_TY)), IEEE)
+    s = mma(q1, tl.trans(k1.to(DOT_TY)), IEEE) + mma(q2, tl.trans(k2.to(DOT_TY)), IEEE)
     if MASKED:
         s = tl.where(col_ok[None, :] & (j[None, :] <= i[:, None] + N - C), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -162,7 +149,7 @@ def _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot
     p = tl.exp2(s - m_safe[:, None])
     v = tl.load(v_ptr + slot[:, None] * v_stride_slot + kvh * v_stride_kvh + dims[None, :],
                 mask=col_ok[:, None] & v_dim_ok[None, :], other=0.0)
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _mma(p.to(DOT_TY), v.to(DOT_TY), IEEE)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + mma(p.to(DOT_TY), v.to(DOT_TY), IEEE)
 
 
 @triton.jit
@@ -274,7 +261,6 @@ CHUNK_TILE, FP32_CHUNK_TILE = (64, 64, 4, 3), (32, 32, 4, 2)
 TARGET_PROGRAMS = 396  # decode split-K: programs to aim for (3 per SM of an H100)
 ROTATE_BLOCK = 32  # list entries per program of the key-rotation kernel
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
-DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .dot import DOT_TYPES, mma
 from .paged_dot import paged_dot
-from .sparse_attention import DOT_TYPES, LOG2E, _mma
+from .sparse_attention import LOG2E
 
 SCORE_ELEMENTS = 1 << 24  # the reference's logits per block of queries, at most this many floats
 
@@ -62,7 +63,7 @@ def _logits(q, start, N, kvh, k_ptr, slot_ptr, k_stride_slot, k_stride_kvh, dims
     slot = tl.load(slot_ptr + col, mask=col_ok, other=0).to(tl.int64)
     k = tl.load(k_ptr + slot[:, None] * k_stride_slot + kvh * k_stride_kvh + dims[None, :],
                 mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-    return col, _mma(q, tl.trans(k.to(DOT_TY)), IEEE) * qk_scale
+    return col, mma(q, tl.trans(k.to(DOT_TY)), IEEE) * qk_scale
 
 
 @triton.jit

@@ -1,0 +1,45 @@
+"""The tensor-core product the kernels share, and the operand type each product runs in.
+
+A query times keys runs on the tensor cores in the query's own 16-bit type wherever the keys convert into it
+exactly: keys of that type, or fp8 keys (every e4m3 and e5m2 value is both a bf16 and an fp16). A product of two
+16-bit floats is exact in the fp32 accumulator, so the scores equal fp32 arithmetic on the same values up to the
+order of the sums, at twice the tensor cores' tf32 rate and half the operand registers. fp32 operands get IEEE
+fp32 products; a bf16 query against fp16 keys (or the reverse) goes through tf32, in which both are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton 3.6's CPU interpreter multiplies bf16 dot operands as their raw 16-bit patterns; there the
+# 16-bit operands go to tl.dot as fp32 (the same products: a product of two 16-bit floats is exact in fp32)
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+
+DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+FP8_TYPES = tuple(t for t in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if t is not None)
+
+
+def exact_dot_type(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[tl.dtype, bool]:
+    """(the type a query of q_dtype times keys of k_dtype is multiplied in, IEEE) for :func:`mma`, with no
+    rounding of either operand (see the module): the query's 16-bit type where the keys convert into it
+    exactly, else fp32 (IEEE products when either side is fp32, tf32 products otherwise)."""
+    if torch.float32 in (q_dtype, k_dtype):
+        return tl.float32, True
+    if q_dtype in DOT_TYPES and (k_dtype == q_dtype or k_dtype in FP8_TYPES):
+        return DOT_TYPES[q_dtype], False
+    return tl.float32, False
+
+
+@triton.jit
+def mma(a, b, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] accumulated in fp32, both operands already in one type: full-precision products for
+    fp32 operands with IEEE, tf32 ones without; 16-bit operands' products on the tensor cores."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="tf32")
+    return tl.dot(a, b)
