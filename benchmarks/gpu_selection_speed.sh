@@ -7,7 +7,8 @@
 # PART:
 #   kernels  the CUDA kernel tests of what the change touches (scores, vote, top-k, argmax); for each tree the top-k
 #            against torch.topk (benchmarks/topk_gpu.py) and `tokenselect bench attention --fp8-select`; then this
-#            tree's scores-kernel tile sweep over bf16 and fp8 keys (benchmarks/scores_tile_gpu.py) (about 8 minutes)
+#            tree's scores-kernel tile sweep over bf16 and fp8 keys (benchmarks/scores_tile_gpu.py; TILES=0: not it)
+#                                                                          (about 8 minutes, 4 without the sweep)
 #   e2e      `tokenselect bench e2e` at 128K, bf16 keys and fp8 selection keys: TokenSelect and its hit path for both
 #            trees, and the dense baseline in this tree's run (the change does not touch dense's path)
 #                                                                                          (about 8 minutes)
@@ -45,9 +46,11 @@ case "$part" in
     each_tree topk python3 "$here/benchmarks/topk_gpu.py"
     attention() { python3 -m tokenselect.cli bench attention --fp8-select --tag h100 --output "$1"; }
     each_tree attention attention
-    echo "== tiles $(date +%T)"
-    PYTHONPATH="/tmp/site:$here" python3 benchmarks/scores_tile_gpu.py "$out/after" > "$out/after/tiles.log" 2>&1
-    tail -30 "$out/after/tiles.log" ;;
+    if [[ ${TILES:-1} == 1 ]]; then  # TILES=0: not the sweep
+      echo "== tiles $(date +%T)"
+      PYTHONPATH="/tmp/site:$here" python3 benchmarks/scores_tile_gpu.py "$out/after" > "$out/after/tiles.log" 2>&1
+      tail -30 "$out/after/tiles.log"
+    fi ;;
   e2e)
     for keys in bf16 fp8; do
       select=(); [[ $keys == fp8 ]] && select=(--select-dtype fp8)

@@ -75,8 +75,7 @@ def _found(hist_ptr, k, DONE: tl.constexpr):
         at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys whose digit p is >= each bin
         digit = tl.max(tl.where(at_least >= rest, bins, 0), axis=0)
         rest -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        width: tl.constexpr = 11 - p // 2
-        prefix = (prefix << width) + digit.to(tl.uint32)
+        prefix = (prefix << (11 - p // 2)) + digit.to(tl.uint32)  # the digit's width
     return prefix, rest
 
 
