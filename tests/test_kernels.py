@@ -380,13 +380,13 @@ def test_topk_matches_reference(n, k, dtype):
     assert torch.equal(TORCH.topk(scores, k, values=slots), slots[ref])
 
 
-# keys that differ in the last two digits (bits 0-9, 10-20), in the middle one and up with equal last digits, across
-# the last two, and in the top two
-@pytest.mark.parametrize("step", [1, 1 << 10, 3 << 7, 1 << 13])
+# keys that differ in the last byte only, in the second byte and up with equal last bytes, across two bytes, and in
+# the second byte and up
+@pytest.mark.parametrize("step", [1, 1 << 8, 3 << 7, 1 << 13])
 @pytest.mark.parametrize("sign", [1, -1])
 def test_topk_resolves_every_digit(step, sign):
     """fp32 scores whose bit patterns share their top bits and differ step apart below them (distinct, in a random
-    order, of one sign): the radix select has to pin the k-th largest in its lower digits."""
+    order, of one sign): the radix select has to pin the k-th largest in its lower bytes."""
     gen = torch.Generator().manual_seed(step)
     n, k = 6000, 1777
     bits = 0x3F800000 + torch.randperm(n, generator=gen).to(torch.int64) * step

@@ -3,8 +3,8 @@ tokens are attended in).
 
 The reference is ``torch.topk`` then a sort of the k positions. The Triton version is a radix select that
 writes its picks in order, so nothing is sorted. Each fp32 score maps to a uint32 key with the same order;
-three passes histogram 11, 11 and 10 bits of the keys (from the top; 2,048 bins), over the keys that share
-the bits found so far, which pins the k-th largest key digit by digit; then two small kernels write the picks: per block of
+four passes histogram one byte of the keys each (from the top), over the keys that share the bytes found
+so far, which pins the k-th largest key byte by byte; then two small kernels write the picks: per block of
 scores, count the keys above the k-th and equal to it; every block then knows where its picks start from
 the counts of the blocks before it and writes them through a prefix sum. Ties at the k-th key are taken
 in order until k are chosen, so the result is always k distinct positions.
@@ -58,35 +58,28 @@ def _keys(scores_ptr, i, n_live):
     return (bits ^ flip).to(tl.uint32, bitcast=True)
 
 
-# digits of 11, 11 and 10 bits: pass p's digit is bits [shift, shift + width) of the key, with
-# width = 11 - p // 2 and shift = 21 - 11 * p + p // 2 (21, 10, 0)
-PASSES, BINS = tl.constexpr(3), tl.constexpr(2048)
-
-
 @triton.jit
-def _found(hist_ptr, k, DONE: tl.constexpr):
-    """From the histograms of passes 0..DONE-1: the digits of the k-th largest key that they found (its bits
-    from pass DONE - 1's shift up), and how many of the keys that share them are still to be taken."""
-    bins = tl.arange(0, BINS)
+def _found(hist_ptr, k, PASSES: tl.constexpr):
+    """From the histograms of passes 0..PASSES-1: the top 8 * PASSES bits of the k-th largest key, and how
+    many of the keys that share them are still to be taken."""
+    bins = tl.arange(0, 256)
     prefix = tl.full((), 0, tl.uint32)
     rest = k
-    for p in tl.static_range(DONE):
-        h = tl.load(hist_ptr + p * BINS + bins)
-        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys whose digit p is >= each bin
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + p * 256 + bins)
+        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys whose byte p is >= each bin
         digit = tl.max(tl.where(at_least >= rest, bins, 0), axis=0)
         rest -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        prefix = (prefix << (11 - p // 2)) + digit.to(tl.uint32)  # the digit's width
+        prefix = prefix * 256 + digit.to(tl.uint32)
     return prefix, rest
 
 
 @triton.jit
 def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexpr, BLOCK: tl.constexpr,
                       MASKED: tl.constexpr):
-    """Program = block of scores: add the histogram of digit PASS of its keys that share the digits found by the
+    """Program = block of scores: add the histogram of byte PASS of its keys that share the bytes found by the
     passes before into hist[PASS]. Program 0 also adds the scores past n_valid (all -inf, not read)."""
-    shift: tl.constexpr = 21 - 11 * PASS + PASS // 2
-    above: tl.constexpr = 21 - 11 * (PASS - 1) + (PASS - 1) // 2  # the shift of the pass before
-    digits: tl.constexpr = (1 << (11 - PASS // 2)) - 1
+    shift: tl.constexpr = 24 - 8 * PASS
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live > 0:  # none live: the write kernel needs no histogram
         prefix, _ = _found(hist_ptr, k, PASS)
@@ -96,16 +89,16 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexp
             key = _keys(scores_ptr, i, n_live)
             match = i < n_live
             if PASS > 0:
-                match = match & ((key >> above) == prefix)
-            part = tl.histogram(((key >> shift) & digits).to(tl.int32), BINS, mask=match)
-            tl.atomic_add(hist_ptr + PASS * BINS + tl.arange(0, BINS), part, mask=part > 0)
+                match = match & ((key >> (shift + 8)) == prefix)
+            part = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+            tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part)
         if MASKED:
             dead = tl.full((), 0x007FFFFF, tl.uint32)  # the key of -inf
             add = tl.program_id(0) == 0
             if PASS > 0:
-                add = add & ((dead >> above) == prefix)
+                add = add & ((dead >> (shift + 8)) == prefix)
             if add:
-                tl.atomic_add(hist_ptr + PASS * BINS + ((dead >> shift) & digits).to(tl.int32), N - n_live)
+                tl.atomic_add(hist_ptr + PASS * 256 + ((dead >> shift) & 255).to(tl.int32), N - n_live)
 
 
 @triton.jit
@@ -114,7 +107,7 @@ def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, BLOCK: tl
     none is live (the write kernel needs no count then)."""
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live > 0:
-        kth, _ = _found(hist_ptr, k, PASSES)
+        kth, _ = _found(hist_ptr, k, 4)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         key = _keys(scores_ptr, i, n_live)
         ok = i < N
@@ -143,7 +136,7 @@ def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out
     if n_live == 0:
         _write_picks(values_ptr, out_ptr, i, i, i < k, GATHER)
     else:
-        kth, ties_wanted = _found(hist_ptr, k, PASSES)
+        kth, ties_wanted = _found(hist_ptr, k, 4)
         above_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
         ties_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
         for start in range(0, b, BLOCK_C):
@@ -176,10 +169,10 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
         return out
     scores = scores.contiguous()
     n_blocks = triton.cdiv(n, BLOCK)
-    hist = torch.zeros(PASSES.value, BINS.value, dtype=torch.int32, device=scores.device)
+    hist = torch.zeros(4, 256, dtype=torch.int32, device=scores.device)
     counts = torch.empty(n_blocks, 2, dtype=torch.int32, device=scores.device)
     masked = n_valid is not None
-    for p in range(PASSES.value):
+    for p in range(4):
         _histogram_kernel[(n_blocks,)](scores, hist, n_valid, n, k, PASS=p, BLOCK=BLOCK, MASKED=masked)
     _count_kernel[(n_blocks,)](scores, hist, n_valid, counts, n, k, BLOCK=BLOCK, MASKED=masked)
     gather = values is not None
