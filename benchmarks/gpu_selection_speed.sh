@@ -9,9 +9,10 @@
 #            against torch.topk (benchmarks/topk_gpu.py) and `tokenselect bench attention --fp8-select`; then this
 #            tree's scores-kernel tile sweep over bf16 and fp8 keys (benchmarks/scores_tile_gpu.py; TILES=0: not it)
 #                                                                          (about 8 minutes, 4 without the sweep)
-#   e2e      `tokenselect bench e2e` at 128K, bf16 keys and fp8 selection keys: TokenSelect and its hit path for both
-#            trees, and the dense baseline in this tree's run (the change does not touch dense's path)
-#                                                                                          (about 8 minutes)
+#   e2e      the CUDA tests of the attended list's gather and of whole-step graphs (at most 200 s), then
+#            `tokenselect bench e2e` at 128K, bf16 keys and fp8 selection keys: TokenSelect and its hit path for
+#            both trees, and the dense baseline in this tree's run (the change does not touch dense's path)
+#                                                                                          (about 9 minutes)
 #   profile  this tree's per-part profile of the 128K decode step (benchmarks/gpu_e2e.sh profile), and an eager
 #            128K TokenSelect decode under the profiler (aten ops named beside their kernels)  (about 3 minutes)
 # Each step writes into OUTDIR as it goes, so a step cut short by the device's limit leaves the others.
@@ -52,6 +53,10 @@ case "$part" in
       tail -30 "$out/after/tiles.log"
     fi ;;
   e2e)
+    echo "== tests $(date +%T)"  # the gather into the attended list, and whole-step graphs against eager steps
+    PYTHONPATH="/tmp/site:$here" timeout 200 python3 -m pytest -q -x tests/test_kernels.py tests/test_whole_graphs.py \
+      -k "gather_into or test_whole_graphs" > "$out/e2e_tests.log" 2>&1
+    tail -3 "$out/e2e_tests.log"
     for keys in bf16 fp8; do
       select=(); [[ $keys == fp8 ]] && select=(--select-dtype fp8)
       e2e() {

@@ -115,6 +115,9 @@ def main() -> None:
             "q_ptr": q, "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
             "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},
             {"EPS": 1e-8, "BLOCK": 1024})
+    for word in ("*i64", "*i32"):  # the slot table's entries; other values a row
+        compile_one("row_copy", "_gather_into_kernel", {"src_ptr": word, "index_ptr": i64p, "out_ptr": word, "n": i32,
+                                                        "src_stride": i32}, {"BLOCK": mods["row_copy"].GATHER_BLOCK})
     for word in ("*i32", "*u8"):
         compile_one("row_copy", "_gather_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
                                                    "words": i32}, {"BLOCK_R": 16, "BLOCK_W": 256})

@@ -829,6 +829,27 @@ def test_scatter_rows_writes_kv_pools_in_one_launch(n, n_kv, d, dtype):
             assert raw_equal(got[i], pools[i])
 
 
+@pytest.mark.parametrize("n, k", [(1, 1), (300, 7), (5000, 2048), (2000, 2000)])  # ragged, and every entry
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_gather_into_matches_reference(n, k, dtype):
+    """The chosen entries of a strided 1-D source (the table's middle is a slice; a column is strided) land in a
+    slice of a longer list and nowhere else; repeats and any order of the index are allowed."""
+    gen = torch.Generator().manual_seed(n + k)
+    table = torch.randint(-2 ** 31, 2 ** 31 - 1, (n + 90, 2), generator=gen).to(DEVICE, dtype)
+    index = torch.randint(0, n, (k,), generator=gen).to(DEVICE)
+    for src in (table[30:n + 30, 0], table[30:n + 30].flatten()[:n]):  # stride 2, and contiguous
+        frame = torch.full((k + 9,), -7, device=DEVICE).to(dtype)
+        out = frame[4:4 + k]
+        assert TRITON.gather_into(src, index, out).data_ptr() == out.data_ptr()
+        assert torch.equal(out, src[index]) and torch.equal(out, TORCH.gather_into(src, index, out.clone()))
+        assert (frame[:4] == -7).all() and (frame[4 + k:] == -7).all()
+    with pytest.raises(ValueError, match="int64"):
+        TRITON.gather_into(src, index.int(), out)
+    for bad in (frame[:k - 1], frame[:k].double()) + ((frame[:2 * k:2],) if k > 1 else ()):  # (one entry: contiguous)
+        with pytest.raises(ValueError, match="gather_into needs"):
+            TRITON.gather_into(src, index, bad)
+
+
 def test_row_copy_of_a_layer_of_a_pool_and_bad_input():
     """A layer of a [layers, slots, *row] pool starts at an offset (odd in words for rows of 6 bytes); rows of
     another dtype or shape, and a pool whose rows are not adjacent, are refused instead of copied wrongly."""

@@ -19,6 +19,7 @@ from .block_scores import block_scores, block_scores_ref
 from .head_vote import head_soft_vote, head_soft_vote_ref
 from .paged_argmax import paged_argmax, paged_argmax_ref
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref
+from .row_copy import gather_into, gather_into_ref
 from .selection_check import selection_check, selection_check_ref
 from .selection_update import selection_update, selection_update_ref
 from .sparse_attention import sparse_attention, sparse_attention_ref
@@ -43,7 +44,9 @@ class Kernels:
     block_scores(rows [R, K], index [n], query [K] (any float dtype, read in fp32), n_valid=None) -> [n] fp32
     (InfLLM's memory lookup, ``block_scores.py``);
     paged_argmax(q [R, d] head-major, k_pool, slots [N], n_valid=None) -> [R] int64, each row's best slot index
-    (ReAttention's vote, ``paged_argmax.py``)."""
+    (ReAttention's vote, ``paged_argmax.py``);
+    gather_into(src [S], index [n] int64, out [n]) -> out holding src[index] (the chosen slots into the attended
+    list, ``row_copy.py``)."""
 
     name: str
     paged_dot: Callable
@@ -55,13 +58,14 @@ class Kernels:
     window_mass: Callable
     block_scores: Callable
     paged_argmax: Callable
+    gather_into: Callable
 
 
 KERNELS = {
     "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
-                      selection_update_ref, window_mass_ref, block_scores_ref, paged_argmax_ref),
+                      selection_update_ref, window_mass_ref, block_scores_ref, paged_argmax_ref, gather_into_ref),
     "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, selection_update,
-                      window_mass, block_scores, paged_argmax),
+                      window_mass, block_scores, paged_argmax, gather_into),
 }
 
 

@@ -287,7 +287,7 @@ class SelectivePolicy(AttentionPolicy):
         frame = step.once(f"{n_init} sinks + {b} chosen + last {n_local} + own", lambda: torch.cat([
             step.table[:n_init], step.table.new_zeros(b), step.table.index_select(0, window), own]))
         middle, _ = self.middle(step)
-        torch.index_select(middle, 0, chosen, out=frame[n_init:n_init + b])
+        self.kernels.gather_into(middle, chosen, frame[n_init:n_init + b])
         if self.positions == "original":
             arange = self.cache.arange
             key_pos = torch.cat([arange(n_init), chosen + n_init, window, step.length + arange(w)])
