@@ -91,7 +91,7 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexp
             if PASS > 0:
                 match = match & ((key >> (shift + 8)) == prefix)
             part = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-            tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part)
+            tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part, mask=part > 0)  # (no atomics for empty bins)
         if MASKED:
             dead = tl.full((), 0x007FFFFF, tl.uint32)  # the key of -inf
             add = tl.program_id(0) == 0
