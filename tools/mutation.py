@@ -75,7 +75,7 @@ SETS: dict[str, dict] = {
                 "tokenselect/kernels/paged_dot.py", "tokenselect/kernels/head_vote.py",
                 "tokenselect/kernels/block_scores.py", "tokenselect/kernels/window_mass.py",
                 "tokenselect/kernels/rms_norm.py", "tokenselect/kernels/silu_mul.py",
-                "tokenselect/kernels/row_copy.py"],
+                "tokenselect/kernels/row_copy.py", "tokenselect/kernels/dot.py"],
         # test_kernels.py less its three largest matrices of Triton-against-reference cases (sparse attention and
         # window mass: minutes in Triton's interpreter, for every surviving mutant); the references' definition
         # tests (against naive loops in fp64) stay
@@ -91,7 +91,9 @@ SETS: dict[str, dict] = {
             "test_window_mass_mixed_dtypes_and_odd_shapes", "test_window_mass_reference_is_the_definition",
             "test_paged_dot_with_a_whole_chunk_of_rows_per_kv_head", "test_gather_and_scatter_rows_match_reference",
             "test_scatter_rows_writes_kv_pools_in_one_launch", "test_row_copy_of_a_layer_of_a_pool_and_bad_input",
-            "test_row_copy_reference_is_the_definition")],
+            "test_row_copy_reference_is_the_definition", "test_gather_into_matches_reference",
+            "test_every_fp8_value_is_exact_in_both_16_bit_types", "test_exact_dot_type",
+            "test_paged_dot_and_argmax_with_every_pair_of_operand_types")],
         launchers=True),
     # the policies after issue #29 (one ``attend`` path of device tensor ops; settings in ``settings.py``), in sets
     # that each finish on 2 cores in well under an hour. tests/test_whole_graphs.py runs the graph path
