@@ -4,7 +4,8 @@ into the attended list (``SelectivePolicy.assemble``), in the ways PyTorch offer
     python benchmarks/middle_gather_gpu.py OUTDIR      # writes OUTDIR/middle_gather.json
 
 The profile of a 128K decode step showed ``torch.index_select(..., out=)`` as a ``gather`` kernel of 7.3 us a layer
-(H100) for 2,048 int64 values. Each variant is checked against ``middle[chosen]``, then timed as a decode graph runs
+(H100) for 2,048 int64 values. The Triton rows are ``kernels.gather_into`` (written after this comparison first
+ran with the same kernel defined here) with 1,024 and 256 entries a program. Each variant is checked against ``middle[chosen]``, then timed as a decode graph runs
 it: 32 calls (one a layer) captured in one CUDA graph, replayed (``tokenselect.bench.attention.graph_us``).
 """
 
@@ -15,23 +16,20 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 from tokenselect.bench.attention import graph_us
+from tokenselect.kernels import row_copy
 
 LAYERS, REPLAYS, K = 32, 20, 2048
 
 
-@triton.jit
-def _gather_into_kernel(src_ptr, index_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    tl.store(out_ptr + i, tl.load(src_ptr + tl.load(index_ptr + i, mask=ok, other=0), mask=ok), mask=ok)
-
-
-def gather_into(src, index, out, block=1024):
-    _gather_into_kernel[(triton.cdiv(index.numel(), block),)](src, index, out, index.numel(), BLOCK=block)
+def gather_into(src, index, out, block):
+    """The shipped kernel with ``block`` entries a program."""
+    shipped, row_copy.GATHER_BLOCK = row_copy.GATHER_BLOCK, block
+    try:
+        row_copy.gather_into(src, index, out)
+    finally:
+        row_copy.GATHER_BLOCK = shipped
 
 
 def main(out_dir: Path) -> None:
@@ -49,7 +47,7 @@ def main(out_dir: Path) -> None:
             "copy_(middle[chosen])": lambda: dst.copy_(middle[chosen]),
             "copy_(take)": lambda: dst.copy_(torch.take(middle, chosen)),
             "gather(out=)": lambda: torch.gather(middle, 0, chosen, out=dst),
-            "triton gather_into (1024)": lambda: gather_into(middle, chosen, dst),
+            "triton gather_into (1024)": lambda: gather_into(middle, chosen, dst, 1024),
             "triton gather_into (256)": lambda: gather_into(middle, chosen, dst, 256),
         }
         want = middle[chosen]
