@@ -33,8 +33,7 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
                    stride_slot, stride_kvh, D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
-                   STATS: tl.constexpr,
-                   MASKED: tl.constexpr):
+                   STATS: tl.constexpr, MASKED: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh: for each block b of
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
     m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
@@ -76,7 +75,9 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
 
 # (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256;
 # H100 sweep at 1M random slots (benchmarks/results/attention_h100.md): 4 blocks of 128 keys on 4 warps
-# beat one block on 8 warps by 8% (bf16 keys) and 24% (fp8 keys). fp32 products run on CUDA cores with
+# beat one block on 8 warps by 8% (bf16 keys) and 24% (fp8 keys); with the products in bf16 (kernels/dot.py) it
+# is still the best at 128K and within 2% of the best at 1M (results/supporting/scores_tile_bf16_products_h100.md).
+# fp32 products run on CUDA cores with
 # fp32 operands: smaller blocks keep ptxas from spilling kilobytes a thread at 64 query rows.
 SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
 
