@@ -4,9 +4,9 @@ into the attended list (``SelectivePolicy.assemble``), in the ways PyTorch offer
     python benchmarks/middle_gather_gpu.py OUTDIR      # writes OUTDIR/middle_gather.json
 
 The profile of a 128K decode step showed ``torch.index_select(..., out=)`` as a ``gather`` kernel of 7.3 us a layer
-(H100) for 2,048 int64 values. The Triton rows are ``kernels.gather_into`` (written after this comparison first
-ran with the same kernel defined here) with 1,024 and 256 entries a program. Each variant is checked against ``middle[chosen]``, then timed as a decode graph runs
-it: 32 calls (one a layer) captured in one CUDA graph, replayed (``tokenselect.bench.attention.graph_us``).
+(H100) for 2,048 int64 values. The Triton rows are ``kernels.gather_into`` with 1,024 and 256 (shipped) entries a
+program. Each variant is checked against ``middle[chosen]``, then timed as a decode graph runs it: 32 calls (one a
+layer) captured in one CUDA graph, replayed (``tokenselect.bench.attention.graph_us``).
 """
 
 from __future__ import annotations

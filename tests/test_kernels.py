@@ -159,7 +159,8 @@ def test_paged_dot_and_argmax_with_every_pair_of_operand_types(q_dtype, k_dtype)
                                atol=1e-3, rtol=1e-4)
     best = TRITON.paged_argmax(q, k_pool, slots)
     scores = TORCH.paged_dot(q, k_pool, slots)
-    torch.testing.assert_close(scores.gather(1, best[:, None]).flatten(), scores.max(dim=1).values, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(scores.gather(1, best[:, None]).flatten(), scores.max(dim=1).values,
+                               atol=1e-3, rtol=1e-4)
 
 
 def fp8_pool_and_its_bf16_twin(n: int, d: int, gen: torch.Generator) -> tuple[KVCache, KVCache]:

@@ -77,8 +77,8 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
 # H100 sweep at 1M random slots (benchmarks/results/attention_h100.md): 4 blocks of 128 keys on 4 warps
 # beat one block on 8 warps by 8% (bf16 keys) and 24% (fp8 keys); with the products in bf16 (kernels/dot.py) it
 # is still the best at 128K and within 2% of the best at 1M (results/supporting/scores_tile_bf16_products_h100.md).
-# fp32 products run on CUDA cores with
-# fp32 operands: smaller blocks keep ptxas from spilling kilobytes a thread at 64 query rows.
+# fp32 products run on CUDA cores with fp32 operands: smaller blocks keep ptxas from spilling kilobytes a thread
+# at 64 query rows.
 SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
 
 
