@@ -22,8 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
         ("paged_dot", "paged_argmax", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check",
-         "selection_update",
-         "topk", "window_mass", "row_copy", "block_scores")}
+         "selection_update", "topk", "window_mass", "row_copy", "block_scores")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **options) -> None:
