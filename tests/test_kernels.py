@@ -842,13 +842,18 @@ def test_gather_into_matches_reference(n, k, dtype):
         frame = torch.full((k + 9,), -7, device=DEVICE).to(dtype)
         out = frame[4:4 + k]
         assert TRITON.gather_into(src, index, out).data_ptr() == out.data_ptr()
-        assert torch.equal(out, src[index]) and torch.equal(out, TORCH.gather_into(src, index, out.clone()))
-        assert (frame[:4] == -7).all() and (frame[4 + k:] == -7).all()
+        assert torch.equal(out, src[index]) and (frame[:4] == -7).all() and (frame[4 + k:] == -7).all()
+        ref_out = torch.zeros_like(out)
+        assert TORCH.gather_into(src, index, ref_out).data_ptr() == ref_out.data_ptr()
+        assert torch.equal(ref_out, out)
     with pytest.raises(ValueError, match="int64"):
         TRITON.gather_into(src, index.int(), out)
     for bad in (frame[:k - 1], frame[:k].double()) + ((frame[:2 * k:2],) if k > 1 else ()):  # (one entry: contiguous)
         with pytest.raises(ValueError, match="gather_into needs"):
             TRITON.gather_into(src, index, bad)
+    for bad_src, bad_index in ((table[:n], index), (src, index[:, None])):  # a 2-D source, a 2-D index
+        with pytest.raises(ValueError, match="gather_into needs"):
+            TRITON.gather_into(bad_src, bad_index, out)
 
 
 def test_row_copy_of_a_layer_of_a_pool_and_bad_input():
