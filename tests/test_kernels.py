@@ -19,7 +19,7 @@ import triton.language as tl
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
-from tokenselect.kernels.dot import exact_dot_type
+from tokenselect.kernels.dot import exact_dot_type, query_dot_type
 from tokenselect.kernels.head_vote import head_soft_vote_ref
 from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
 from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
@@ -136,7 +136,7 @@ def test_every_fp8_value_is_exact_in_both_16_bit_types():
 
 def test_exact_dot_type():
     """The query's 16-bit type where the keys convert into it exactly; tf32 for mixed 16-bit types; IEEE fp32 with
-    fp32 on either side."""
+    fp32 on either side. ``query_dot_type``: the query's type whatever the keys', IEEE fp32 with fp32."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert exact_dot_type(bf16, bf16) == (tl.bfloat16, False) and exact_dot_type(fp16, fp16) == (tl.float16, False)
     for fp8 in FP8:
@@ -144,6 +144,9 @@ def test_exact_dot_type():
     assert exact_dot_type(bf16, fp16) == (tl.float32, False) and exact_dot_type(fp16, bf16) == (tl.float32, False)
     for other in (bf16, fp16, FP8[0], fp32):
         assert exact_dot_type(fp32, other) == (tl.float32, True) and exact_dot_type(other, fp32) == (tl.float32, True)
+    # the attention kernels cast the keys to the query's type instead (as their references do)
+    assert query_dot_type(bf16, fp16) == (tl.bfloat16, False) and query_dot_type(fp16, FP8[1]) == (tl.float16, False)
+    assert query_dot_type(bf16, fp32) == (tl.float32, True) and query_dot_type(fp32, bf16) == (tl.float32, True)
 
 
 @pytest.mark.parametrize("q_dtype, k_dtype", [(torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2),

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # in the kernel files, top-level functions that are neither a reference nor a helper of one (the launchers of the
 # Triton kernels) are fenced off with "# pragma: no mutate start/end" in the scratch copy; these stay, as they decide
 # what tests pin down (an out tensor refused, the type a product runs in)
-KERNEL_KEEP = ("_checked_out", "exact_dot_type", "gather_into")
+KERNEL_KEEP = ("_checked_out", "exact_dot_type", "query_dot_type", "gather_into")
 
 # the tests of the selection path's policies
 POLICY_TESTS = ["tests/test_policies.py", "tests/test_baselines.py", "tests/test_selection_cache.py",

@@ -18,7 +18,7 @@ import triton.language as tl
 INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-FP8_TYPES = tuple(t for t in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if t is not None)
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def exact_dot_type(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[tl.dtype, bool]:
@@ -30,6 +30,15 @@ def exact_dot_type(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[tl.dtype
     if q_dtype in DOT_TYPES and (k_dtype == q_dtype or k_dtype in FP8_TYPES):
         return DOT_TYPES[q_dtype], False
     return tl.float32, False
+
+
+def query_dot_type(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[tl.dtype, bool]:
+    """(the type, IEEE) for :func:`mma` where the keys (and probabilities) are cast to the query's type, as the
+    attention kernels and their references do: the query's 16-bit type, or fp32 with IEEE products when either
+    side is fp32."""
+    if torch.float32 in (q_dtype, k_dtype):
+        return tl.float32, True
+    return DOT_TYPES[q_dtype], False
 
 
 @triton.jit

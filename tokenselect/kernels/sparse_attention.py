@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..rope import rotate
-from .dot import DOT_TYPES, INTERPRETED, mma
+from .dot import INTERPRETED, mma, query_dot_type
 
 LOG2E = 1.4426950408889634
 
@@ -273,8 +273,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     n_kv, n = k_pool.shape[1], slots.numel()
     group = n_heads // n_kv
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    ieee = torch.float32 in (q.dtype, k_pool.dtype)
-    dot_ty = tl.float32 if ieee else DOT_TYPES[q.dtype]
+    dot_ty, ieee = query_dot_type(q.dtype, k_pool.dtype)
     half_p, d_p = max(16, triton.next_power_of_2(d // 2)), max(16, triton.next_power_of_2(d))
     if c * group <= DECODE_TILE[0]:  # one row block per kv head
         tile = FP32_DECODE_TILE if ieee else DECODE_TILE

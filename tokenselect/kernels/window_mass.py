@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dot import DOT_TYPES, mma
+from .dot import mma, query_dot_type
 from .paged_dot import paged_dot
 from .sparse_attention import LOG2E
 
@@ -146,7 +146,7 @@ def window_mass(q: torch.Tensor, k_pool: torch.Tensor, attended: torch.Tensor, c
         return mass.T
     group = n_heads // n_kv
     out = torch.zeros(w, n_heads, dtype=torch.float32, device=q.device)
-    ieee = torch.float32 in (q.dtype, k_pool.dtype)
+    dot_ty, ieee = query_dot_type(q.dtype, k_pool.dtype)
     block_r, block_n, warps, stages = FP32_TILE if ieee else TILE
     group_p = triton.next_power_of_2(group)
     block_r = max(block_r, group_p, 0 if ieee else min(128, MIN_QUERIES * group_p))
@@ -154,7 +154,7 @@ def window_mass(q: torch.Tensor, k_pool: torch.Tensor, attended: torch.Tensor, c
     _window_mass_kernel[(triton.cdiv(c * group_p, block_r), n_kv)](
         q.contiguous(), k_pool, attended.contiguous(), out, c, n, w, n_local, group, n_heads, float(scale) * LOG2E,
         k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)), G_P=group_p,
-        BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=tl.float32 if ieee else DOT_TYPES[q.dtype], IEEE=ieee,
+        BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         num_warps=warps, num_stages=stages,
     )
     return out
