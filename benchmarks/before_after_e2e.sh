@@ -4,7 +4,9 @@
 #
 #   here:    benchmarks/before_after_e2e.sh pack COMMIT        -> .carry/before/ (that commit's tokenselect/,
 #                                                                 without the 34 MB embedded model)
-#   device:  benchmarks/before_after_e2e.sh run OUTDIR [LENGTHS] -> OUTDIR/before_after.md and both runs' JSON
+#   device:  benchmarks/before_after_e2e.sh unpack                -> /tmp/before (what run does first; other scripts
+#                                                                 that time the packed tree call it too)
+#            benchmarks/before_after_e2e.sh run OUTDIR [LENGTHS] -> OUTDIR/before_after.md and both runs' JSON
 #            (TREE_COMMIT=<commit> names the current tree in the table; else git describe --dirty)
 #            (carry [".carry/before"]; the embedded model of the current tree serves both)
 # Each tree runs `tokenselect bench e2e` at LENGTHS (default 128k) with dense, full, streaming, infllm, tokenselect and
@@ -12,6 +14,10 @@
 # try it on a CPU): about 3 minutes a tree at 128K on an H100.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unpack() {  # (device) the packed tree -> /tmp/before, sharing this tree's embedded model
+  rm -rf /tmp/before && mkdir -p /tmp/before && cp -r .carry/before/tokenselect /tmp/before/
+  ln -s "$PWD/tokenselect/data" /tmp/before/tokenselect/data
+}
 case "${1:-}" in
   pack)
     commit=${2:?commit}
@@ -19,12 +25,12 @@ case "${1:-}" in
     git archive "$commit" tokenselect | tar -x -C .carry/before --exclude tokenselect/data
     echo "$commit" > .carry/before/COMMIT
     du -sh .carry/before ;;
+  unpack) unpack ;;
   run)
     out=${2:?usage: run OUTDIR [LENGTHS]}
     lengths=${3:-128k}
     mkdir -p "$out"
-    rm -rf /tmp/before && mkdir -p /tmp/before && cp -r .carry/before/tokenselect /tmp/before/
-    ln -s "$PWD/tokenselect/data" /tmp/before/tokenselect/data
+    unpack
     policies=${POLICIES:-dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1}
     for tree in before after; do
       root=$PWD; [[ $tree == before ]] && root=/tmp/before
@@ -52,5 +58,5 @@ for key in runs.get("before", {}):
 print("\n".join(lines))
 PY
     ;;
-  *) echo "usage: benchmarks/before_after_e2e.sh pack COMMIT | run OUTDIR [LENGTHS]" >&2; exit 2 ;;
+  *) echo "usage: benchmarks/before_after_e2e.sh pack COMMIT | unpack | run OUTDIR [LENGTHS]" >&2; exit 2 ;;
 esac

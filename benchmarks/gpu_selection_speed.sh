@@ -24,8 +24,7 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export TOKENSELECT_HOME=/tmp/tshome
 here=$PWD
-rm -rf /tmp/before && mkdir -p /tmp/before && cp -r .carry/before/tokenselect /tmp/before/
-ln -sfn "$here/tokenselect/data" /tmp/before/tokenselect/data
+benchmarks/before_after_e2e.sh unpack
 each_tree() {  # each_tree NAME COMMAND...: COMMAND OUTDIR/<tree> with the earlier tree, then this one, run in that
   # tree's root (python -m imports from the working directory first)
   local name=$1; shift
