@@ -10,6 +10,7 @@
 #   benchmarks/gpu_x4_jobs.sh third_smollm2 | third_qwen | third_after   # the third session's jobs (below)
 #   benchmarks/gpu_x4_jobs.sh fourth_qwen      # what the third left of Qwen2.5's table: 8x whole, 16x
 #   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
+#   benchmarks/gpu_x4_jobs.sh tp_qwen          # #32 on a machine of 2 GPUs: Qwen2.5 (2 kv heads) over both
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -125,6 +126,19 @@ case "${1:-}" in
   tp_rest)  # what #32 still lacks: QUEST and ReAttention over 3 GPUs (their one-GPU runs again beside them)
     POLICIES="quest reattention" LIMIT=${LIMIT:-540} TP_LIMIT=${TP_LIMIT:-240} \
       $bg start tp_rest benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_rest
+    ;;
+  tp_qwen)  # Qwen2.5-Coder-0.5B over 2 GPUs, one job of three rounds, most wanted first (each round's own tarball):
+    # QUEST (never run over several GPUs) with the one-GPU runs of all three 4x policies first, side by side;
+    # ReAttention (the slow one: about 20 s a sample at 2x alone, so one task at 2x; its one-GPU run is the eval
+    # table's, on the same prompts); then TokenSelect and InfLLM, SmolLM2's finding on a second model.
+    tp=(MODEL=$qwen TP=2 KV=140000)
+    $bg start tp_qwen bash -c "
+      env ${tp[*]} POLICIES=quest TP1_POLICIES='quest tokenselect infllm' LIMIT=${TP1_LIMIT:-200} \
+        TP_LIMIT=${QUEST_LIMIT:-200} benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_qwen/quest
+      env ${tp[*]} POLICIES=reattention TP1_POLICIES= TASKS=niah_single_2 LENGTHS=2x \
+        TP_LIMIT=${REATTENTION_LIMIT:-240} benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_qwen/reattention
+      env ${tp[*]} POLICIES='tokenselect infllm' TP1_POLICIES= TP_LIMIT=${REST_LIMIT:-150} \
+        benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_qwen/rest"
     ;;
   collect)
     dest=${2:?dest}
