@@ -162,3 +162,114 @@ def test_missing_tensor_is_named(checkpoint_factory, tmp_path):
                       skip=("blk.1.attn_v.weight",))
     with pytest.raises(CheckpointError, match="model.layers.1.self_attn.v_proj.weight"):
         LLM(path, device="cpu")
+
+
+def tokenizer_calls(monkeypatch) -> list[dict]:
+    """Record every ``AutoTokenizer.from_pretrained`` call's arguments (the calls still run)."""
+    from transformers import AutoTokenizer
+
+    calls, real = [], AutoTokenizer.from_pretrained
+
+    def recorded(*args, **kwargs):
+        calls.append({"args": args, **kwargs})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recorded)
+    return calls
+
+
+def same_tokenizer(a, b) -> None:
+    text = "<s>The pass key is 71432.</s> Remember it: wörld\t  x"
+    assert a(text)["input_ids"] == b(text)["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert a.apply_chat_template(messages, tokenize=False) == b.apply_chat_template(messages, tokenize=False)
+    assert (a.bos_token, a.eos_token, len(a)) == (b.bos_token, b.eos_token, len(b))
+
+
+@pytest.mark.parametrize("case", ["llama-f32", "qwen2-bias-bf16"])
+def test_the_tokenizer_is_built_from_the_file_once_then_loaded_as_saved(gguf_case, case, monkeypatch):
+    from tokenselect.models.gguf import GGUFCheckpoint, tokenizer_folder
+
+    _, path = gguf_case(case)
+    calls = tokenizer_calls(monkeypatch)
+    built = GGUFCheckpoint(path).tokenizer()
+    assert calls[0]["gguf_file"] == path.name  # converted from the metadata, then the saved copy checked
+    assert (tokenizer_folder(path) / "tokenizer_config.json").is_file()
+    assert not list(tokenizer_folder(path).parent.glob("*.partial"))
+    del calls[:]
+    loaded = GGUFCheckpoint(path).tokenizer()  # a new checkpoint object, as another process would make
+    assert calls == [{"args": (str(tokenizer_folder(path)),), "local_files_only": True}]
+    assert loaded.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+    same_tokenizer(built, loaded)
+
+
+def test_a_changed_file_or_transformers_gets_its_own_saved_tokenizer(gguf_case, tmp_path, monkeypatch):
+    import os
+
+    import transformers
+
+    from tokenselect.models.gguf import tokenizer_folder
+
+    _, path = gguf_case("llama-f32")
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    first = tokenizer_folder(copy)
+    assert tokenizer_folder(copy) == first
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert tokenizer_folder(copy) != first
+    moved = tokenizer_folder(copy)
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    assert tokenizer_folder(copy) not in (first, moved)
+
+
+def test_an_unreadable_saved_tokenizer_is_built_again(gguf_case, monkeypatch):
+    from tokenselect.models.gguf import GGUFCheckpoint, tokenizer_folder
+
+    _, path = gguf_case("llama-f32")
+    good = GGUFCheckpoint(path).tokenizer()
+    (tokenizer_folder(path) / "tokenizer_config.json").write_text("{ not json")
+    calls = tokenizer_calls(monkeypatch)
+    again = GGUFCheckpoint(path).tokenizer()
+    assert [c.get("gguf_file") for c in calls][:2] == [None, path.name]  # the saved copy failed, the file served
+    assert (tokenizer_folder(path) / "tokenizer_config.json").read_text().startswith("{\n")  # and it was saved anew
+    same_tokenizer(good, again)
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_tokenizer(gguf_case, tmp_path, monkeypatch):
+    from tokenselect.models.gguf import GGUFCheckpoint
+
+    _, path = gguf_case("llama-f32")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("TOKENSELECT_HOME", str(blocked))  # mkdir under a file fails
+    tokenizer = GGUFCheckpoint(path).tokenizer()
+    assert tokenizer("The pass key")["input_ids"][0] == 0
+    assert list(tmp_path.iterdir()) == [blocked]
+
+
+def test_a_saved_copy_that_loads_as_another_tokenizer_is_not_kept(gguf_case, monkeypatch):
+    """transformers 5's model classes rebuild their normalizer on loading (Qwen2's: NFC, where the GGUF's has none).
+    A saved copy that loads as anything but the built tokenizer is dropped: here one whose file gains NFC."""
+    import json
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerBase
+
+    from tokenselect.models.gguf import GGUFCheckpoint, tokenizer_folder
+
+    real = PreTrainedTokenizerBase.save_pretrained
+
+    def save_with_nfc(self, folder, *args, **kwargs):
+        out = real(self, folder, *args, **kwargs)
+        file = Path(folder) / "tokenizer.json"
+        spec = json.loads(file.read_text())
+        file.write_text(json.dumps({**spec, "normalizer": {"type": "NFC"}}))
+        return out
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", save_with_nfc)
+    _, path = gguf_case("llama-f32")
+    tokenizer = GGUFCheckpoint(path).tokenizer()
+    assert tokenizer("e\u0301")["input_ids"] != tokenizer("\u00e9")["input_ids"]  # the file's own: no NFC
+    assert not tokenizer_folder(path).exists()
+    assert not list(tokenizer_folder(path).parent.glob("*"))  # no partial copy left either

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -210,12 +211,70 @@ class GGUFCheckpoint:
         return name, tensor
 
     def tokenizer(self):
-        """The file's tokenizer and chat template, built by transformers from the GGUF metadata."""
+        """The file's tokenizer and chat template, built by transformers from the GGUF metadata.
+
+        Building it takes seconds to half a minute for a large vocabulary (transformers reads the whole metadata
+        again and converts it), so the result is saved once under ``tokenizer_folder`` and later calls, in this
+        process or another, load that in under a second."""
         from transformers import AutoTokenizer
 
+        saved = tokenizer_folder(self.path)
+        if saved.is_dir():
+            try:
+                return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+            except Exception:  # noqa: BLE001  an unreadable saved copy: build it again, and save it anew
+                shutil.rmtree(saved, ignore_errors=True)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
                                                       local_files_only=True)
         except Exception as e:  # transformers raises many types for a tokenizer it cannot build
             raise CheckpointError(f"{self.path}: could not build the tokenizer from the GGUF metadata: {e}") from None
+        save_tokenizer(tokenizer, saved)
         return tokenizer
+
+
+def tokenizer_folder(path: Path) -> Path:
+    """Where the tokenizer built from the GGUF file ``path`` is kept: ``$TOKENSELECT_HOME/tokenizers/KEY``, KEY a
+    hash of the file's resolved path, size and modification time and of transformers' version, so that a changed
+    file or another transformers builds it afresh."""
+    import hashlib
+
+    import transformers
+
+    from .registry import home
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return home() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """Save ``tokenizer`` into ``folder``, whole or not at all, and only a copy that loads back as the very same
+    tokenizer. It is saved as the generic fast tokenizer of its ``tokenizer.json``: a model's own class (e.g.
+    transformers 5's ``Qwen2Tokenizer``) would rebuild its normalizer and pre-tokenizer from the class's defaults
+    on loading (NFC where the GGUF's has none), another tokenizer than the one built from the file. Written beside
+    ``folder`` under a name of this process's own, then renamed (processes saving side by side never see each
+    other's half-written files). A folder that cannot be written only means the next start builds it again."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    try:
+        tokenizer.save_pretrained(str(partial))
+        config_file = partial / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+        if same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(str(partial), local_files_only=True)):
+            partial.replace(folder)
+    except OSError:  # a read-only cache, a full disk, or another process's copy already in place
+        pass
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def same_tokenizer(built, loaded) -> bool:
+    """Whether ``loaded`` is ``built``: the same tokenizers pipeline (normalizer, pre-tokenizer, model, post-processor,
+    decoder, added tokens), special tokens and chat template."""
+    return (built.backend_tokenizer.to_str() == loaded.backend_tokenizer.to_str()
+            and built.all_special_tokens == loaded.all_special_tokens
+            and getattr(built, "chat_template", None) == getattr(loaded, "chat_template", None))
