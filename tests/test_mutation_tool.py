@@ -119,3 +119,44 @@ def test_fast_first_is_added_once_and_orders_by_the_recorded_durations(tmp_path,
     monkeypatch.chdir(tmp_path)  # a mutant's tests run in the scratch copy's mutants/, beside mutmut-stats.json
     namespace["pytest_collection_modifyitems"](None, None, items)
     assert [item.nodeid for item in items] == ["unknown", "fast", "slow"]
+
+
+KERNEL_SOURCE = '''import triton
+
+
+def kernel_ref(x):
+    return x
+
+
+@triton.jit
+def _kernel(x):
+    pass
+
+
+def launch(x):
+    return x
+
+
+def other(x):
+    return x
+'''
+
+
+def test_a_file_fenced_twice_keeps_one_pair_of_pragmas_a_run(tmp_path):
+    """A set with ``launchers`` and an ``only`` or ``skip`` on the same kernel file fences it twice: the second
+    fence must not nest in the first (mutmut stops at nested pragmas), whichever comes first."""
+    for order in ("launchers first", "skip first"):
+        path = tmp_path / f"{order.split()[0]}.py"
+        path.write_text(KERNEL_SOURCE)
+        steps = [mutation.fence_launchers, lambda p: mutation.fence(p, lambda name: name in ("launch", "other"))]
+        for step in (steps if order == "launchers first" else steps[::-1]):
+            step(path)
+        text = path.read_text()
+        compile(text, str(path), "exec")
+        depth = 0
+        for line in text.splitlines():
+            depth += line == "# pragma: no mutate start"
+            assert depth <= 1, order
+            depth -= line == "# pragma: no mutate end"
+        assert depth == 0
+        assert unfenced(text) == ["kernel_ref", "_kernel"], order

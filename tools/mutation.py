@@ -257,10 +257,36 @@ def fence(path: Path, fenced) -> None:
         for name, item in ([(node.name, node)] if fenced(node.name) else inner):
             if name == node.name or fenced(name):
                 spans.append((min([item.lineno] + [d.lineno for d in item.decorator_list]), item.end_lineno))
-    for start, end in sorted(spans, reverse=True):
-        lines[end:end] = ["# pragma: no mutate end\n"]
-        lines[start - 1:start - 1] = ["# pragma: no mutate start\n"]
-    path.write_text("".join(lines))
+    add_fences(path, lines, spans)
+
+
+START, END = "# pragma: no mutate start\n", "# pragma: no mutate end\n"
+
+
+def add_fences(path: Path, lines: list[str], spans: list[tuple[int, int]]) -> None:
+    """Write ``lines`` to ``path`` with each span (first and last line, 1-based, in ``lines``) inside no-mutate
+    pragmas, merged with the fences ``lines`` already has: a file may be fenced twice (a set's ``only``/``skip`` and
+    its ``launchers``), and mutmut refuses nested fences, so every fenced run of lines gets one pair."""
+    code, fenced, inside, at = [], [], False, {}
+    for number, line in enumerate(lines, 1):
+        if line.strip() in (START.strip(), END.strip()):
+            inside = line.strip() == START.strip()
+            continue
+        at[number] = len(code)
+        code.append(line)
+        fenced.append(inside)
+    for first, last in spans:
+        for number in range(first, last + 1):
+            if number in at:
+                fenced[at[number]] = True
+    out = []
+    for i, line in enumerate(code):
+        if fenced[i] and (i == 0 or not fenced[i - 1]):
+            out.append(START)
+        out.append(line)
+        if fenced[i] and (i == len(code) - 1 or not fenced[i + 1]):
+            out.append(END)
+    path.write_text("".join(out))
 
 
 def fence_all_but(path: Path, keep: list[str]) -> None:
@@ -276,13 +302,9 @@ def fence_launchers(path: Path) -> None:
     import ast
 
     lines = path.read_text().splitlines(keepends=True)
-    fences = [(node.lineno, node.end_lineno) for node in ast.parse("".join(lines)).body
-              if isinstance(node, ast.FunctionDef) and not node.decorator_list
-              and not node.name.endswith("_ref") and node.name not in KERNEL_KEEP]
-    for start, end in sorted(fences, reverse=True):
-        lines[end:end] = ["# pragma: no mutate end\n"]
-        lines[start - 1:start - 1] = ["# pragma: no mutate start\n"]
-    path.write_text("".join(lines))
+    add_fences(path, lines, [(node.lineno, node.end_lineno) for node in ast.parse("".join(lines)).body
+                             if isinstance(node, ast.FunctionDef) and not node.decorator_list
+                             and not node.name.endswith("_ref") and node.name not in KERNEL_KEEP])
 
 
 def run_set(name: str, work: Path, children: int, resume: bool = False) -> dict:
