@@ -11,6 +11,7 @@
 #   benchmarks/gpu_x4_jobs.sh fourth_qwen      # what the third left of Qwen2.5's table: 8x whole, 16x
 #   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
 #   benchmarks/gpu_x4_jobs.sh tp_qwen          # #32 on a machine of 2 GPUs: Qwen2.5 (2 kv heads) over both
+#   benchmarks/gpu_x4_jobs.sh tp_qwen_rest     # what tp_qwen's session left (results/tp_accuracy_qwen_h200.md)
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -140,6 +141,16 @@ case "${1:-}" in
       env ${tp[*]} POLICIES='tokenselect infllm' TP1_POLICIES= TP_LIMIT=${REST_LIMIT:-150} \
         benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_qwen/rest"
     ;;
+  tp_qwen_rest)  # what the fifth session left of #32, in the order it is wanted, with the times it measured: an
+    # engine starts in about 75 s; over 2 ranks ReAttention at 2x takes about 20 s a sample alone on one GPU, QUEST
+    # at 4x 11-13 s, InfLLM at 4x about 5 s. The one-GPU runs of QUEST and InfLLM on niah_single_2 come first.
+    tp=(MODEL=$qwen TP=2 KV=140000)
+    $bg start tp_qwen_rest bash -c "
+      env ${tp[*]} POLICIES=reattention TP1_POLICIES= TASKS=niah_single_2 LENGTHS=2x \
+        TP_LIMIT=${REATTENTION_LIMIT:-500} benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_qwen_rest/reattention
+      env ${tp[*]} POLICIES='quest infllm' TP1_POLICIES='quest infllm' TASKS=niah_single_2 LIMIT=${TP1_LIMIT:-360} \
+        TP_LIMIT=${REST_LIMIT:-360} benchmarks/gpu_tp_accuracy.sh /tmp/res/tp_qwen_rest/quest_infllm"
+    ;;
   collect)
     dest=${2:?dest}
     $bg status
@@ -147,6 +158,8 @@ case "${1:-}" in
       job=$(basename "$d")
       [ -f "/tmp/bg/$job.rc" ] || { echo "$job still running: not collected"; continue; }
       for f in "$d"*.tgz; do if [ -e "$f" ]; then cp "$f" "$dest/${job}_$(basename "$f")"; fi; done
+      # a job of rounds (tp_qwen, tp_qwen_rest) keeps a tarball a round
+      for f in "$d"*/*.tgz; do if [ -e "$f" ]; then cp "$f" "$dest/${job}_$(basename "$(dirname "$f")")_$(basename "$f")"; fi; done
       # the checks part writes a folder, not a tarball
       if [ -d "$d/checks" ]; then tar czf "$dest/${job}_checks.tgz" -C "$d" checks; fi
       # the GPU tests write a folder too (the needle recall's folder comes with its own tarball)
