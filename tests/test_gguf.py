@@ -273,3 +273,22 @@ def test_a_saved_copy_that_loads_as_another_tokenizer_is_not_kept(gguf_case, mon
     assert tokenizer("e\u0301")["input_ids"] != tokenizer("\u00e9")["input_ids"]  # the file's own: no NFC
     assert not tokenizer_folder(path).exists()
     assert not list(tokenizer_folder(path).parent.glob("*"))  # no partial copy left either
+
+
+def test_a_saved_copy_that_fails_to_load_back_is_not_kept_and_the_tokenizer_still_comes(gguf_case, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tokenselect.models.gguf import GGUFCheckpoint, tokenizer_folder
+
+    real = AutoTokenizer.from_pretrained
+
+    def refuse_saved(name, *args, **kwargs):
+        if str(name).endswith(".partial"):
+            raise ValueError("cannot load this copy")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse_saved)
+    _, path = gguf_case("llama-f32")
+    tokenizer = GGUFCheckpoint(path).tokenizer()
+    assert tokenizer("The pass key")["input_ids"][0] == 0
+    assert not tokenizer_folder(path).parent.exists() or not list(tokenizer_folder(path).parent.iterdir())

@@ -267,14 +267,15 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
         config_file.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
         if same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(str(partial), local_files_only=True)):
             partial.replace(folder)
-    except OSError:  # a read-only cache, a full disk, or another process's copy already in place
-        pass
+    except Exception:  # noqa: BLE001  a read-only cache, a full disk, another process's copy already in place, or
+        pass  # a copy transformers cannot load back: the tokenizer built from the file serves all the same
     shutil.rmtree(partial, ignore_errors=True)
 
 
 def same_tokenizer(built, loaded) -> bool:
     """Whether ``loaded`` is ``built``: the same tokenizers pipeline (normalizer, pre-tokenizer, model, post-processor,
-    decoder, added tokens), special tokens and chat template."""
+    decoder, added tokens), special tokens, chat template and decoding's space clean-up."""
     return (built.backend_tokenizer.to_str() == loaded.backend_tokenizer.to_str()
             and built.all_special_tokens == loaded.all_special_tokens
-            and getattr(built, "chat_template", None) == getattr(loaded, "chat_template", None))
+            and all(getattr(built, name, None) == getattr(loaded, name, None)
+                    for name in ("chat_template", "clean_up_tokenization_spaces")))
