@@ -292,3 +292,25 @@ def test_a_saved_copy_that_fails_to_load_back_is_not_kept_and_the_tokenizer_stil
     tokenizer = GGUFCheckpoint(path).tokenizer()
     assert tokenizer("The pass key")["input_ids"][0] == 0
     assert not tokenizer_folder(path).parent.exists() or not list(tokenizer_folder(path).parent.iterdir())
+
+
+def test_an_engine_takes_an_open_checkpoint_and_reads_its_file_once(gguf_case, monkeypatch):
+    """``LLM(checkpoint)`` (what the eval does after building its prompts) gives the engine ``LLM(path)`` gives,
+    without a second read of the GGUF's metadata (seconds for a large vocabulary)."""
+    from tokenselect.models import gguf as gguf_module
+    from tokenselect.models.loader import Checkpoint
+
+    _, path = gguf_case("llama-gqa4-hd32-tied-f16")
+    reads, real = [], gguf_module.GGUFCheckpoint.__init__
+
+    def counted(self, *args, **kwargs):
+        reads.append(args)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_module.GGUFCheckpoint, "__init__", counted)
+    checkpoint = Checkpoint(path)
+    llm = LLM(checkpoint, device="cpu")
+    assert len(reads) == 1 and llm.path == path and llm.config == checkpoint.config
+    ref = LLM(path, device="cpu")
+    assert len(reads) == 2
+    torch.testing.assert_close(llm.prompt_logits(IDS), ref.prompt_logits(IDS), rtol=0, atol=0)

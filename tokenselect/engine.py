@@ -55,11 +55,12 @@ class LLM:
 
     attention: full | tokenselect | reattention (and the baselines). Policy settings
     (k, n_init, n_local, theta, selector, ...) go as keyword arguments; unset ones take the paper's
-    defaults fitted to the model's window. ``model=None`` loads the model that ships with the package.
+    defaults fitted to the model's window. ``model=None`` loads the model that ships with the package; a
+    ``Checkpoint`` already open is used as it is (a GGUF's metadata is not read a second time).
     """
 
-    def __init__(self, model: str | Path | None = None, attention: str = "full", *, dtype: str = "auto",
-                 device: str | None = None, **settings):
+    def __init__(self, model: str | Path | Checkpoint | None = None, attention: str = "full", *,
+                 dtype: str = "auto", device: str | None = None, **settings):
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
         V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
         that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
@@ -69,11 +70,12 @@ class LLM:
         of computed prompts and start a request that shares a prefix with one after it, ``prefix_cache.py``)
         (engine) and the policy's own settings; tensor_parallel_size N > 1 splits the model across N processes
         (``parallel.py``: this one is rank 0), tp_selection how their policies vote over heads."""
-        self.path = resolve_model(model if model is not None else default_model_path())
+        checkpoint = model if isinstance(model, Checkpoint) else Checkpoint(
+            resolve_model(model if model is not None else default_model_path()))
+        self.path = checkpoint.path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:  # the device its tensors report: cuda:0, not cuda
             self.device = torch.device("cuda", torch.cuda.current_device())
-        checkpoint = Checkpoint(self.path)
         self.config = checkpoint.config
         self.tp = self._parallel(attention, settings, (type(self), (str(self.path), attention),
                                                        dict(dtype=dtype, device=device, **settings)))

@@ -276,7 +276,7 @@ def evaluate(args: argparse.Namespace, results: Results | None = None,
         settings = {**policy_kwargs(args, first), **own}
         if rope:
             settings["rope_scaling"] = rope
-        llm = LLM(path, first, **settings)
+        llm = LLM(checkpoint, first, **settings)  # the checkpoint the prompts were built with, not read again
         try:
             for spec in group:
                 name, own, _ = split_policy(spec)
