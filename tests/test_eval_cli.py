@@ -230,3 +230,68 @@ def test_the_first_signal_asks_to_stop_and_the_second_interrupts(capsys):
     finally:
         restore()
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def resume_argv(tiny_llama, tmp_path, out) -> list[str]:
+    return ["--model", str(tiny_llama), "--task", "passkey", "--lengths", "1x,512", "--samples", "3",
+            "--attention", "full,tokenselect", "--k", "64", "--n-local", "64", "--n-init", "8", "--kernels", "torch",
+            "--device", "cpu", "--seed", "4", "--prompt-cache", str(tmp_path / "prompts"), "--output", str(out)]
+
+
+def answers_of(folder) -> list[dict]:
+    """Every record of a run but its timings, in the file's order."""
+    rows = [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+
+
+def test_resume_generates_only_what_a_killed_run_left_and_ends_where_a_whole_run_ends(tiny_llama, tmp_path,
+                                                                                       monkeypatch):
+    from tokenselect.eval import runner
+
+    whole = tmp_path / "whole"
+    args = parse(resume_argv(tiny_llama, tmp_path, whole))
+    assert args.func(args) == 0
+    assert json.loads((whole / "run.json").read_text())["k"] == 64  # the settings kept beside the answers
+    # a run killed after 5 of its 12 answers: only its predictions.jsonl lines and run.json remain
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "run.json").write_text((whole / "run.json").read_text())
+    lines = (whole / "predictions.jsonl").read_text().splitlines()
+    (cut / "predictions.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    asked = []
+    real = runner.generate_all
+    monkeypatch.setattr(runner, "generate_all", lambda llm, cells, *a, **k: (asked.append(len(cells)),
+                                                                             real(llm, cells, *a, **k))[1])
+    args = parse([*resume_argv(tiny_llama, tmp_path, cut), "--resume"])
+    assert args.func(args) == 0
+    assert sum(asked) == 12 - 5  # the 5 answers in were not asked for again
+    assert sorted(map(json.dumps, answers_of(cut))) == sorted(map(json.dumps, answers_of(whole)))
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["scores"] == json.loads((whole / "summary.json").read_text())["scores"]
+    # resuming a finished run asks for nothing and builds no engine
+    asked.clear()
+    monkeypatch.setattr(runner, "LLM", None)
+    args = parse([*resume_argv(tiny_llama, tmp_path, cut), "--resume"])
+    assert args.func(args) == 0 and asked == []
+    assert len(answers_of(cut)) == 12
+
+
+def test_resume_refuses_other_settings_unknown_settings_and_cells_it_would_drop(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    args = parse(resume_argv(tiny_llama, tmp_path, out))
+    assert args.func(args) == 0
+    before = (out / "predictions.jsonl").read_text()
+    changed = parse([*resume_argv(tiny_llama, tmp_path, out), "--k", "32", "--resume"])
+    with pytest.raises(ValueError, match=r"had other settings: k 64 then, 32 now"):
+        changed.func(changed)
+    fewer = parse([*resume_argv(tiny_llama, tmp_path, out), "--lengths", "1x", "--resume"])
+    with pytest.raises(ValueError, match=r"6 earlier answers are for cells this run does not have"):
+        fewer.func(fewer)
+    (out / "run.json").unlink()
+    unknown = parse([*resume_argv(tiny_llama, tmp_path, out), "--resume"])
+    with pytest.raises(ValueError, match=r"holds answers but no run.json"):
+        unknown.func(unknown)
+    assert (out / "predictions.jsonl").read_text() == before  # nothing lost to a refused resume
+    # a folder with nothing in it yet is a first run
+    fresh = parse([*resume_argv(tiny_llama, tmp_path, tmp_path / "fresh"), "--attention", "full", "--resume"])
+    assert fresh.func(fresh) == 0 and len(answers_of(tmp_path / "fresh")) == 6

@@ -28,7 +28,8 @@ policy that takes them.
 
 Stopping: Ctrl-C or SIGTERM (e.g. `timeout`) ends the run at the next engine step and writes every
 output from the samples it finished (exit code 130; a second signal stops at once). predictions.jsonl
-gets a line as each sample finishes, so a killed run keeps its answers too.
+gets a line as each sample finishes, so a killed run keeps its answers too, and the same command with
+--resume generates only the samples it lacks (run.json keeps the settings they were made with).
 
 example:
   tokenselect eval --task passkey,kv_retrieval --lengths 1x,4x --samples 5 \\
@@ -60,6 +61,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("engine", "transformers"), default="engine",
                    help="engine (default): our engine; transformers: the model through transformers with the "
                         "tokenselect.hf attention backend (every policy; no @SCALING)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the answers already in --output (a stopped or killed run): those to this run's "
+                        "prompts are kept, the rest are generated; the settings must be the earlier run's "
+                        "(checked against its run.json)")
     p.add_argument("--prompts-only", action="store_true",
                    help="build the prompts into the prompt cache and stop (for several eval processes to share)")
     add_policy_args(p)

@@ -8,7 +8,8 @@ Outputs in ``--output``: ``predictions.jsonl`` and ``predictions.csv`` (one row 
 policy), ``summary.json`` (mean score x 100 per policy, task and length) and the plots. A run stopped by
 SIGTERM or Ctrl-C ends at the next engine step and writes them from the samples it finished (the config's
 ``interrupted`` in ``summary.json`` says how many of how many); ``predictions.jsonl`` grows a line per finished sample as it goes, so
-even a killed run leaves its answers.
+even a killed run leaves its answers, and ``--resume`` goes on from them (``run.json`` holds the settings they were
+made with).
 """
 
 from __future__ import annotations
@@ -199,20 +200,26 @@ class Results:
     """What a run has finished so far: a record per (cell, policy) in the order they finished, and each policy's
     Selection Cache counts (``hit_counts``); ``expected``: how many records the whole run makes (policies x cells,
     set once the prompts are built). ``stream``, when set, is a file (created with its folder at the first record,
-    so that a run failing before any leaves nothing) that gets each record as a JSON line at once."""
+    so that a run failing before any leaves nothing) that gets each record as a JSON line at once; ``settings``, the
+    run's (``run_settings``), go beside it into ``run.json`` with the first record, for a later ``--resume``."""
     records: list = field(default_factory=list)
     selection_cache: dict = field(default_factory=dict)
     stream: Path | None = None
     keys: list = field(default_factory=list)
     expected: int = 0
+    settings: dict | None = None
 
     def add(self, rec: dict, key: tuple) -> None:
         """``rec`` finished; ``key`` (policy index, cell index) places it in ``ordered``."""
         self.records.append(rec)
         self.keys.append(key)
         if self.stream is not None:
-            self.stream.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.stream, "a" if len(self.records) > 1 else "w") as f:
+            first = len(self.records) == 1
+            if first:
+                self.stream.parent.mkdir(parents=True, exist_ok=True)
+                if self.settings is not None:
+                    (self.stream.parent / "run.json").write_text(json.dumps(self.settings, indent=2) + "\n")
+            with open(self.stream, "w" if first else "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
     def ordered(self) -> list[dict]:
@@ -246,15 +253,20 @@ def generate_all(llm, cells: list[dict], progress, on_done=None, stop: threading
     return [s.output() for s in seqs]
 
 
-def evaluate(args: argparse.Namespace, results: Results | None = None,
-             stop: threading.Event | None = None) -> tuple[list[dict], dict]:
+def evaluate(args: argparse.Namespace, results: Results | None = None, stop: threading.Event | None = None,
+             earlier: list[dict] | None = None) -> tuple[list[dict], dict]:
     """Generate with every policy on every cell -> (one record per (cell, policy), the Selection Cache's
     counts over all the cells of each policy that has one: ``{policy: {"hits", "misses", "hit_rate"}}``, the
     hit rate of its decode steps on the eval's real text). Both gather in ``results`` as samples finish, so
-    that they stand when ``stop`` ends the run early (``Interrupted``)."""
+    that they stand when ``stop`` ends the run early (``Interrupted``). ``earlier``: records of a run with the
+    same settings (``--resume``); those that answer one of this run's cells are kept, not generated again (the
+    Selection Cache counts are then those of the samples generated now)."""
     results = Results() if results is None else results
     if getattr(args, "backend", "engine") == "transformers":
         from .hf_backend import evaluate_transformers
+
+        if earlier:
+            raise ValueError("--resume works with the engine backend, not transformers")
 
         return evaluate_transformers(args, results, stop)
     specs = names(args.attention)
@@ -271,7 +283,21 @@ def evaluate(args: argparse.Namespace, results: Results | None = None,
     args.policy_settings = {}  # each policy's settings as it ran, defaults filled in (recorded in the results)
     results.expected = len(specs) * len(cells)
     progress = tqdm(total=results.expected, desc="eval", unit="sample", file=sys.stderr)
+    todo = {spec: list(range(len(cells))) for spec in specs}  # the cells each policy has still to answer
+    kept = [(rec, cell_index(cells, rec)) for rec in earlier or []]
+    stray = [rec for rec, i in kept if rec["policy"] not in todo or i is None]
+    if stray:  # kept apart, they would be dropped from the folder the run rewrites
+        raise ValueError(f"--resume: {len(stray)} earlier answers are for cells this run does not have (e.g. "
+                         f"{stray[0]['policy']} {stray[0]['task']} {stray[0]['length']} sample {stray[0]['sample']}); "
+                         "resume with the earlier run's --task, --lengths, --samples and --attention, or more")
+    for rec, i in kept:  # --resume: an earlier run's answers to this run's very prompts stand
+        if i in todo[rec["policy"]]:
+            todo[rec["policy"]].remove(i)
+            results.add(rec, (specs.index(rec["policy"]), i))
+            progress.update(1)
     for rope, group in by_rope.items():
+        if not any(todo[spec] for spec in group):
+            continue  # every answer of this engine's policies is in already
         first, own, _ = split_policy(group[0])
         settings = {**policy_kwargs(args, first), **own}
         if rope:
@@ -293,7 +319,8 @@ def evaluate(args: argparse.Namespace, results: Results | None = None,
                                        out.decode_s), (specs.index(spec), i))
 
                 try:
-                    generate_all(llm, cells, progress, done, stop)
+                    generate_all(llm, [cells[i] for i in todo[spec]], progress,
+                                 lambda j, out, spec=spec: done(todo[spec][j], out), stop)
                 finally:  # the policy's own counters (set_attention started them afresh), an interrupted run's too
                     stats = llm.stats()
                     if "selection_cache_hits" in stats:
@@ -303,6 +330,43 @@ def evaluate(args: argparse.Namespace, results: Results | None = None,
             llm.close()  # a tensor-parallel engine's ranks, before the next group's engine starts or the run ends
     progress.close()
     return results.ordered(), results.selection_cache
+
+
+def cell_index(cells: list[dict], rec: dict) -> int | None:
+    """The index of the cell that ``rec`` answered, or None: the same task, length and sample, and the same prompt as
+    far as a record tells it (its token target, needle depth and answers)."""
+    for i, c in enumerate(cells):
+        if all(c[key] == rec.get(key) for key in ("task", "length", "sample", "target_tokens", "depth", "answers")):
+            return i
+    return None
+
+
+# the flags that do not change what a sample answers: the cells a run covers may differ from an earlier run's
+NOT_SETTINGS = ("output", "resume", "workers", "prompt_cache", "prompts_only", "func", "task", "lengths", "attention")
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The flags a run's answers depend on, as given (``run.json``): a resumed run must match them."""
+    return {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
+            if key not in NOT_SETTINGS}
+
+
+def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
+    """``--resume``: the records of ``out``'s earlier run, after checking that it ran with this run's settings
+    (``run.json``). ValueError naming the flags that differ, or where no settings were kept."""
+    saved = out / "run.json"
+    if not saved.is_file():
+        if not (out / "predictions.jsonl").is_file():
+            return []  # nothing to go on from: a first run
+        raise ValueError(f"--resume: {out} holds answers but no run.json, so their settings are unknown; "
+                         "run without --resume into another folder")
+    before, now = json.loads(saved.read_text()), run_settings(args)
+    changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
+    if changed:
+        raise ValueError("--resume: the earlier run in " + str(out) + " had other settings: " + "; ".join(
+            f"{key} {before.get(key)!r} then, {now.get(key)!r} now" for key in changed))
+    stream = out / "predictions.jsonl"
+    return [json.loads(line) for line in stream.read_text().splitlines() if line.strip()] if stream.is_file() else []
 
 
 def selection_cache_lines(selection_cache: dict) -> str:
@@ -463,9 +527,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"built the prompts ({args.samples} per task and length, chat template {args.chat})",
                   file=sys.stderr)
             return 0
-        results = Results(stream=out / "predictions.jsonl")  # a line per finished sample, as they finish
+        earlier = resumed_records(args, out) if args.resume else []
+        # a line per finished sample, as they finish; the settings beside them
+        results = Results(stream=out / "predictions.jsonl", settings=run_settings(args))
         try:
-            records, selection_cache = evaluate(args, results, stop)
+            records, selection_cache = evaluate(args, results, stop, earlier)
         except Interrupted:
             records, selection_cache = results.ordered(), results.selection_cache
             interrupted = {"finished": len(records), "of": results.expected}
