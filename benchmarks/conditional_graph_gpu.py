@@ -13,19 +13,14 @@ was. Not yet run on a GPU (written 2026-11-28 with no device time left).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from tokenselect.bench.attention import replay_seconds
 
-def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e3
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    return replay_seconds(graph, 50) * 1e3
 
 
 def main() -> None:

@@ -75,13 +75,18 @@ def graph_us(call, calls: int, replays: int) -> float:
     warming), captured, then replayed ``replays`` times, timed by the host over all of them."""
     warm_up(lambda: [call(i) for i in range(calls)])
     graph, _ = capture(lambda: [call(i) for i in range(calls)], None)
+    return replay_seconds(graph, replays) / calls * 1e6
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Seconds per replay of ``graph`` (one untimed first), timed by the host over all of them."""
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (calls * replays) * 1e6
+    return (time.perf_counter() - start) / replays
 
 
 def copy_bandwidth(device: torch.device, ms) -> float:
