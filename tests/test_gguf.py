@@ -178,7 +178,7 @@ def tokenizer_calls(monkeypatch) -> list[dict]:
     return calls
 
 
-def same_tokenizer(a, b) -> None:
+def assert_tokenizes_alike(a, b) -> None:
     text = "<s>The pass key is 71432.</s> Remember it: wörld\t  x"
     assert a(text)["input_ids"] == b(text)["input_ids"]
     messages = [{"role": "user", "content": "hi"}]
@@ -200,7 +200,7 @@ def test_the_tokenizer_is_built_from_the_file_once_then_loaded_as_saved(gguf_cas
     loaded = GGUFCheckpoint(path).tokenizer()  # a new checkpoint object, as another process would make
     assert calls == [{"args": (str(tokenizer_folder(path)),), "local_files_only": True}]
     assert loaded.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
-    same_tokenizer(built, loaded)
+    assert_tokenizes_alike(built, loaded)
 
 
 def test_a_changed_file_or_transformers_gets_its_own_saved_tokenizer(gguf_case, tmp_path, monkeypatch):
@@ -233,7 +233,7 @@ def test_an_unreadable_saved_tokenizer_is_built_again(gguf_case, monkeypatch):
     again = GGUFCheckpoint(path).tokenizer()
     assert [c.get("gguf_file") for c in calls][:2] == [None, path.name]  # the saved copy failed, the file served
     assert (tokenizer_folder(path) / "tokenizer_config.json").read_text().startswith("{\n")  # and it was saved anew
-    same_tokenizer(good, again)
+    assert_tokenizes_alike(good, again)
 
 
 def test_a_cache_that_cannot_be_written_still_gives_the_tokenizer(gguf_case, tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ so that each head's two rotary halves interleave (llama.cpp's rotary layout). ``
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -237,8 +239,6 @@ def tokenizer_folder(path: Path) -> Path:
     """Where the tokenizer built from the GGUF file ``path`` is kept: ``$TOKENSELECT_HOME/tokenizers/KEY``, KEY a
     hash of the file's resolved path, size and modification time and of transformers' version, so that a changed
     file or another transformers builds it afresh."""
-    import hashlib
-
     import transformers
 
     from .registry import home
@@ -255,8 +255,6 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     on loading (NFC where the GGUF's has none), another tokenizer than the one built from the file. Written beside
     ``folder`` under a name of this process's own, then renamed (processes saving side by side never see each
     other's half-written files). A folder that cannot be written only means the next start builds it again."""
-    import json
-
     from transformers import AutoTokenizer
 
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
