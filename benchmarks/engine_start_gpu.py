@@ -1,11 +1,15 @@
-"""How long an engine takes to start on the GPU machine, step by step (where a stalled eval waits): torch's CUDA
-init, the package import, the checkpoint's config and tokenizer, then the LLM itself. Every 30 s without an end,
+"""How long an engine takes to start, step by step (where a stalled eval waits): torch's CUDA init (on a GPU
+machine), the package import, the checkpoint's config and tokenizer, then the LLM itself. Every 30 s without an end,
 faulthandler prints every thread's stack to stderr.
 
-    python benchmarks/engine_start_gpu.py MODEL POLICY [KV_TOKENS]
+    python benchmarks/engine_start_gpu.py MODEL POLICY [KV_TOKENS] [--fresh]
+
+--fresh: the GGUF's saved tokenizer ($TOKENSELECT_HOME/tokenizers) is removed first, so the tokenizer step converts
+it from the file's metadata as a first start does; without it a saved one is loaded.
 """
 
 import faulthandler
+import shutil
 import sys
 import time
 
@@ -24,14 +28,18 @@ if torch.cuda.is_available():
 mark(f"torch {torch.__version__}, CUDA init, {torch.cuda.device_count()} GPUs")
 from tokenselect.engine import LLM  # noqa: E402
 from tokenselect.models.loader import Checkpoint  # noqa: E402
+from tokenselect.models.gguf import tokenizer_folder  # noqa: E402
 from tokenselect.models.registry import resolve_model  # noqa: E402
 
+fresh = "--fresh" in sys.argv
+args = [a for a in sys.argv[1:] if a != "--fresh"]
 mark("tokenselect imported")
-path = resolve_model(sys.argv[1])
+path = resolve_model(args[0])
+if fresh and path.is_file():
+    shutil.rmtree(tokenizer_folder(path), ignore_errors=True)
 checkpoint = Checkpoint(path)
 mark(f"config of {path.name}")
 checkpoint.tokenizer()
-mark("tokenizer")
-llm = LLM(sys.argv[1], sys.argv[2], kv_cache_tokens=int(sys.argv[3]) if len(sys.argv) > 3 else 140000,
-          max_num_seqs=1)
-mark("engine started")
+mark("tokenizer" + (" (converted from the file)" if fresh else " (the saved one, where there is one)"))
+llm = LLM(checkpoint, args[1], kv_cache_tokens=int(args[2]) if len(args) > 2 else 140000, max_num_seqs=1)
+mark("engine started (from the open checkpoint)")
