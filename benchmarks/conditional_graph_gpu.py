@@ -7,7 +7,9 @@ candidate (each reads nothing but is a node the graph runs); an IF node would le
 Prints whether this torch has ``CUDAGraph.begin_capture_to_if_node`` (torch's ``torch.cond`` capture uses it), then
 for one graph of LAYERS layers of "score every key, then a top-k" gated by a device flag: the replay time with the
 flag off and on, and the same graph without the gate, and checks that a gated-off replay leaves its output as it
-was. Not yet run on a GPU (written 2026-11-28 with no device time left).
+was. Run on 2 H200s (2026-11-28, torch 2.11.0+cu130): that torch has no ``begin_capture_to_if_node``
+(benchmarks/results/supporting/conditional_graph_h200.txt), so the probe stops there. PyTorch's source has the
+binding from 2.13 (``torch/csrc/cuda/Graph.cpp``); the probe's timing part runs on such a CUDA build.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@
 # at once per process, default 1: each prefill chunk then runs as one CUDA graph), LIMIT (seconds each process
 # may take; one past it stops at its next step and keeps the samples it finished, which the table names),
 # PER_TASK=1 (one process per policy and task instead of per policy), GPUS (spread the processes over this many
-# GPUs, round robin; default all the machine has), GPU_FIRST (the first of them; default 0). Everything lands in
-# OUTDIR/eval.tgz (the merged table, plots, and every run's predictions and log).
+# GPUs, round robin; default all the machine has), GPU_FIRST (the first of them; default 0), RESUME_FROM (an earlier
+# table's predictions.jsonl[.gz]: each run starts from its answers to the run's cells and generates only the rest,
+# benchmarks/seed_resume.py). Everything lands in OUTDIR/eval.tgz (the merged table, plots, and every run's
+# predictions and log).
 set -euo pipefail
 dest=${1:?usage: benchmarks/gpu_real_eval.sh OUTDIR [eval] [checks]}
 shift
@@ -38,9 +40,13 @@ for part in $parts; do
         for t in "${groups[@]}"; do
           name=${p//[:;=@]/_}; [ ${#groups[@]} -gt 1 ] && name="${name}_$t"
           names+=("$name")
+          run=("${common[@]}" --task "$t" --attention "$p" --output "$out/runs/$name")
+          if [ -n "${RESUME_FROM:-}" ]; then
+            python3 benchmarks/seed_resume.py "$RESUME_FROM" -- "${run[@]}" && run+=(--resume)
+          fi
           # SIGTERM at LIMIT: the run stops at its next step and writes what it finished; KILL a minute later
           CUDA_VISIBLE_DEVICES=$((${GPU_FIRST:-0} + i % gpus)) timeout -k 60 "${LIMIT:-0}" python3 -m tokenselect.cli eval \
-            "${common[@]}" --task "$t" --attention "$p" --output "$out/runs/$name" >"$out/runs/$name.log" 2>&1 &
+            "${run[@]}" >"$out/runs/$name.log" 2>&1 &
           i=$((i + 1))
         done
       done

@@ -12,6 +12,7 @@
 #   benchmarks/gpu_x4_jobs.sh tp_rest          # #32's remaining runs: QUEST and ReAttention over 3 GPUs
 #   benchmarks/gpu_x4_jobs.sh tp_qwen          # #32 on a machine of 2 GPUs: Qwen2.5 (2 kv heads) over both
 #   benchmarks/gpu_x4_jobs.sh tp_qwen_rest     # what tp_qwen's session left (results/tp_accuracy_qwen_h200.md)
+#   benchmarks/gpu_x4_jobs.sh sixth_qwen       # #27 on 2 GPUs: Qwen2.5 at 32x, and the 4x/8x cells topped up to 20
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -114,7 +115,19 @@ fourth_qwen() {  # on 4 GPUs as listed; on 2: full attention and ReAttention on 
     GPU_FIRST=$((n < 4 ? 0 : 3)) GPUS=1
 }
 
+# The sixth session (2 GPUs): TokenSelect at 32x (1M tokens) alone on GPU 0; on GPU 1 the cells left under 20
+# samples, each run starting from the table's answers (RESUME_FROM), and QUEST's three missing 4x tasks.
+sixth_qwen() {
+  local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
+  local table=benchmarks/results/supporting/eval_qwen2.5_coder_0.5b_h200_predictions.jsonl.gz
+  local common=(MODEL=$qwen PER_TASK=1 LIMIT=${SIXTH_LIMIT:-1200} GPUS=1)
+  job qwen_ts32 "${common[@]}" KV=1060000 TASKS=$four LENGTHS=32x POLICIES=tokenselect GPU_FIRST=0
+  job qwen_topup "${common[@]}" KV=280000 TASKS=$four LENGTHS=4x,8x RESUME_FROM=$table \
+    POLICIES="quest reattention infllm tokenselect" GPU_FIRST=1
+}
+
 case "${1:-}" in
+  sixth_qwen) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1, in the background, from a copy of the tree with the embedded model
     mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
     (cd /tmp/repo_tests && GPU_TESTS_GPUS="0 1" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 TREE_COMMIT=${TREE_COMMIT:-} \
