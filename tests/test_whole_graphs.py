@@ -109,7 +109,7 @@ def test_steps_read_nothing_on_the_host(name):
         for layer in range(layers):
             got = policy.attend(layer, step, torch.randn(w, n_heads, d, device=meta), slots[t:t + w])
             assert got.slots.device == meta and got.q_pos.shape == (w,)
-    assert policy.graph_ready(80) or name == "quest"
+    assert policy.graph_ready(80)
 
 
 def test_a_grown_arange_keeps_the_one_graphs_read():
@@ -123,6 +123,30 @@ def test_a_grown_arange_keeps_the_one_graphs_read():
     assert torch.equal(grown, torch.arange(size + 1)) and grown.data_ptr() != address
     assert address in [kept.data_ptr() for kept in aranges.kept]  # still allocated: nothing can reuse it
     assert KVCache(1, 8, 1, 4, torch.float32, torch.device("cpu")).arange is not aranges  # no state shared
+
+
+def test_quest_records_its_decode_graph_again_when_its_bounds_grow(tiny_llama, monkeypatch):
+    """QUEST's page bounds grow with the context (``prepare`` doubles their page axis: new tensors); a recorded graph
+    reads the old ones by address, so the step that grows them records its graph again (``graph_reads``), and the
+    steps in between replay it."""
+    llm = LLM(tiny_llama, "quest", chunk_size=32, cuda_graphs=True, dtype="float32", k=16, page_size=4,
+              **small_sizes("quest"))
+    records = []
+    real = cuda_graphs._WholeStep.record
+    monkeypatch.setattr(cuda_graphs._WholeStep, "record", lambda self: (records.append(1), real(self))[1])
+    seq = llm.add_request(ids(70, 5), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    while seq.prefilling:
+        llm.step()
+    grown = recorded = replayed = 0
+    while not seq.finished:
+        bounds, before, steps = llm.policy.lo.data_ptr(), len(records), llm.runner.graphs.whole_steps
+        llm.step()
+        new_tensor, new_graph = llm.policy.lo.data_ptr() != bounds, len(records) > before
+        assert llm.runner.graphs.whole_steps == steps + 1  # every decode step through the whole-step graph
+        assert not new_tensor or new_graph  # grown bounds: recorded again, never a replay of the old graph
+        grown, recorded, replayed = grown + new_tensor, recorded + new_graph, replayed + (not new_graph)
+    assert grown >= 1 and replayed > 40  # the bounds grew mid-decode (page 22 at token 112), the rest replayed
+    assert recorded == grown + 1  # the first decode step's graph, and one more per growth
 
 
 def test_a_recorded_step_is_judged_by_what_it_changed_in_the_state():
@@ -190,7 +214,8 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
     sizes = {"n_init": 4, "n_local": 16, "dense_until": 0}
     for policy, settings, works in (("tokenselect", {"k": 16, **sizes}, True), ("streaming", sizes, True),
                                     ("tokenselect", {"k": 16, **sizes, "dense_until": 200}, True),
-                                    ("full", {}, True), ("quest", {}, False),
+                                    ("full", {}, True),
+                                    ("quest", {"k": 16, "page_size": 4, **sizes}, True),
                                     ("infllm", {"k": 16, "block_size": 4, **sizes}, True),
                                     # inside InfLLM's threshold (4 + 128 + 3 + 16 tokens): every token, as full
                                     # attention
@@ -278,7 +303,8 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
                                                 ("tokenselect", {"theta": None, "selector": "topk"}),
                                                 ("streaming", {}), ("full", {}),
                                                 ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2}),
-                                                ("infllm", {"k": 16, "block_size": 4, "positions": "original"})])
+                                                ("infllm", {"k": 16, "block_size": 4, "positions": "original"}),
+                                                ("quest", {"k": 16, "page_size": 4})])
 def test_prefill_through_whole_graphs_gives_the_plain_paths_logits(tiny_llama, batch_invariant_matmuls, monkeypatch,
                                                                    attention, settings):
     """Every prompt position's logits, and then the generated tokens, are the plain path's when the prompt's
@@ -371,6 +397,8 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama):
     ("full", {}),
     ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2}),
     ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2, "positions": "original"}),
+    ("quest", {"k": 16, "page_size": 4}),
+    ("quest", {"k": 16, "page_size": 4, "positions": "original"}),
 ])
 def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_matmuls, monkeypatch, attention, settings):
     """Requests arriving at different times (so steps alternate between decode graphs and mixed steps

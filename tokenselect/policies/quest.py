@@ -13,8 +13,9 @@ max_h u[h, p]: a page is in the running as soon as one head's bound is high, whi
 QUEST's per-head choices. A sum over heads would let pages that many heads find moderately useful
 crowd out the page a single retrieval head needs. The ``k // page_size`` best pages are attended.
 
-The bounds of full pages are computed on the host before a step (``prepare``), once per page, and kept
-in a row per sequence; a selection then reads two vectors per page, plus the keys of the partial last page.
+The bounds of full pages are computed before a step (``prepare``, outside any CUDA graph), once per page, and
+kept in a row per sequence; a selection then reads two vectors per page, plus the keys of the partial last page,
+all on the device, so a step records as a CUDA graph (``SelectivePolicy.graph_ready``).
 """
 
 from __future__ import annotations
@@ -98,12 +99,9 @@ class Quest(SelectivePolicy):
         # ascending: the live tokens first (the partial page's dead end and pages past the live ones after them)
         return tokens.clamp(max=m - 1), (tokens < live).sum()
 
-    def graph_ready(self, t: int, w: int = 1) -> bool:
-        """Not recorded as whole-step graphs yet: ``attend`` reads nothing on the host, but no GPU run has checked
-        QUEST's graphs (its bounds grow with the context, ``graph_reads``)."""
-        return False
-
     def graph_reads(self) -> tuple[torch.Tensor, ...]:
+        """The bounds a step reads: ``prepare`` fills new pages in place before a step, and when the page axis
+        grows the tensors are new ones, for which a graph is recorded again."""
         return self.lo, self.hi
 
     @staticmethod
