@@ -106,10 +106,12 @@ class Quest(SelectivePolicy):
 
     @staticmethod
     def page_scores(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """query: [H, d]; lo, hi: [P, n_kv, d] -> [P], the best head's upper bound on q . k."""
-        group = query.shape[0] // lo.shape[1]
-        lo, hi = lo.repeat_interleave(group, dim=1), hi.repeat_interleave(group, dim=1)  # [P, H, d]
-        return torch.maximum(query * lo, query * hi).sum(dim=-1).amax(dim=1)
+        """query: [H, d]; lo, hi: [P, n_kv, d] -> [P], the best head's upper bound on q . k. Query head h reads kv
+        head h // group: the query as [n_kv, group, d] meets each kv head's bounds by broadcasting (no
+        per-head copy of the bounds)."""
+        query = query.reshape(lo.shape[1], -1, query.shape[-1])[None]  # [1, n_kv, group, d]
+        bound = torch.maximum(query * lo[:, :, None], query * hi[:, :, None]).sum(dim=-1)  # [P, n_kv, group]
+        return bound.flatten(1).amax(dim=1)
 
     def release(self, seq_id: int) -> None:
         self.rows.release(seq_id)
