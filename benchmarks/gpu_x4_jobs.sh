@@ -13,6 +13,7 @@
 #   benchmarks/gpu_x4_jobs.sh tp_qwen          # #32 on a machine of 2 GPUs: Qwen2.5 (2 kv heads) over both
 #   benchmarks/gpu_x4_jobs.sh tp_qwen_rest     # what tp_qwen's session left (results/tp_accuracy_qwen_h200.md)
 #   benchmarks/gpu_x4_jobs.sh sixth_qwen       # #27 on 2 GPUs: Qwen2.5 at 32x, and the 4x/8x cells topped up to 20
+#   benchmarks/gpu_x4_jobs.sh seventh_qwen     # #27 on 2 GPUs: what the sixth left (16x, QUEST and ReAttention at 8x)
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -126,8 +127,20 @@ sixth_qwen() {
     POLICIES="quest reattention infllm tokenselect" GPU_FIRST=1
 }
 
+# What the sixth session left of Qwen2.5's table (not yet run), each run starting from the table's answers. GPU 0:
+# QUEST at 8x to 20 samples then 16x (QUEST records CUDA graphs since the sixth session: its 4x prefill took 22 s a
+# sample beside 15 other runs before), InfLLM at 16x. GPU 1: ReAttention at 8x (the slow one: about 50 s a sample
+# at 4x beside others), full attention at 16x (a dense 512K prefill; 0 on every task at 8x).
+seventh_qwen() {
+  local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
+  local table=benchmarks/results/supporting/eval_qwen2.5_coder_0.5b_h200_predictions.jsonl.gz
+  local common=(MODEL=$qwen PER_TASK=1 LIMIT=${SEVENTH_LIMIT:-1200} GPUS=1 RESUME_FROM=$table)
+  job qwen_quest_infllm "${common[@]}" KV=540000 TASKS=$four LENGTHS=8x,16x POLICIES="quest infllm" GPU_FIRST=0
+  job qwen_reattention_full "${common[@]}" KV=540000 TASKS=$four LENGTHS=8x,16x POLICIES="reattention full" GPU_FIRST=1
+}
+
 case "${1:-}" in
-  sixth_qwen) "$1" ;;
+  sixth_qwen|seventh_qwen) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1, in the background, from a copy of the tree with the embedded model
     mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
     (cd /tmp/repo_tests && GPU_TESTS_GPUS="0 1" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 TREE_COMMIT=${TREE_COMMIT:-} \

@@ -295,3 +295,17 @@ def test_resume_refuses_other_settings_unknown_settings_and_cells_it_would_drop(
     # a folder with nothing in it yet is a first run
     fresh = parse([*resume_argv(tiny_llama, tmp_path, tmp_path / "fresh"), "--attention", "full", "--resume"])
     assert fresh.func(fresh) == 0 and len(answers_of(tmp_path / "fresh")) == 6
+
+
+def test_cell_index_finds_a_record_s_cell_by_what_it_tells_of_its_prompt():
+    from tokenselect.eval.runner import cell_index
+
+    cells = [{"task": "passkey", "length": "1x", "sample": s, "target_tokens": 256, "depth": s / 2, "answers": [str(s)],
+              "prompt": [s]} for s in range(3)]
+    index = cell_index(cells + [dict(cells[1], prompt=[9])])  # a cell equal to another as a record tells it
+    record = {k: v for k, v in cells[1].items() if k != "prompt"}
+    assert index(dict(record, prediction="1", score=1.0)) == 1  # the first of the equal cells
+    assert index(dict(record, depth=1.0)) is None  # another needle depth: another prompt
+    assert index(dict(record, answers=["2"])) is None
+    assert index(dict(record, sample=0, depth=0.0, answers=["0"])) == 0  # depth 0.0 is the cell's 0 / 2
+    assert index({"task": "passkey"}) is None

@@ -30,6 +30,7 @@ import threading
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -284,7 +285,8 @@ def evaluate(args: argparse.Namespace, results: Results | None = None, stop: thr
     results.expected = len(specs) * len(cells)
     progress = tqdm(total=results.expected, desc="eval", unit="sample", file=sys.stderr)
     todo = {spec: list(range(len(cells))) for spec in specs}  # the cells each policy has still to answer
-    kept = [(rec, cell_index(cells, rec)) for rec in earlier or []]
+    index = cell_index(cells)
+    kept = [(rec, index(rec)) for rec in earlier or []]
     stray = [rec for rec, i in kept if rec["policy"] not in todo or i is None]
     if stray:  # kept apart, they would be dropped from the folder the run rewrites
         raise ValueError(f"--resume: {len(stray)} earlier answers are for cells this run does not have (e.g. "
@@ -332,13 +334,17 @@ def evaluate(args: argparse.Namespace, results: Results | None = None, stop: thr
     return results.ordered(), results.selection_cache
 
 
-def cell_index(cells: list[dict], rec: dict) -> int | None:
-    """The index of the cell that ``rec`` answered, or None: the same task, length and sample, and the same prompt as
-    far as a record tells it (its token target, needle depth and answers)."""
-    for i, c in enumerate(cells):
-        if all(c[key] == rec.get(key) for key in ("task", "length", "sample", "target_tokens", "depth", "answers")):
-            return i
-    return None
+CELL_KEYS = ("task", "length", "sample", "target_tokens", "depth", "answers")  # what a record tells of its prompt
+
+
+def cell_index(cells: list[dict]) -> Callable[[dict], int | None]:
+    """A lookup: the index of the cell that a record answered, or None: the same task, length and sample, and the
+    same prompt as far as a record tells it (its token target, needle depth and answers)."""
+    def key(d: dict) -> tuple:  # lists (the answers) as tuples, to hash; numbers compare as ==, 0 as 0.0
+        return tuple(tuple(v) if isinstance(v, list) else v for v in (d.get(k) for k in CELL_KEYS))
+
+    where = {key(c): i for i, c in reversed(list(enumerate(cells)))}  # the first of equal cells, as a scan finds
+    return lambda rec: where.get(key(rec))
 
 
 # the flags that do not change what a sample answers: the cells a run covers may differ from an earlier run's
