@@ -1,15 +1,15 @@
-"""The device operations of one InfLLM decode step, per layer, counted on a CPU.
+"""The device operations of one decode step of a policy (InfLLM by default), per layer, counted on a CPU.
 
 A whole-step CUDA graph replays every device op its step function issued while it was recorded, so the GPU time
 of a graph-captured decode step follows the ops (and their shapes) the step function runs, not the host's Python.
 This runs that step function on the CPU (``cuda_graphs=True`` on a CPU runs the graph's step function eagerly over
 the graph's buffers: ``GraphCache``, or ``WholeGraphs`` before #29) for a tiny random bf16 model (3 layers) with
-InfLLM selecting, and records with ``TorchDispatchMode`` every aten op of one decode step, with its shapes:
+the policy selecting, and records with ``TorchDispatchMode`` every aten op of one decode step, with its shapes:
 
 - ``model``: the layers around attention (norms, projections, MLP, by their PyTorch ops: on a GPU RMS norm and
   silu * up are one Triton kernel each), the same in every tree;
 - ``kv write``: the step's keys and values into the pool (two ``index_put_`` on a CPU, one Triton scatter on a GPU);
-- ``policy``: the policy's list for the layer (``InfLLM.attend``; ``graph_list`` or ``plan`` before #29), outside
+- ``policy``: the policy's list for the layer (its ``attend``; ``graph_list`` or ``plan`` before #29), outside
   kernels;
 - ``kernel``: each call of a ``Kernels`` method (paged_dot, block_scores, topk, sparse_attention, ...). With
   ``--kernels torch`` (default) a call counts as one device op, whatever its PyTorch reference does on a CPU (its
@@ -25,18 +25,21 @@ is the step's work outside the whole-step function (preparing, the logits, sampl
 Run it in a checkout (whichever ``tokenselect`` Python imports; point PYTHONPATH at another tree to count that
 one's, e.g. ``git worktree add /tmp/before 8e96f1f``):
 
-    python tools/infllm_op_count.py                                   # table per layer, this tree (selecting)
-    python tools/infllm_op_count.py --ops 1                           # and layer 1's ops in order, with shapes
-    python tools/infllm_op_count.py --kernels triton --ops 1          # every Triton launch too
-    python tools/infllm_op_count.py --set positions=reindex           # another InfLLM setting
-    python tools/infllm_op_count.py --context 300                     # inside the threshold: every token (ALL)
-    python tools/infllm_op_count.py --json /tmp/now.json
-    PYTHONPATH=/tmp/before python tools/infllm_op_count.py --json /tmp/before.json
-    python tools/infllm_op_count.py --compare /tmp/before.json /tmp/now.json    # per-layer diff of two runs
+    python tools/op_count.py                                   # InfLLM: table per layer, this tree (selecting)
+    python tools/op_count.py --ops 1                           # and layer 1's ops in order, with shapes
+    python tools/op_count.py --kernels triton --ops 1          # every Triton launch too
+    python tools/op_count.py --set positions=reindex           # another InfLLM setting
+    python tools/op_count.py --context 300                     # inside the threshold: every token (ALL)
+    python tools/op_count.py --policy tokenselect --set theta=-1   # TokenSelect's Selection Cache hit
+    python tools/op_count.py --policy tokenselect --set theta=None # ... and a step that selects (no cache)
+    python tools/op_count.py --json /tmp/now.json
+    PYTHONPATH=/tmp/before python tools/op_count.py --json /tmp/before.json
+    python tools/op_count.py --compare /tmp/before.json /tmp/now.json    # per-layer diff of two runs
 
 It also says whether the step ran through the whole-step function at all (``whole step: no``: the engine took the
 piecewise graphs and eager attention for it, the policy not graph-ready there). Results:
-benchmarks/results/supporting/infllm_decode_ops.md.
+benchmarks/results/supporting/infllm_decode_ops.md (as ``tools/infllm_op_count.py``, InfLLM only then),
+benchmarks/results/supporting/tokenselect_decode_ops.md.
 """
 
 from __future__ import annotations
@@ -53,12 +56,16 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# a tiny Llama-3-shaped model (tokenselect/bench/e2e.py's TINY, 3 layers) and InfLLM at the default's proportions
-# (k = n_local = 32 blocks; n_init = one block), small enough for a CPU
+# a tiny Llama-3-shaped model (tokenselect/bench/e2e.py's TINY, 3 layers) and each policy at its defaults'
+# proportions, small enough for a CPU: InfLLM's k = n_local = 32 blocks, n_init one block; TokenSelect's k = 256 of
+# the middle, sinks and window as its 128 + 512 of a 2048 budget
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 256,
           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 1024, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-INFLLM = dict(k=256, n_init=8, n_local=256, block_size=8, repr_keys=4)
+# dense_until=0: selecting from the policy's own threshold on, as past a real model's window (the tiny model's
+# window, 1024, would otherwise make the counted step attend everything)
+SETTINGS = {"infllm": dict(k=256, n_init=8, n_local=256, block_size=8, repr_keys=4, dense_until=0),
+            "tokenselect": dict(k=256, n_init=16, n_local=64, dense_until=0)}
 ALLOC = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
          "aten::lift_fresh"}
 
@@ -218,10 +225,10 @@ def instrument(rec: Recorder, llm) -> dict:
     return seen
 
 
-def count(context: int, decode_steps: int, settings: dict, kernels: str = "torch") -> dict:
+def count(context: int, decode_steps: int, settings: dict, kernels: str = "torch", name: str = "infllm") -> dict:
     from tokenselect import LLM, SamplingParams
 
-    llm = LLM.random(CONFIG, "infllm", device="cpu", dtype="bfloat16", kernels=kernels, cuda_graphs=True,
+    llm = LLM.random(CONFIG, name, device="cpu", dtype="bfloat16", kernels=kernels, cuda_graphs=True,
                      chunk_size=256, kv_cache_tokens=context + decode_steps + 64, **settings)
     rec = Recorder()
     seen = instrument(rec, llm)
@@ -233,13 +240,14 @@ def count(context: int, decode_steps: int, settings: dict, kernels: str = "torch
         llm.step()
     rec.ops.clear()
     t = seq.n_cached
-    before = seen["whole"]
+    before, stats = seen["whole"], llm.policy.stats()
     with rec:
         rec.on, rec.layer = True, "outside"
         llm.step()
         rec.on = False
     policy = llm.policy
-    return {"tokenselect": sys.modules["tokenselect"].__file__, "context": t, "settings": settings, "kernels": kernels,
+    return {"tokenselect": sys.modules["tokenselect"].__file__, "context": t, "policy": name, "settings": settings,
+            "kernels": kernels, "step_stats": {} if stats is None else dataclasses.asdict(policy.stats() - stats),  # the step's
             "mode": policy.mode(t, 1) if hasattr(policy, "mode") else None,
             "graph_ready": policy.graph_ready(t, 1), "whole_step": seen["whole"] > before,
             "layers": CONFIG["num_hidden_layers"], "host_reads": rec.host_reads, "ops": rec.ops}
@@ -254,7 +262,7 @@ def _counts(run: dict, layer) -> dict:
             c[op["region"], op["kind"]] += 1
     kernel_ops = c["kernel", "op"] + c["kernel", "launch"] if run.get("kernels") == "triton" else \
         sum(n for (_, kind), n in c.items() if kind == "kernel")
-    out = {"policy": c["policy", "op"], "kernel calls": sum(n for (_, kind), n in c.items() if kind == "kernel"),
+    out = {"policy": c["policy", "op"] + c["policy", "launch"], "kernel calls": sum(n for (_, kind), n in c.items() if kind == "kernel"),
            "kernel device ops": kernel_ops, "kv write": c["kv write", "op"] + c["kv write", "launch"],
            "model": c["model", "op"] + c["model", "launch"],
            "views": sum(n for (_, kind), n in c.items() if kind == "view"),
@@ -270,12 +278,15 @@ def summary(run: dict) -> str:
     lines = [f"tokenselect: {run['tokenselect']} (kernels: {run.get('kernels', 'torch')})",
              f"context {run['context']} tokens, mode {run['mode']}, graph_ready {run['graph_ready']}, "
              f"whole step: {'yes' if run['whole_step'] else 'no'}, host reads in the step: {run['host_reads']}",
-             f"InfLLM settings: {run['settings']}", "",
+             f"{run.get('policy', 'infllm')} settings: {run['settings']}"
+             + "".join(f"; the step's {key.replace('_', ' ')}: {n}" for key, n in run.get("step_stats", {}).items()
+                       if n), "",
              "| layer | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for layer in ["outside", "pre"] + list(range(run["layers"])):
         c = _counts(run, layer)
         lines.append(f"| {layer} | " + " | ".join(str(c[k]) for k in COLUMNS) + " |")
-    lines.append("\ndevice ops = policy + kernel device ops (a Kernels call as one op with the PyTorch references; "
+    lines.append("\ndevice ops = policy (its own ops, and the launches of kernels it holds outside ``Kernels``: the "
+                 "Selection Cache's check and update) + kernel device ops (a Kernels call as one op with the PyTorch references; "
                  "with Triton, its launches and its launcher's own ops) + kv write; 'outside' = the step's work "
                  "outside the whole-step function (not in a graph); 'pre' = the embedding")
     return "\n".join(lines)
@@ -307,11 +318,12 @@ def compare(a: dict, b: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--policy", choices=sorted(SETTINGS), default="infllm", help="the policy counted (default infllm)")
     p.add_argument("--context", type=int, default=600, help="prompt tokens before the counted decode step (InfLLM "
-                   "selects past 8 + 263 + 256 = 527)")
+                   "selects past 8 + 263 + 256 = 527, TokenSelect past 16 + 256 + 64 = 336)")
     p.add_argument("--decode-steps", type=int, default=2, help="decode steps run before the counted one")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="InfLLM settings over the defaults "
-                   f"{INFLLM} (e.g. positions=reindex)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the policy's settings over the "
+                   f"defaults {SETTINGS} (e.g. positions=reindex; theta=None, a number or an integer)")
     p.add_argument("--ops", nargs="*", default=[], help="print these layers' device ops in order, with shapes")
     p.add_argument("--kernels", choices=("torch", "triton"), default="torch",
                    help="torch: the PyTorch references, each call counted as one op; triton: the Triton kernels in "
@@ -323,14 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         a, b = (json.load(open(path)) for path in args.compare)
         print(summary(a), summary(b), compare(a, b), sep="\n\n")
         return 0
-    settings = dict(INFLLM)
+    settings = dict(SETTINGS[args.policy])
     for item in args.set:
         key, _, value = item.partition("=")
-        settings[key] = int(value) if value.lstrip("-").isdigit() else value
+        settings[key] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else \
+            float(value) if value.lstrip("-").replace(".", "", 1).isdigit() else value
     if args.kernels == "triton":  # before tokenselect.kernels is imported (``kernels/__init__.py``)
         os.environ["TRITON_INTERPRET"] = "1"
     torch.manual_seed(0)
-    run = count(args.context, args.decode_steps, settings, args.kernels)
+    run = count(args.context, args.decode_steps, settings, args.kernels, args.policy)
     print(summary(run))
     for layer in args.ops:
         layer = layer if layer in ("pre", "outside") else int(layer)
