@@ -108,9 +108,11 @@ def main() -> None:
                                                   "N": i32, "k": i32, "n_blocks": i32},
                         {"BLOCK": 2048, "BLOCK_C": 1024, "MASKED": masked, "GATHER": gather})
     for q in ("*bf16", "*fp32"):  # a decode graph's own query, an eager step's fp32 mean
-        compile_one("selection_check", "_selection_check_kernel", {
-            "q_ptr": q, "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
-            "miss_ptr": "*u8", "layer": i32, "n_layers": i32, "n": i32, "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024})
+        for candidates, word in ((True, i64p), (False, "*u8")):  # without: the miss flag's pointer stands in
+            compile_one("selection_check", "_selection_check_kernel", {
+                "q_ptr": q, "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
+                "miss_ptr": "*u8", "live_ptr": word, "cand_ptr": word, "layer": i32, "n_layers": i32, "n": i32,
+                "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024, "CANDIDATES": candidates})
         compile_one("selection_update", "_selection_update_kernel", {
             "q_ptr": q, "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
             "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},

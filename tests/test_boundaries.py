@@ -176,8 +176,8 @@ def test_a_context_equal_to_the_budget_is_attended_whole(name, decode):
     assert torch.equal(whole.slots, slots[:budget])
     assert whole.positions.tolist() == list(range(budget)) and whole.q_positions.tolist() == list(
         range(budget, budget + q.shape[0]))
-    # the whole table is full attention's list, graph-ready as full attention is; QUEST is never recorded whole
-    assert policy.graph_ready(budget) is (name != "quest")
+    # the whole table is full attention's list, graph-ready as full attention is
+    assert policy.graph_ready(budget)
     picked = step(policy, slots, decode=decode, seq_id=1, q=q)
     if name == "quest":  # whole pages: at most the budget
         assert policy.budget - policy.page_size < picked.slots.numel() - policy.n_init - policy.n_local <= policy.budget

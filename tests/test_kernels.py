@@ -244,24 +244,35 @@ def test_silu_mul_matches_reference(shape, strided, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a decode graph passes the model's query
 @pytest.mark.parametrize("n", [64, 1000, 4096])  # query sizes n_heads * head_dim, one ragged
 def test_selection_check_matches_reference(n, dtype):
+    """The decision and the counters on both paths; each trial also with the candidates a decode step's selection
+    sees (live on a miss, 0 on a hit), on counters of its own."""
     from tokenselect.kernels.selection_check import selection_check, selection_check_ref
 
     gen = torch.Generator().manual_seed(n)
     rows, layers = 5, 3
     unit = torch.nn.functional.normalize(torch.randn(rows, layers, n, generator=gen), dim=-1).to(DEVICE)
     valid = (torch.rand(rows, layers, generator=gen) < 0.7).to(DEVICE)
-    counts = {name: torch.zeros(2, dtype=torch.int64, device=DEVICE) for name in ("triton", "torch")}
+    kernels = {"triton": selection_check, "torch": selection_check_ref}
+    counts = {(form, name): torch.zeros(2, dtype=torch.int64, device=DEVICE) for form in ("plain", "gated")
+              for name in kernels}
     for trial in range(12):
         row, layer = trial % rows, trial % layers
         cached = unit[row, layer].cpu()
         q = (cached * torch.randn(1, generator=gen) + 0.7 * torch.randn(n, generator=gen) / n ** 0.5).to(DEVICE, dtype)
         theta = float(torch.empty(1).uniform_(-0.5, 0.95, generator=gen))
-        row_t = torch.tensor(row, device=DEVICE)
-        got = selection_check(q, unit, valid, row_t, layer, theta, counts["triton"])
-        want = selection_check_ref(q, unit, valid, row_t, layer, theta, counts["torch"])
-        assert got.shape == () and got.dtype == torch.bool and bool(got) == bool(want)
-    assert torch.equal(counts["triton"], counts["torch"]) and counts["torch"].sum() == 12
-    assert 0 < counts["torch"][0] < 12  # both outcomes were exercised
+        row_t, live = torch.tensor(row, device=DEVICE), torch.tensor(100 + trial, device=DEVICE)
+        misses = set()
+        for name, check in kernels.items():
+            plain = check(q, unit, valid, row_t, layer, theta, counts["plain", name])
+            candidates = torch.full((), -1, dtype=torch.int64, device=DEVICE)
+            gated = check(q, unit, valid, row_t, layer, theta, counts["gated", name], live, candidates)
+            assert plain.shape == () and plain.dtype == torch.bool and bool(gated) == bool(plain)
+            assert int(candidates) == (100 + trial if bool(plain) else 0)
+            misses.add(bool(plain))
+        assert len(misses) == 1  # the kernel decides as the reference
+    for form in ("plain", "gated"):
+        assert torch.equal(counts[form, "triton"], counts[form, "torch"]) and counts[form, "torch"].sum() == 12
+    assert 0 < counts["plain", "torch"][0] < 12  # both outcomes were exercised
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a decode graph passes the model's query

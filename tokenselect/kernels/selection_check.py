@@ -2,11 +2,12 @@
 
     hit  = valid[row, layer] and  <q, unit[row, layer]> >= theta * max(|q|, eps)
     miss = not hit;   counts += (hit, miss)
+    candidates = live if miss else 0          (optional: the selection's live candidates, none on a hit)
 
 ``unit`` holds the cached queries scaled to unit length, so the test is cos(q, q_cached) >= theta.
 In PyTorch this is about a dozen tiny kernels (two gathers, a dot, a norm, comparisons, the counters);
 in a decode step captured as one CUDA graph that is a dozen graph nodes per layer on every step, hit or
-miss, where the kernel is one.
+miss, where the kernel is one (and ``candidates`` spares the step one more, a ``live * miss``).
 """
 
 from __future__ import annotations
@@ -20,21 +21,26 @@ BLOCK = 1024
 
 
 def selection_check_ref(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, row: torch.Tensor, layer: int,
-                        theta: float, counts: torch.Tensor) -> torch.Tensor:
+                        theta: float, counts: torch.Tensor, live: torch.Tensor | None = None,
+                        candidates: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n] (any float dtype: computed in fp32); unit: [rows, n_layers, n] fp32; valid: [rows, n_layers] bool;
-    row: int64 []; counts: [2] int64 (hits, misses), incremented in place. Returns miss: bool []."""
+    row: int64 []; counts: [2] int64 (hits, misses), incremented in place. Returns miss: bool []. With live (int64
+    []) and candidates (int64 []), candidates is set to live on a miss and to 0 on a hit."""
     index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
     q = q.float()
     dot = torch.dot(unit[:, layer].index_select(0, index)[0], q)
     miss = ~(valid[:, layer].index_select(0, index)[0] & (dot >= theta * torch.linalg.vector_norm(q).clamp_min(EPS)))
     counts += torch.stack([~miss, miss])
+    if candidates is not None:
+        candidates.copy_(live * miss)
     return miss
 
 
 @triton.jit
-def _selection_check_kernel(q_ptr, unit_ptr, valid_ptr, row_ptr, counts_ptr, miss_ptr, layer, n_layers, n, theta,
-                            EPS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the dot product and the query's squared norm in fp32, then the decision."""
+def _selection_check_kernel(q_ptr, unit_ptr, valid_ptr, row_ptr, counts_ptr, miss_ptr, live_ptr, cand_ptr, layer,
+                            n_layers, n, theta, EPS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr):
+    """One program: the dot product and the query's squared norm in fp32, then the decision (CANDIDATES: and
+    *cand_ptr = *live_ptr on a miss, 0 on a hit)."""
     entry = tl.load(row_ptr) * n_layers + layer
     dot = tl.zeros((BLOCK,), dtype=tl.float32)
     sq = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -49,12 +55,19 @@ def _selection_check_kernel(q_ptr, unit_ptr, valid_ptr, row_ptr, counts_ptr, mis
     tl.store(miss_ptr, (~hit).to(tl.uint8))
     tl.store(counts_ptr, tl.load(counts_ptr) + hit.to(tl.int64))
     tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + (~hit).to(tl.int64))
+    if CANDIDATES:
+        tl.store(cand_ptr, tl.where(hit, 0, tl.load(live_ptr)))
 
 
 def selection_check(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, row: torch.Tensor, layer: int,
-                    theta: float, counts: torch.Tensor) -> torch.Tensor:
+                    theta: float, counts: torch.Tensor, live: torch.Tensor | None = None,
+                    candidates: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`selection_check_ref` (same arguments, same result up to rounding)."""
     miss = torch.empty((), dtype=torch.bool, device=q.device)
+    given = candidates is not None
+    if given and (live is None or candidates.dtype != torch.int64 or live.dtype != torch.int64):
+        raise ValueError("candidates needs live, both int64 []")
     _selection_check_kernel[(1,)](q.contiguous(), unit, valid.view(torch.uint8), row, counts, miss.view(torch.uint8),
-                                  layer, unit.shape[1], q.numel(), float(theta), EPS=EPS, BLOCK=BLOCK)
+                                  live if given else miss, candidates if given else miss, layer, unit.shape[1],
+                                  q.numel(), float(theta), EPS=EPS, BLOCK=BLOCK, CANDIDATES=given)
     return miss

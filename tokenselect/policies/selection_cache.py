@@ -76,6 +76,21 @@ class SelectionCache:
             return self._miss_across_ranks(q.flatten().float(), row, layer)
         return self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
 
+    def decide(self, row: torch.Tensor, layer: int, q: torch.Tensor,
+               live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, torch.Tensor]:
+        """``miss``, and the selection's candidates: ``live`` (int64 []) on a miss, 0 on a hit, which gates the
+        selection's kernels (they read nothing then), made by the check itself (no ``live * miss`` node). With
+        the cache off: (None, live)."""
+        if self.theta is None:
+            return None, live
+        if self.heads.spans_ranks:
+            miss = self._miss_across_ranks(q.flatten().float(), row, layer)
+            return miss, live * miss
+        candidates = torch.empty((), dtype=torch.int64, device=live.device)
+        miss = self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts, live,
+                          candidates)
+        return miss, candidates
+
     def _miss_across_ranks(self, q: torch.Tensor, row: torch.Tensor, layer: int) -> torch.Tensor:
         """``miss`` for a query split across tensor-parallel ranks by heads: each rank's unit entry is its part of
         the cached query over the whole query's norm, so the dot products and squared norms summed over the

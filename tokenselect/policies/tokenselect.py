@@ -64,12 +64,12 @@ class TokenSelect(SelectivePolicy):
         nothing; the top-k's picks are discarded), and the store-or-reuse returns the cached choice."""
         sc = self.selection_cache
         query = q[0] if step.decode else selection_query(q).to(q.dtype)
-        miss = sc.miss(step.row, layer, query) if step.decode else None  # None: select, store nothing
         middle, live = self.middle(step)
         keys = self.cache.k_select[layer]
-        if miss is None:
+        miss, candidates = sc.decide(step.row, layer, query, live) if step.decode else (None, live)
+        if miss is None:  # select, store nothing
             return self.top(query, keys, middle, live), None
-        return sc.update(step.row, layer, query, self.top(query, keys, middle, live * miss), miss), None
+        return sc.update(step.row, layer, query, self.top(query, keys, middle, candidates), miss), None
 
     def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
                 q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
