@@ -33,6 +33,21 @@ def test_a_hit_is_a_cosine_at_or_above_theta():
             assert bool(cache.miss(torch.tensor(row), 0, q))  # nothing stored for layer 0
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_decide_gives_the_candidates_live_on_a_miss_and_none_on_a_hit(kernels):
+    kern = get_kernels(kernels)
+    cache = SelectionCache(0.9, n_layers=1, width=2, check=kern.selection_check, update=kern.selection_update)
+    row = cache.row(0, 16, CPU)
+    q, live = torch.randn(2, 8), torch.tensor(37)
+    cache.store(row, 0, q, torch.tensor([1, 2]))
+    for query, miss in ((2 * q, False), (-q, True)):
+        got, candidates = cache.decide(torch.tensor(row), 0, query, live)
+        assert bool(got) is miss and candidates.dtype == torch.int64 and int(candidates) == (37 if miss else 0)
+    assert cache.decide(torch.tensor(row), 0, q)[1] is None  # no live given: no candidates
+    assert cache.counts() == (2, 1)
+    assert SelectionCache(None, 1, 2).decide(torch.tensor(0), 0, q, live) == (None, live)  # off: every candidate
+
+
 def test_lookup_counts_and_returns_the_stored_selection():
     cache = SelectionCache(theta=0.9, n_layers=2, width=3)
     q = torch.randn(2, 8)

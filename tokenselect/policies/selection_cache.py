@@ -70,23 +70,19 @@ class SelectionCache:
         """On the device, without a host read: bool [], True where the layer must select anew (no entry,
         or cos(q, its query) < theta), counted in ``device_counts``. row: int64 []; q: [n_heads, head_dim]
         (any float dtype: the kernel computes in fp32). None when the cache is off (always select)."""
-        if self.theta is None:
-            return None
-        if self.heads.spans_ranks:
-            return self._miss_across_ranks(q.flatten().float(), row, layer)
-        return self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts)
+        return self.decide(row, layer, q)[0]
 
     def decide(self, row: torch.Tensor, layer: int, q: torch.Tensor,
-               live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, torch.Tensor]:
-        """``miss``, and the selection's candidates: ``live`` (int64 []) on a miss, 0 on a hit, which gates the
-        selection's kernels (they read nothing then), made by the check itself (no ``live * miss`` node). With
-        the cache off: (None, live)."""
+               live: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(``miss``, the selection's candidates): with ``live`` (int64 []), the candidates are ``live`` on a miss
+        and 0 on a hit, which gates the selection's kernels (they read nothing then), made by the check itself (no
+        ``live * miss`` node); without it None. With the cache off: (None, live)."""
         if self.theta is None:
             return None, live
         if self.heads.spans_ranks:
             miss = self._miss_across_ranks(q.flatten().float(), row, layer)
-            return miss, live * miss
-        candidates = torch.empty((), dtype=torch.int64, device=live.device)
+            return miss, None if live is None else live * miss
+        candidates = None if live is None else torch.empty((), dtype=torch.int64, device=live.device)
         miss = self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts, live,
                           candidates)
         return miss, candidates
