@@ -41,28 +41,30 @@ def selection_update_ref(q: torch.Tensor, unit: torch.Tensor, selection: torch.T
 @triton.jit
 def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_ptr, miss_ptr, out_ptr, layer,
                              n_layers, n, width, EPS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the query's norm in fp32, then every store masked by ``miss``, and the entry written out."""
+    """Program = block of BLOCK entries of the query and of the selection: the entry's part of the selection (the
+    new one on a miss, the cached one on a hit) into ``out``, and on a miss its part of both stored. Only a miss's
+    programs that hold part of the query compute its norm (each the whole norm: no second kernel)."""
     entry = tl.load(row_ptr) * n_layers + layer
     miss = tl.load(miss_ptr) != 0
-    sq = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        q = tl.load(q_ptr + i, mask=i < n, other=0.0).to(tl.float32)
-        sq += q * q
-    norm = tl.maximum(tl.sqrt(tl.sum(sq, axis=0)), EPS)
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if miss & (tl.program_id(0) * BLOCK < n):
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            q = tl.load(q_ptr + j, mask=j < n, other=0.0).to(tl.float32)
+            sq += q * q
+        norm = tl.maximum(tl.sqrt(tl.sum(sq, axis=0)), EPS)
         ok = i < n
-        tl.store(unit_ptr + entry * n + i, tl.load(q_ptr + i, mask=ok, other=0.0).to(tl.float32) / norm,
-                 mask=ok & miss)
-    for start in range(0, width, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        ok = i < width
-        value = tl.where(miss, tl.load(new_ptr + i, mask=ok, other=0),
-                         tl.load(sel_ptr + entry * width + i, mask=ok, other=0))
-        tl.store(sel_ptr + entry * width + i, value, mask=ok & miss)
-        tl.store(out_ptr + i, value, mask=ok)
-    tl.store(valid_ptr + entry, tl.full((), 1, tl.uint8), mask=miss)
+        tl.store(unit_ptr + entry * n + i, tl.load(q_ptr + i, mask=ok, other=0.0).to(tl.float32) / norm, mask=ok)
+    ok = i < width
+    if miss:
+        value = tl.load(new_ptr + i, mask=ok, other=0)
+        tl.store(sel_ptr + entry * width + i, value, mask=ok)
+    else:
+        value = tl.load(sel_ptr + entry * width + i, mask=ok, other=0)
+    tl.store(out_ptr + i, value, mask=ok)
+    if miss & (tl.program_id(0) == 0):
+        tl.store(valid_ptr + entry, tl.full((), 1, tl.uint8))
 
 
 def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
@@ -77,7 +79,7 @@ def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tenso
         out = torch.empty_like(new)
     elif out.shape != new.shape or out.dtype != torch.int64 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int64 tensor of shape {tuple(new.shape)}")
-    _selection_update_kernel[(1,)](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
+    _selection_update_kernel[(triton.cdiv(max(q.numel(), new.numel()), BLOCK),)](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
                                    miss.view(torch.uint8), out, layer, unit.shape[1], q.numel(), new.numel(),
                                    EPS=EPS, BLOCK=BLOCK)
     return out
