@@ -201,6 +201,31 @@ def test_quest_kept_bounds_follow_the_rule_step_after_step(dense_until):
     assert winners[0] == n_init and winners[-1] == n_init + 5 * ps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("bounds_tokens", [4096, 8, 5])  # every page at once; 2 pages at a time; 1 page
+def test_quest_bounds_of_every_layer_are_each_page_s_channel_minimum_and_maximum(dtype, bounds_tokens, monkeypatch):
+    """A sequence that starts selecting with 14 full pages cached, then 2 more: each page's bounds, in every layer,
+    are its keys' channel-wise minimum and maximum (in fp32), however many pages are bounded at once."""
+    from tokenselect.kv_cache import KVCache
+    from tokenselect.policies import quest
+
+    monkeypatch.setattr(quest, "BOUNDS_TOKENS", bounds_tokens)
+    torch.manual_seed(3)
+    layers, n, ps, n_init, n_local = 3, 80, 4, 4, 8
+    cache = KVCache(layers, n, 2, 8, dtype, torch.device("cpu"))
+    slots = cache.allocate(n)[torch.randperm(n)]
+    keys = torch.randn(layers, n, 2, 8).to(dtype)
+    for layer in range(layers):
+        cache.write(layer, slots, keys[layer], keys[layer])
+    policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local, dense_until=0)
+    for t, pages in ((n_init + 14 * ps + n_local, 14), (n_init + 16 * ps + n_local + 1, 16)):
+        row = policy.prepare(0, slots, t, n, True, (1, 4, 8), torch.float32)
+        assert policy.pages[0] == pages
+        want = keys.float()[:, n_init:n_init + pages * ps].unflatten(1, (pages, ps))  # [layers, pages, ps, kv, d]
+        assert torch.equal(policy.lo[row, :, :pages], want.amin(dim=2))
+        assert torch.equal(policy.hi[row, :, :pages], want.amax(dim=2))
+
+
 def test_quest_original_positions_reach_the_policy():
     """``positions="original"``: the attended keys keep their own positions, and the query its own."""
     torch.manual_seed(1)
