@@ -226,6 +226,9 @@ def test_which_decode_steps_run_as_whole_graphs(tiny_llama):
             llm.step()
         decode = [Chunk(s, i, 1, s.n_cached) for i, s in enumerate(seqs)]
         assert llm.runner.graphs.whole(decode) is works, policy
+        batch = decode * (cuda_graphs.MAX_BATCH // 2)  # the same two sequences' rows, as many as a graph takes
+        assert cuda_graphs.MAX_BATCH == cuda_graphs.DECODE_BUCKETS[-1] == 64
+        assert llm.runner.graphs.whole(batch) is works and not llm.runner.graphs.whole(batch + decode[:1])
         assert not llm.runner.graphs.whole([Chunk(seqs[0], 0, 2, seqs[0].n_cached)])  # two tokens
         assert not llm.runner.graphs.whole([Chunk(seqs[0], 0, 1, 20)])  # inside the threshold / a prompt
         for s in seqs:
@@ -428,6 +431,21 @@ def test_engine_generates_the_plain_paths_tokens(tiny_llama, batch_invariant_mat
         assert graphed["selection_cache_misses"] == plain["selection_cache_misses"]
         assert graphed["selection_cache_misses"] > 0
         assert (graphed["selection_cache_hits"] > 0) is True
+
+
+def test_a_batch_past_eight_sequences_decodes_through_one_graph(tiny_llama, batch_invariant_matmuls):
+    """Twelve requests decoding together (past the 8 a graph once took) run as one whole-step graph a step and decode
+    what the plain path decodes, with the same Selection Cache decisions."""
+    sizes = small_sizes("tokenselect")
+    engines = [LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=graphs, dtype="float32", theta=0.5, **sizes)
+               for graphs in (False, True)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)  # the early ones still decode when the
+    # last prompt's chunks are in (a step with a prefill chunk runs through the pieces)
+    outs = [[o.token_ids for o in llm.generate([ids(60 + i, 30 + i) for i in range(12)], params, use_tqdm=False)]
+            for llm in engines]
+    assert outs[1] == outs[0]
+    assert 12 in [key[1] for key in engines[1].runner.graphs.whole_keys() if key[0] == "decode"]
+    assert engines[1].stats() == engines[0].stats()
 
 
 def test_the_next_prompt_replays_infllm_prefill_graph(tiny_llama, monkeypatch):

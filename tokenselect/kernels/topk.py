@@ -24,13 +24,21 @@ import triton.language as tl
 
 def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
              values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """scores: [N] -> indices [min(k, N)] int64 of the largest scores, ascending (ties: any of them).
+    """scores: [N] -> indices [min(k, N)] int64 of the largest scores, ascending; of scores tied at the k-th largest,
+    the first ones (as the Triton kernel takes them, so that a list does not depend on how far past its live part
+    it is padded: keys cached before RoPE tie wherever a token repeats).
     n_valid: None, or an int64 tensor []: scores[n_valid:] count as -inf.
     values: None, or [N] int64: return values[indices] instead.
     out: None, or a contiguous int64 [min(k, N)] to write the result to (and return)."""
+    n = scores.numel()
+    index = torch.arange(n, device=scores.device)
     if n_valid is not None:
-        scores = scores.masked_fill(torch.arange(scores.numel(), device=scores.device) >= n_valid, float("-inf"))
-    picked = torch.topk(scores, min(k, scores.numel()), sorted=False).indices.sort().values
+        scores = scores.masked_fill(index >= n_valid, float("-inf"))
+    k = min(k, n)
+    kth = torch.topk(scores, k, sorted=False).values.min() if k else scores.new_zeros(())
+    above, tied = scores > kth, scores == kth
+    first_tied = tied & (torch.cumsum(tied, 0) <= k - above.sum())  # static shapes, no host read (graphs, meta)
+    picked = torch.topk(torch.where(above | first_tied, n - index, -1), k, sorted=False).indices.sort().values
     picked = picked if values is None else values[picked]
     return picked if out is None else _checked_out(out, picked.numel()).copy_(picked)
 
