@@ -31,10 +31,6 @@ from .base import (SELECT, SelectivePolicy, SeqStep, dense_until_setting, n_init
                    positions_setting, selection_query)
 from .rows import Rows, grown
 
-# the most tokens whose page bounds are computed in one go (over every layer): a bounded temporary when a sequence
-# starts selecting with a long context already cached (dense_until), while a prefill chunk's new pages take one go
-BOUNDS_TOKENS = 4096
-
 
 @dataclass(frozen=True)
 class QuestSettings(Validated):
@@ -75,15 +71,13 @@ class Quest(SelectivePolicy):
         full = (t - self.n_init - self.n_local) // ps
         if full + 1 > self.lo.shape[2]:
             self.lo, self.hi = (grown(b, 2, 2 * (full + 1)) for b in (self.lo, self.hi))
-        step = max(1, BOUNDS_TOKENS // ps)  # pages bounded at once, every layer together
-        for first in range(have, full, step):  # pages filled since the last selection
-            last = min(full, first + step)
-            keys = self.cache.k.index_select(1, slots[self.n_init + first * ps:self.n_init + last * ps])
-            if keys.element_size() == 1:  # fp8: no min or max of its own (every fp8 value is exact in fp32)
-                keys = keys.float()
-            keys = keys.unflatten(1, (-1, ps))  # [layers, pages, ps, n_kv, d]
-            self.lo[row, :, first:last] = keys.amin(dim=2)  # a minimum is exact in any dtype: stored as fp32
-            self.hi[row, :, first:last] = keys.amax(dim=2)
+        if full > have:  # pages filled since the last selection (``cache.k[layer]``: the one read a policy has of
+            # every layer's keys, the transformers backend's cache too)
+            tokens = slots[self.n_init + have * ps:self.n_init + full * ps]
+            for layer in range(self.lo.shape[1]):
+                keys = self.cache.k[layer][tokens].float().unflatten(0, (-1, ps))  # [pages, ps, n_kv, d]
+                self.lo[row, layer, have:full] = keys.amin(dim=1)
+                self.hi[row, layer, have:full] = keys.amax(dim=1)
         self.pages[seq_id] = full
         return row
 
