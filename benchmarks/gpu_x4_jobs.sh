@@ -22,6 +22,8 @@ cd "$(dirname "$0")/.."
 bg=benchmarks/background.sh
 smol=smollm2-135m-instruct
 qwen=qwen2.5-coder-0.5b-instruct
+qwen_tasks=niah_single_1,niah_single_2,number_string,niah_multikey_1  # Qwen2.5's table's four tasks
+qwen_table=benchmarks/results/supporting/eval_qwen2.5_coder_0.5b_h200_predictions.jsonl.gz  # its answers so far
 building=0  # 1: build the prompts of each job instead of starting it
 
 job() {  # NAME VAR=VALUE... [-- PARTS]: benchmarks/gpu_real_eval.sh /tmp/res/NAME with those settings, in the background
@@ -106,25 +108,22 @@ third_after() {  # once the tests are done: QUEST, dynamic NTK and ReAttention's
 # What the third session left for a fourth (each GPU its own share: a dense 256K prefill wants a GPU without
 # neighbours; TokenSelect and InfLLM's processes share well)
 fourth_qwen() {  # on 4 GPUs as listed; on 2: full attention and ReAttention on GPU 0, the others on GPU 1
-  local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
   local common=(MODEL=$qwen PER_TASK=1 LIMIT=${FOURTH_LIMIT:-1300})
   local n; n=$(nvidia-smi -L | wc -l)
   # KV: 16x is 524,288 prompt tokens, 8x 262,144 (the pool holds a prompt and its answer)
-  job qwen_full8 "${common[@]}" KV=280000 TASKS=$four LENGTHS=8x POLICIES=full GPU_FIRST=0 GPUS=$((n < 4 ? 1 : 2))
-  job qwen_ts16 "${common[@]}" KV=540000 TASKS=$four LENGTHS=16x POLICIES=tokenselect GPU_FIRST=$((n < 4 ? 1 : 2)) GPUS=1
-  job qwen_infllm8 "${common[@]}" KV=280000 TASKS=$four LENGTHS=8x POLICIES=infllm GPU_FIRST=$((n < 4 ? 1 : 3)) GPUS=1
-  job qwen_reattention48 "${common[@]}" KV=280000 TASKS=$four LENGTHS=4x,8x POLICIES=reattention \
+  job qwen_full8 "${common[@]}" KV=280000 TASKS=$qwen_tasks LENGTHS=8x POLICIES=full GPU_FIRST=0 GPUS=$((n < 4 ? 1 : 2))
+  job qwen_ts16 "${common[@]}" KV=540000 TASKS=$qwen_tasks LENGTHS=16x POLICIES=tokenselect GPU_FIRST=$((n < 4 ? 1 : 2)) GPUS=1
+  job qwen_infllm8 "${common[@]}" KV=280000 TASKS=$qwen_tasks LENGTHS=8x POLICIES=infllm GPU_FIRST=$((n < 4 ? 1 : 3)) GPUS=1
+  job qwen_reattention48 "${common[@]}" KV=280000 TASKS=$qwen_tasks LENGTHS=4x,8x POLICIES=reattention \
     GPU_FIRST=$((n < 4 ? 0 : 3)) GPUS=1
 }
 
 # The sixth session (2 GPUs): TokenSelect at 32x (1M tokens) alone on GPU 0; on GPU 1 the cells left under 20
 # samples, each run starting from the table's answers (RESUME_FROM), and QUEST's three missing 4x tasks.
 sixth_qwen() {
-  local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
-  local table=benchmarks/results/supporting/eval_qwen2.5_coder_0.5b_h200_predictions.jsonl.gz
   local common=(MODEL=$qwen PER_TASK=1 LIMIT=${SIXTH_LIMIT:-1200} GPUS=1)
-  job qwen_ts32 "${common[@]}" KV=1060000 TASKS=$four LENGTHS=32x POLICIES=tokenselect GPU_FIRST=0
-  job qwen_topup "${common[@]}" KV=280000 TASKS=$four LENGTHS=4x,8x RESUME_FROM=$table \
+  job qwen_ts32 "${common[@]}" KV=1060000 TASKS=$qwen_tasks LENGTHS=32x POLICIES=tokenselect GPU_FIRST=0
+  job qwen_topup "${common[@]}" KV=280000 TASKS=$qwen_tasks LENGTHS=4x,8x RESUME_FROM=$qwen_table \
     POLICIES="quest reattention infllm tokenselect" GPU_FIRST=1
 }
 
@@ -133,11 +132,9 @@ sixth_qwen() {
 # sample beside 15 other runs before), InfLLM at 16x. GPU 1: ReAttention at 8x (the slow one: about 50 s a sample
 # at 4x beside others), full attention at 16x (a dense 512K prefill; 0 on every task at 8x).
 seventh_qwen() {
-  local four=niah_single_1,niah_single_2,number_string,niah_multikey_1
-  local table=benchmarks/results/supporting/eval_qwen2.5_coder_0.5b_h200_predictions.jsonl.gz
-  local common=(MODEL=$qwen PER_TASK=1 LIMIT=${SEVENTH_LIMIT:-1200} GPUS=1 RESUME_FROM=$table)
-  job qwen_quest_infllm "${common[@]}" KV=540000 TASKS=$four LENGTHS=8x,16x POLICIES="quest infllm" GPU_FIRST=0
-  job qwen_reattention_full "${common[@]}" KV=540000 TASKS=$four LENGTHS=8x,16x POLICIES="reattention full" GPU_FIRST=1
+  local common=(MODEL=$qwen PER_TASK=1 LIMIT=${SEVENTH_LIMIT:-1200} GPUS=1 RESUME_FROM=$qwen_table)
+  job qwen_quest_infllm "${common[@]}" KV=540000 TASKS=$qwen_tasks LENGTHS=8x,16x POLICIES="quest infllm" GPU_FIRST=0
+  job qwen_reattention_full "${common[@]}" KV=540000 TASKS=$qwen_tasks LENGTHS=8x,16x POLICIES="reattention full" GPU_FIRST=1
 }
 
 # SmolLM2's table (results/eval_smollm2_h100.md): the issue's eight policies over its eight tasks at 1x-16x, each
