@@ -79,7 +79,8 @@ def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tenso
         out = torch.empty_like(new)
     elif out.shape != new.shape or out.dtype != torch.int64 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int64 tensor of shape {tuple(new.shape)}")
-    _selection_update_kernel[(triton.cdiv(max(q.numel(), new.numel()), BLOCK),)](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
+    grid = (triton.cdiv(max(q.numel(), new.numel()), BLOCK),)  # a program per BLOCK entries of either
+    _selection_update_kernel[grid](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
                                    miss.view(torch.uint8), out, layer, unit.shape[1], q.numel(), new.numel(),
                                    EPS=EPS, BLOCK=BLOCK)
     return out
