@@ -6,14 +6,10 @@ from __future__ import annotations
 import gzip
 import json
 
-from benchmark_scripts import load
 from tokenselect.cli import build_parser
 
-
-def eval_argv(model, tmp_path, out, attention="full,tokenselect", lengths="1x,512", samples="3") -> list[str]:
-    return ["--model", str(model), "--task", "passkey", "--lengths", lengths, "--samples", samples,
-            "--attention", attention, "--k", "64", "--n-local", "64", "--n-init", "8", "--kernels", "torch",
-            "--device", "cpu", "--seed", "4", "--prompt-cache", str(tmp_path / "prompts"), "--output", str(out)]
+from benchmark_scripts import load
+from test_eval_cli import resume_argv
 
 
 def run_eval(argv: list[str]) -> None:
@@ -30,7 +26,7 @@ def test_a_seeded_run_keeps_the_table_s_answers_and_generates_only_the_missing(t
 
     seed = load("seed_resume").main
     table = tmp_path / "table"
-    run_eval(eval_argv(tiny_llama, tmp_path, table))  # the committed table: 2 policies x 2 lengths x 3 samples
+    run_eval(resume_argv(tiny_llama, tmp_path, table))  # the committed table: 2 policies x 2 lengths x 3 samples
     whole = records(table)
     # the table lost tokenselect's last 512-token sample (a run stopped at its limit)
     short = [r for r in whole if not (r["policy"] == "tokenselect" and r["length"] == "512" and r["sample"] == 2)]
@@ -38,7 +34,7 @@ def test_a_seeded_run_keeps_the_table_s_answers_and_generates_only_the_missing(t
     with gzip.open(packed, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in short)
     topup = tmp_path / "topup"
-    argv = eval_argv(tiny_llama, tmp_path, topup, attention="tokenselect", lengths="512")
+    argv = [*resume_argv(tiny_llama, tmp_path, topup), "--attention", "tokenselect", "--lengths", "512"]
     assert seed([str(packed), "--", *argv]) == 0
     seeded = records(topup)
     assert [(r["policy"], r["length"], r["sample"]) for r in seeded] == [("tokenselect", "512", 0),
