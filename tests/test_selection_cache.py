@@ -36,16 +36,18 @@ def test_a_hit_is_a_cosine_at_or_above_theta():
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_decide_gives_the_candidates_live_on_a_miss_and_none_on_a_hit(kernels):
     kern = get_kernels(kernels)
+    # compiled Triton needs CUDA tensors; without a GPU the kernels run in the interpreter on the CPU
+    device = torch.device("cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu")
     cache = SelectionCache(0.9, n_layers=1, width=2, check=kern.selection_check, update=kern.selection_update)
-    row = cache.row(0, 16, CPU)
-    q, live = torch.randn(2, 8), torch.tensor(37)
-    cache.store(row, 0, q, torch.tensor([1, 2]))
+    row = torch.tensor(cache.row(0, 16, device), device=device)
+    q, live = torch.randn(2, 8, device=device), torch.tensor(37, device=device)
+    cache.store(int(row), 0, q, torch.tensor([1, 2], device=device))
     for query, miss in ((2 * q, False), (-q, True)):
-        got, candidates = cache.decide(torch.tensor(row), 0, query, live)
+        got, candidates = cache.decide(row, 0, query, live)
         assert bool(got) is miss and candidates.dtype == torch.int64 and int(candidates) == (37 if miss else 0)
-    assert cache.decide(torch.tensor(row), 0, q)[1] is None  # no live given: no candidates
+    assert cache.decide(row, 0, q)[1] is None  # no live given: no candidates
     assert cache.counts() == (2, 1)
-    assert SelectionCache(None, 1, 2).decide(torch.tensor(0), 0, q, live) == (None, live)  # off: every candidate
+    assert SelectionCache(None, 1, 2).decide(row, 0, q, live) == (None, live)  # off: every candidate
 
 
 def test_lookup_counts_and_returns_the_stored_selection():
