@@ -52,11 +52,12 @@ def test_a_step_runs_in_the_smallest_captured_size_that_holds_it(tiny_llama):
 @pytest.mark.parametrize("attention", ["quest", "tokenselect"])
 def test_engine_generates_the_same_through_the_graph_pieces(tiny_llama, batch_invariant_matmuls, attention):
     """Three prompts (prefilled in chunks of 32, one after another, then decoding together) give the
-    tokens of the plain path. QUEST with dynamic NTK (never a whole step: its frequencies follow the length)
-    decodes through the pieces in bucket 4 (one padding row); tokenselect with a small budget selects or reuses
-    (Selection Cache) on every decode step, its decode steps captured whole (batch 3)."""
+    tokens of the plain path. QUEST with the values on the host, attending every token (never a whole step then:
+    a graph would stage the table's whole capacity), decodes through the pieces in bucket 4 (one padding row);
+    tokenselect with a small budget selects or reuses (Selection Cache) on every decode step, its decode steps
+    captured whole (batch 3)."""
     settings = {"k": 16, "n_init": 4, "n_local": 16, "theta": 0.5, "dense_until": 0} if attention == "tokenselect" \
-        else {"rope_scaling": "dynamic:4"}
+        else {"kv_offload": "values"}
     prompts = [ids(60, 1), ids(50, 2), ids(64, 3)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **settings)

@@ -11,9 +11,10 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect import cuda_graphs
-from tokenselect.attention import Chunk
+from tokenselect.attention import Chunk, RopeFrequencies
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
+from tokenselect.rope import RopeSpec
 from tokenselect.policies import SeqStep, start_step
 from tokenselect.policies.full import FullAttention
 from tokenselect.policies.infllm import InfLLM
@@ -110,6 +111,24 @@ def test_steps_read_nothing_on_the_host(name):
             got = policy.attend(layer, step, torch.randn(w, n_heads, d, device=meta), slots[t:t + w])
             assert got.slots.device == meta and got.q_pos.shape == (w,)
     assert policy.graph_ready(80)
+
+
+def test_dynamic_ntk_frequencies_follow_the_last_query_without_a_host_read():
+    """Dynamic NTK's frequencies grow with the length attended, read from the step's last query position on the
+    device: on the meta device (no values) a host read would raise, so its steps can be recorded whole. On a
+    CPU they equal the host formula's (``RopeSpec.inv_freq``, matched to transformers in test_rope) for the last
+    query's position + 1, and stay the window's at and below it."""
+    spec = RopeSpec(16, theta=10000.0, kind="dynamic", factor=4.0, max_position=256)
+    frequencies = RopeFrequencies(spec, torch.device("meta"))
+    inv_freq, scale = frequencies(torch.arange(300, device="meta"))
+    assert inv_freq.device.type == "meta" and inv_freq.shape == (8,) and scale == 1.0
+    on_cpu = RopeFrequencies(spec, torch.device("cpu"))
+    window = spec.inv_freq(0)[0]
+    for last in (0, 254, 255, 256, 700):  # the first past the window: position 256, i.e. 257 tokens
+        got = on_cpu(torch.tensor([3, last]))[0]
+        want = spec.inv_freq(last + 1)[0]
+        assert torch.equal(got, want)
+        assert torch.equal(got, window) is (last + 1 <= 256)
 
 
 def test_a_grown_arange_keeps_the_one_graphs_read():
@@ -446,6 +465,28 @@ def test_a_batch_past_eight_sequences_decodes_through_one_graph(tiny_llama, batc
     assert outs[1] == outs[0]
     assert 12 in [key[1] for key in engines[1].runner.graphs.whole_keys() if key[0] == "decode"]
     assert engines[1].stats() == engines[0].stats()
+
+
+@pytest.mark.parametrize("attention", ["full", "tokenselect"])
+def test_dynamic_ntk_decodes_through_whole_graphs(tiny_llama, batch_invariant_matmuls, attention):
+    """Dynamic NTK (its frequencies follow each step's length, computed on the device) decodes through whole-step
+    graphs, prefill chunks too, with the plain path's tokens, while the requests cross the model's 256-token
+    window and after; without the scaling the tokens differ, so the frequencies took part (TokenSelect at its
+    tokens' own positions: re-indexed ones stay inside the window, where dynamic NTK changes nothing)."""
+    sizes = {**small_sizes(attention), "positions": "original"} if attention == "tokenselect" else {}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [ids(240, 40), ids(300, 41)]  # the first crosses the window while it decodes
+
+    def run(graphs: bool, scaling: str | None):
+        llm = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=graphs, dtype="float32", rope_scaling=scaling,
+                  **sizes)
+        return llm, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    (_, want), (graphed, got) = run(False, "dynamic:4"), run(True, "dynamic:4")
+    assert got == want
+    assert graphed.runner.graphs.failure is None
+    assert 2 in [key[1] for key in graphed.runner.graphs.whole_keys() if key[0] == "decode"]
+    assert run(False, None)[1] != want
 
 
 def test_the_next_prompt_replays_infllm_prefill_graph(tiny_llama, monkeypatch):

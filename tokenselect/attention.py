@@ -44,15 +44,11 @@ class RopeFrequencies:
         self._static = inv_freq.to(device)
 
     def __call__(self, q_positions: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Frequencies for a chunk whose last query sits at ``q_positions[-1]``. Only dynamic NTK
-        reads the position (a host sync), the other kinds never depend on it."""
+        """Frequencies for a chunk whose last query sits at ``q_positions[-1]``. Only dynamic NTK depends on
+        it, computed on the device (no host read: the same in a CUDA graph)."""
         if self.spec.kind != "dynamic":
             return self._static, self.scale
-        length = int(q_positions[-1]) + 1
-        if length <= self.spec.max_position:
-            return self._static, self.scale
-        inv_freq, scale = self.spec.inv_freq(length)
-        return inv_freq.to(self.device), scale
+        return self.spec.dynamic_inv_freq(q_positions[-1:] + 1, self._static), self.scale
 
 
 class BatchAttention:

@@ -12,7 +12,7 @@ kernels per layer as by the GPU's work. ``GraphCache`` keeps two kinds of graph,
       piece i, 0<i<L:   x, out -> x, q, k, v of layer i      (layer i-1's o_proj and MLP, then layer i's)
       piece L:          x, out -> x                          (the last layer's o_proj and MLP)
   where ``out`` is the previous attention's result, copied into a static buffer; attention runs eagerly
-  between the pieces (mixed batches, policies whose list changes length, dynamic NTK all run this way).
+  between the pieces (mixed batches and policies whose list changes length run this way).
 - ``(phase, batch, capacity, id(policy), mode)``, phase "decode" or "prefill": the whole step, selection and
   sparse attention inside, where a policy's list keeps its length from step to step or is full attention's
   whole table (``AttentionPolicy.graph_ready``: a selective policy while it attends everything, as TokenSelect
@@ -166,8 +166,6 @@ class GraphCache:
     def whole(self, chunks) -> bool:
         """chunks: the step's ``attention.Chunk``s: decode tokens of one policy, or one full prefill chunk."""
         if self.failure is not None or not 0 < len(chunks) <= MAX_BATCH:
-            return False
-        if self.rope.spec.kind == "dynamic":
             return False
         policy = chunks[0].seq.policy
         if not all(ch.seq.policy is policy and policy.graph_ready(ch.past, ch.length) for ch in chunks):

@@ -97,14 +97,24 @@ class RopeSpec:
             return base_freq / self.factor, 1.0
         if self.kind == "ntk":  # static NTK-aware: base stretched once by factor^(d/(d-2))
             return 1.0 / ((self.theta * self.factor ** (d / (d - 2))) ** exponents), 1.0
-        if self.kind == "dynamic":  # NTK-aware base grown with the attended length (HF "dynamic")
-            if seq_len <= self.max_position:
-                return base_freq, 1.0
-            growth = (self.factor * seq_len / self.max_position) - (self.factor - 1)
-            return 1.0 / ((self.theta * growth ** (d / (d - 2))) ** exponents), 1.0
+        if self.kind == "dynamic":
+            return self.dynamic_inv_freq(torch.tensor([seq_len]), base_freq), 1.0
         if self.kind == "llama3":
             return self._llama3(base_freq), 1.0
         return self._yarn()
+
+    def dynamic_inv_freq(self, length: torch.Tensor, base_freq: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK (HF "dynamic"): the base grown with the attended length, as tensor operations on length's
+        device, so that a step recorded as a CUDA graph follows its length without a host read. length: int64 [1],
+        the tokens attended so far; base_freq: [head_dim // 2] fp32 on the same device, the frequencies up to the
+        window. The grown base is computed in fp64 and rounded to fp32 before the power, as transformers' Python
+        float is."""
+        d = self.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device=length.device).float() / d
+        # at or below the window the base stays (the where); clamped so that no power of a negative is computed
+        growth = (self.factor * length.double() / self.max_position - (self.factor - 1)).clamp_min(1.0)
+        base = (self.theta * growth ** (d / (d - 2))).float()
+        return torch.where(length > self.max_position, 1.0 / base ** exponents, base_freq)
 
     def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
         old_len = self.original_max_position or self.max_position
