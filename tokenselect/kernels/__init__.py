@@ -17,6 +17,7 @@ import torch
 
 from .block_scores import block_scores, block_scores_ref
 from .head_vote import head_soft_vote, head_soft_vote_ref
+from .page_bounds import page_scores, page_scores_ref
 from .paged_argmax import paged_argmax, paged_argmax_ref
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref
 from .row_copy import gather_into, gather_into_ref
@@ -46,7 +47,9 @@ class Kernels:
     paged_argmax(q [R, d] head-major, k_pool, slots [N], n_valid=None) -> [R] int64, each row's best slot index
     (ReAttention's vote, ``paged_argmax.py``);
     gather_into(src [S], index [n] int64, out [n]) -> out holding src[index] (the chosen slots into the attended
-    list, ``row_copy.py``)."""
+    list, ``row_copy.py``);
+    page_scores(query [H, d], lo [rows, P, n_kv, d], hi, row, tail_lo [n_kv, d], tail_hi, tail_at) -> [P] fp32, the
+    best head's upper bound on q . k a page (QUEST's selection, ``page_bounds.py``)."""
 
     name: str
     paged_dot: Callable
@@ -59,13 +62,15 @@ class Kernels:
     block_scores: Callable
     paged_argmax: Callable
     gather_into: Callable
+    page_scores: Callable
 
 
 KERNELS = {
     "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
-                      selection_update_ref, window_mass_ref, block_scores_ref, paged_argmax_ref, gather_into_ref),
+                      selection_update_ref, window_mass_ref, block_scores_ref, paged_argmax_ref, gather_into_ref,
+                      page_scores_ref),
     "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, selection_update,
-                      window_mass, block_scores, paged_argmax, gather_into),
+                      window_mass, block_scores, paged_argmax, gather_into, page_scores),
 }
 
 

@@ -6,7 +6,7 @@ page may be partial). A page is summarised by the channel-wise minimum and maxim
 kv head. For the selection query q (the chunk's mean query; the token's own query in decode) the
 page's upper bound on q_h . k for query head h, reading kv head kv(h), is
 
-    u[h, p] = sum_c max(q[h, c] * min[p, kv(h), c], q[h, c] * max[p, kv(h), c])
+    u[h, p] = sum_c max(q[h, c] * min[p, kv(h), c], q[h, c] * max[p, kv(h), c])     (``kernels.page_scores``)
 
 QUEST selects pages per head. Our list is shared by all heads, so pages are ranked by
 max_h u[h, p]: a page is in the running as soon as one head's bound is high, which is the union of
@@ -85,16 +85,16 @@ class Quest(SelectivePolicy):
         middle, live = self.middle(step)
         ps, m = self.page_size, middle.numel()
         n_full = live // ps
-        lo, hi = (b[:, layer].index_select(0, step.row.view(1))[0] for b in (self.lo, self.hi))  # [P, n_kv, d]
-        # the partial last page's bounds, from its live keys, in the entry after the full pages
+        # the partial last page's bounds, from its live keys: the page after the full ones
         tail = n_full * ps + self.cache.arange(ps)
         live_tail = (tail < live)[:, None, None]
         keys = self.cache.k[layer][middle.index_select(0, tail.clamp(max=m - 1))].float()  # [ps, n_kv, d]
-        at = n_full.view(1)
-        lo.index_copy_(0, at, keys.masked_fill(~live_tail, float("inf")).amin(dim=0, keepdim=True))
-        hi.index_copy_(0, at, keys.masked_fill(~live_tail, float("-inf")).amax(dim=0, keepdim=True))
+        tail_lo = keys.masked_fill(~live_tail, float("inf")).amin(dim=0)
+        tail_hi = keys.masked_fill(~live_tail, float("-inf")).amax(dim=0)
         n_pages = (live + ps - 1) // ps
-        scores = self.heads.max(self.page_scores(selection_query(q), lo, hi))  # the best head of every rank
+        scores = self.kernels.page_scores(selection_query(q), self.lo[:, layer], self.hi[:, layer], step.row, tail_lo,
+                                          tail_hi, n_full)
+        scores = self.heads.max(scores)  # the best head of every rank
         pages = self.kernels.topk(scores, self.k // ps, n_pages)
         tokens = (pages[:, None] * ps + self.cache.arange(ps)[None, :]).flatten()
         # ascending: the live tokens first (the partial page's dead end and pages past the live ones after them)
@@ -104,15 +104,6 @@ class Quest(SelectivePolicy):
         """The bounds a step reads: ``prepare`` fills new pages in place before a step, and when the page axis
         grows the tensors are new ones, for which a graph is recorded again."""
         return self.lo, self.hi
-
-    @staticmethod
-    def page_scores(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """query: [H, d]; lo, hi: [P, n_kv, d] -> [P], the best head's upper bound on q . k. Query head h reads kv
-        head h // group: the query as [n_kv, group, d] meets each kv head's bounds by broadcasting (no
-        per-head copy of the bounds)."""
-        query = query.reshape(lo.shape[1], -1, query.shape[-1])[None]  # [1, n_kv, group, d]
-        bound = torch.maximum(query * lo[:, :, None], query * hi[:, :, None]).sum(dim=-1)  # [P, n_kv, group]
-        return bound.flatten(1).amax(dim=1)
 
     def release(self, seq_id: int) -> None:
         self.rows.release(seq_id)
