@@ -25,7 +25,7 @@ def page_scores_ref(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     """query: [H, d] (any float dtype, read in fp32); lo, hi: [rows, P, n_kv, d] fp32; row, tail_at: int64 [] on
     their device (tail_at < P); tail_lo, tail_hi: [n_kv, d] fp32 -> scores [P] fp32."""
     index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
-    lo, hi = (b.index_select(0, index)[0].clone() for b in (lo, hi))  # [P, n_kv, d]
+    lo, hi = (b.index_select(0, index)[0] for b in (lo, hi))  # [P, n_kv, d], copies the tail is written into
     for bounds, tail in ((lo, tail_lo), (hi, tail_hi)):
         bounds.index_copy_(0, tail_at.view(1), tail[None])
     n_kv, d = lo.shape[1], lo.shape[2]
