@@ -61,14 +61,17 @@ def main() -> None:
                     "kpos_ptr": i64p, "qpos_ptr": i64p, "inv_freq_ptr": "*fp32",
                     "out_ptr": f"*{'fp32' if split else q}", "m_ptr": "*fp32", "l_ptr": "*fp32", "n_valid_ptr": i64p,
                     "C": i32, "N": i32, "G": i32, "H": i32, "keys_per_split": i32, "rope_scale": f32, "qk_scale": f32,
-                    "k_stride_row": i32, "k_stride_kvh": i32, "v_stride_slot": i32, "v_stride_kvh": i32},
+                    "k_stride_row": i32, "k_stride_kvh": i32, "v_stride_slot": i32, "v_stride_kvh": i32,
+                    "row_blocks": i32, "slot_stride_b": i32, "kpos_stride_b": i32, "inv_stride_b": i32,
+                    "k_stride_b": i32},
                     {"HALF": 64, "HALF_P": 64, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot,
                      "IEEE": ieee, "ROTATED": rotated, "SPLIT": split, "LIVE": live}, num_warps=warps,
                     num_stages=stages)
             compile_one("sparse_attention", "_rotate_keys_kernel", {
                 "k_ptr": f"*{kv}", "slot_ptr": i64p, "kpos_ptr": i64p, "inv_freq_ptr": "*fp32", "out_ptr": f"*{q}",
                 "n_valid_ptr": i64p, "N": i32, "n_kv": i32, "rope_scale": f32, "k_stride_slot": i32,
-                "k_stride_kvh": i32}, {"HALF": 64, "HALF_P": 64, "BLOCK_N": 32, "LIVE": live})
+                "k_stride_kvh": i32, "slot_stride_b": i32, "kpos_stride_b": i32, "inv_stride_b": i32},
+                {"HALF": 64, "HALF_P": 64, "BLOCK_N": 32, "LIVE": live})
         block_r, block_n, warps, stages = mods["window_mass"].FP32_TILE if ieee else mods["window_mass"].TILE
         compile_one("window_mass", "_window_mass_kernel", {
             "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "C": i32, "N": i32, "W": i32,

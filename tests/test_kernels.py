@@ -399,7 +399,8 @@ def test_page_scores_read_the_layer_view_of_the_bounds():
     (bounds +inf / -inf, no live key) scores what it scores, and the pages around it are unaffected."""
     query, lo, hi, _, _ = page_bounds_case(20, 2, 4, 32, seed=9)
     layers_lo, layers_hi = torch.stack([lo, lo + 1], dim=1), torch.stack([hi, hi + 1], dim=1)  # [rows, 2, P, n_kv, d]
-    tail_lo, tail_hi = torch.full((2, 32), float("inf"), device=DEVICE), torch.full((2, 32), float("-inf"), device=DEVICE)
+    tail_lo = torch.full((2, 32), float("inf"), device=DEVICE)  # a tail page with no live key
+    tail_hi = -tail_lo
     args = (query, layers_lo[:, 1], layers_hi[:, 1], torch.tensor(1, device=DEVICE), tail_lo, tail_hi,
             torch.tensor(19, device=DEVICE))
     got, want = page_scores(*args), page_scores_ref(*args)
@@ -611,6 +612,50 @@ def test_small_and_odd_head_dims(d):
                                TORCH.head_soft_vote(q[0], k_pool, slots, 0.3), atol=1e-5, rtol=1e-4)
     args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale)
     torch.testing.assert_close(TRITON.sparse_attention(*args), TORCH.sparse_attention(*args), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("c,n,one_split", [(1, 300, False), (1, 300, True), (5, 120, False)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sparse_attention_of_a_batch_is_each_sequence_alone(monkeypatch, c, n, one_split, group, dtype, shared):
+    """Three sequences in one launch (a whole-step graph's batch), as each alone: their slot lists rows of one
+    table (a strided view, no copy), live prefixes of their own (one the whole list; past them NaN keys and
+    values), key positions and frequencies per sequence or shared by all (stride 0). Split-K over the batch
+    (decode), one split, and chunks of 5 queries (the keys rotated once per sequence first)."""
+    if one_split:
+        monkeypatch.setattr(sys.modules["tokenselect.kernels.sparse_attention"], "TARGET_PROGRAMS", 1)
+    gen = torch.Generator().manual_seed(n * 10 + c + group)
+    d, batch, slots_n = 64, 3, 3 * n + 50
+    q = query((batch, c, N_KV * group, d), dtype, gen)
+    k_pool, v_pool = pool(slots_n, d, dtype, gen), pool(slots_n, d, dtype, gen)
+    table = torch.randperm(slots_n, generator=gen)[:batch * (n + 7)].view(batch, n + 7).to(DEVICE)
+    slots = table[:, 2:n + 2]  # rows of the table at a stride of n + 7
+    lives = [n, n // 2, c + 3]
+    for b, live in enumerate(lives[1:], 1):
+        k_pool[slots[b, live:]] = float("nan")
+        v_pool[slots[b, live:]] = float("nan")
+    k_pool[slots[0]] = k_pool[slots[0]].nan_to_num()  # the first sequence reads rows the others poisoned
+    v_pool[slots[0]] = v_pool[slots[0]].nan_to_num()
+    if shared:
+        key_pos, _, inv_freq, scale = rope_inputs(c, n, d, gen)
+        q_pos = torch.stack([key_pos[live - c:live] for live in lives])
+    else:
+        ropes = [rope_inputs(c, n, d, gen) for _ in range(batch)]
+        key_pos = torch.stack([r[0] for r in ropes])
+        q_pos = torch.stack([r[0][live - c:live] for r, live in zip(ropes, lives)])
+        inv_freq = torch.stack([r[2] * (1 + 0.1 * b) for b, r in enumerate(ropes)])
+        scale = ropes[0][3]
+    n_valid = torch.tensor(lives, device=DEVICE)
+    got = TRITON.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, n_valid=n_valid)
+    assert got.shape == q.shape and not got.isnan().any()
+    for b, live in enumerate(lives):
+        pos = key_pos if shared else key_pos[b]
+        alone = TORCH.sparse_attention(q[b], k_pool, v_pool, slots[b, :live], pos[:live], q_pos[b],
+                                       inv_freq if shared else inv_freq[b], scale)
+        assert_attention_close(got[b], alone, dtype)
+    batched_ref = TORCH.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, n_valid=n_valid)
+    assert_attention_close(got, batched_ref, dtype)
 
 
 def test_sparse_attention_explicit_softmax_scale_and_fp8_pool():

@@ -11,7 +11,7 @@ import torch
 
 from tokenselect import LLM, SamplingParams
 from tokenselect import cuda_graphs
-from tokenselect.attention import Chunk, RopeFrequencies
+from tokenselect.attention import Chunk, RopeFrequencies, rows
 from tokenselect.kernels import get_kernels
 from tokenselect.kv_cache import KVCache
 from tokenselect.rope import RopeSpec
@@ -129,6 +129,23 @@ def test_dynamic_ntk_frequencies_follow_the_last_query_without_a_host_read():
         want = spec.inv_freq(last + 1)[0]
         assert torch.equal(got, want)
         assert torch.equal(got, window) is (last + 1 <= 256)
+
+
+def test_a_batchs_operands_are_views_where_they_can_be():
+    """``attention.rows``: the rows of one slot table are a strided view of it (no copy a layer), one shared arange
+    a stride-0 view, and anything else a stack; each row reads what its tensor held."""
+    table = torch.arange(40).view(4, 10)
+    got = rows([table[b, 2:9] for b in range(4)])
+    assert got.data_ptr() == table[0, 2:9].data_ptr() and got.stride() == (10, 1)
+    assert torch.equal(got, table[:, 2:9])
+    shared = torch.arange(6)
+    got = rows([shared[1:5]] * 3)
+    assert got.stride() == (0, 1) and torch.equal(got, shared[1:5].expand(3, 4))
+    apart = [torch.arange(3) + b for b in range(2)]  # separate tensors: a stack
+    got = rows(apart)
+    assert torch.equal(got, torch.stack(apart)) and got.data_ptr() not in [t.data_ptr() for t in apart]
+    reversed_rows = rows([table[1], table[0]])  # rows of one table, but not in order: a stack
+    assert torch.equal(reversed_rows, table[[1, 0]])
 
 
 def test_a_grown_arange_keeps_the_one_graphs_read():

@@ -84,3 +84,32 @@ def attend(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: Rope
     k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)
     return kernels.sparse_attention(q, k_pool, v_pool, slots, attended.key_pos, attended.q_pos, inv_freq, scale,
                                     n_valid=attended.n_valid)
+
+
+def attend_batch(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, layer: int,
+                 steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """``attend`` for B sequences of one policy and mode, whose lists have one length (a whole-step graph's
+    batch): q: [B, w, n_heads, d], own: [B, w] -> [B, w, n_heads, d], each policy choice made per sequence and
+    one attention launch for all (one node a layer in a graph, not B, and a grid over every sequence)."""
+    lists = [policy.attend(layer, step, q[b], own[b]) for b, step in enumerate(steps)]
+    frequencies = [rope(a.q_pos) for a in lists]
+    k_pool, v_pool, slots = cache.attention_pools(layer, rows([a.slots for a in lists]))
+    n_valid = None if lists[0].n_valid is None else rows([a.n_valid.view(1) for a in lists]).view(-1)
+    return kernels.sparse_attention(q, k_pool, v_pool, slots, rows([a.key_pos for a in lists]),
+                                    rows([a.q_pos for a in lists]), rows([f[0] for f in frequencies]),
+                                    frequencies[0][1], n_valid=n_valid)
+
+
+def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """B tensors of one shape [n] as a [B, n] operand of a batched kernel, copying nothing where it can: the
+    tensors' common storage at stride 0 where all are the same view (an arange every sequence shares), at their
+    spacing where they are evenly spaced rows of one tensor (the rows of a graph's slot table), else a stack."""
+    first = tensors[0]
+    offsets = [t.data_ptr() - first.data_ptr() for t in tensors]
+    alike = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
+                and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors)
+    if alike and first.dim() == 1 and first.stride(0) == 1 and offsets[-1] % first.element_size() == 0:
+        spacing = (offsets[1] if len(tensors) > 1 else 0) // first.element_size()
+        if spacing >= 0 and all(o == b * spacing * first.element_size() for b, o in enumerate(offsets)):
+            return first.as_strided((len(tensors), first.numel()), (spacing, 1))
+    return torch.stack(tensors)

@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from .attention import attend
+from .attention import attend, attend_batch
 from .models.llama import AttentionContext, CausalLM
 from .policies import AttentionPolicy, SeqStep
 from .transfer import to_device
@@ -383,9 +383,12 @@ class _WholeStep:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   seqs: list[SeqStep]) -> torch.Tensor:
         """q: [B * w, n_heads, d], k, v: [B * w, n_kv_heads, d] un-rotated -> [B * w, n_heads, d]: each
-        sequence's w tokens attend what its policy chooses (``attention.attend``), their own tokens causally."""
+        sequence's w tokens attend what its policy chooses, their own tokens causally; a batch in one attention
+        launch (``attention.attend_batch``)."""
         owner, cache, w = self.owner, self.owner.cache, self.width
         cache.write(layer, self.new_slots, k, v)
-        outs = [attend(self.policy, cache, owner.kernels, owner.rope, layer, seq, q[b * w:(b + 1) * w],
-                       self.new_slots[b * w:(b + 1) * w]) for b, seq in enumerate(seqs)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.batch == 1:
+            return attend(self.policy, cache, owner.kernels, owner.rope, layer, seqs[0], q, self.new_slots)
+        batched = q.view(self.batch, w, *q.shape[1:])
+        return attend_batch(self.policy, cache, owner.kernels, owner.rope, layer, seqs, batched,
+                            self.new_slots.view(self.batch, w)).view(q.shape)

@@ -150,10 +150,10 @@ class KVCache:
             return gather(self.k[layer], slots), gather(self.v[layer], slots)
 
     def attention_pools(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What attention reads for the attended ``slots: [n]``: (K pool, V pool, slots to read them at).
-        The layer's pools at ``slots`` themselves, or with value offload the rows staged on the device
-        (``stage``) at 0..n-1."""
+        """What attention reads for the attended ``slots`` ([n], or [B, n] for a batch): (K pool, V pool, slots to
+        read them at). The layer's pools at ``slots`` themselves, or with value offload the rows staged on the
+        device (``stage``) at 0..n-1 (0..B n - 1, in the slots' shape)."""
         if self.offload != "values":
             return self.k[layer], self.v[layer], slots
-        k, v = self.stage(layer, slots)
-        return k, v, self.arange(slots.numel())
+        k, v = self.stage(layer, slots.reshape(-1))
+        return k, v, self.arange(slots.numel()).view(slots.shape)

@@ -42,7 +42,17 @@ def sparse_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     """q: [c, n_heads, d] un-rotated; k_pool, v_pool: [n_slots, n_kv_heads, d]; slots, key_pos: [n];
     q_pos: [c]; inv_freq: [d // 2] fp32; n_valid: None, or int64 [] on q's device: only the list's first
     n_valid entries are attended (the chunk's own tokens are the last c of those), as a graph whose list
-    is a table of fixed length needs (masked, not sliced: no host read). Returns [c, n_heads, d] in q's dtype."""
+    is a table of fixed length needs (masked, not sliced: no host read). Returns [c, n_heads, d] in q's dtype.
+
+    A batch of B sequences in one call: q [B, c, n_heads, d], slots [B, n], q_pos [B, c], n_valid None or [B];
+    key_pos [n] (shared) or [B, n], inv_freq [d // 2] (shared) or [B, d // 2] -> [B, c, n_heads, d], each
+    sequence as alone."""
+    if q.dim() == 4:
+        def row(x, b):  # a shared operand, or the sequence's row of a batched one
+            return x if x.dim() == 1 else x[b]
+        return torch.stack([sparse_attention_ref(q[b], k_pool, v_pool, slots[b], row(key_pos, b), q_pos[b],
+                                                 row(inv_freq, b), rope_scale, sm_scale,
+                                                 None if n_valid is None else n_valid[b]) for b in range(q.shape[0])])
     c, n = q.shape[0], slots.shape[0]
     k = rotate(k_pool[slots].to(q.dtype), key_pos, inv_freq, rope_scale)  # [n, n_kv, d]; fp8 pools upcast
     v = v_pool[slots].to(q.dtype)
@@ -90,13 +100,18 @@ def _rope_halves(x1, x2, pos, inv_freq, rope_scale):
 
 @triton.jit
 def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_valid_ptr, N, n_kv, rope_scale,
-                        k_stride_slot, k_stride_kvh, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                        LIVE: tl.constexpr):
-    """Program = a block of list entries j: out[j, kvh] = RoPE(k_pool[slots[j], kvh], key_pos[j]) for
-    every kv head, in out's dtype; the angles are computed once for all heads. LIVE: only the first
-    ``*n_valid_ptr`` entries (the others are neither read nor written)."""
+                        k_stride_slot, k_stride_kvh, slot_stride_b, kpos_stride_b, inv_stride_b,
+                        HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr, LIVE: tl.constexpr):
+    """Program = a block of list entries j of sequence b (axis 1): out[b, j, kvh] = RoPE(k_pool[slots[b, j], kvh],
+    key_pos[b, j]) for every kv head, in out's dtype; the angles are computed once for all heads. LIVE: only the
+    first ``n_valid[b]`` entries (the others are neither read nor written)."""
+    b = tl.program_id(1).to(tl.int64)
+    slot_ptr += b * slot_stride_b
+    kpos_ptr += b * kpos_stride_b
+    inv_freq_ptr += b * inv_stride_b
+    out_ptr += b * N * n_kv * (2 * HALF)
     if LIVE:
-        N = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+        N = tl.minimum(tl.load(n_valid_ptr + b).to(tl.int32), N)
     j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, HALF_P)
     j_ok, dim_ok = j < N, half < HALF
@@ -156,6 +171,7 @@ def _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot
 def _sparse_attention_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, kpos_ptr, qpos_ptr, inv_freq_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr,
     C, N, G, H, keys_per_split, rope_scale, qk_scale, k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh,
+    row_blocks, slot_stride_b, kpos_stride_b, inv_stride_b, k_stride_b,
     HALF: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_TY: tl.constexpr, IEEE: tl.constexpr, ROTATED: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
 ):
@@ -166,11 +182,22 @@ def _sparse_attention_kernel(
     ragged end) are masked. SPLIT: writes the unnormalised acc [R, d], the running max m and sum l
     for the merge; otherwise the normalised output in out's dtype. LIVE: the list is its first
     ``*n_valid_ptr`` entries (read on the device), spread over the splits here (the grid was planned for
-    the whole list); a split past them sees no key (m = -inf, l = 0)."""
+    the whole list); a split past them sees no key (m = -inf, l = 0).
+    A batch: axis 0 runs over (sequence b, row block); b's queries, lists, positions, frequencies (and rotated
+    keys) start at its offsets, the pools are shared."""
+    b = tl.program_id(0) // row_blocks
+    n_seqs = tl.num_programs(0) // row_blocks
+    b64 = b.to(tl.int64)
+    q_ptr += b64 * C * H * (2 * HALF)
+    slot_ptr += b64 * slot_stride_b
+    kpos_ptr += b64 * kpos_stride_b
+    qpos_ptr += b64 * C
+    inv_freq_ptr += b64 * inv_stride_b
+    k_ptr += b64 * k_stride_b
     if LIVE:
-        N = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+        N = tl.minimum(tl.load(n_valid_ptr + b).to(tl.int32), N)
         keys_per_split = tl.cdiv(tl.cdiv(N, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    pid_r, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_r, kvh, split = tl.program_id(0) % row_blocks, tl.program_id(1), tl.program_id(2)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < C * G
     i = r // G  # query index in the chunk
@@ -207,13 +234,13 @@ def _sparse_attention_kernel(
 
     out_ok = row_ok[:, None] & v_dim_ok[None, :]
     if SPLIT:
-        row = split * C * H + i * H + h  # partials laid out [split, query, head]
+        row = (split * n_seqs + b) * C * H + i * H + h  # partials laid out [split, sequence, query, head]
         tl.store(out_ptr + row[:, None].to(tl.int64) * (2 * HALF) + dims[None, :], acc, mask=out_ok)
         tl.store(m_ptr + row, m, mask=row_ok)
         tl.store(l_ptr + row, l, mask=row_ok)
     else:  # every row sees key 0, so l > 0
         out = acc / l[:, None]
-        tl.store(out_ptr + (i * H + h)[:, None].to(tl.int64) * (2 * HALF) + dims[None, :],
+        tl.store(out_ptr + ((b * C + i) * H + h)[:, None].to(tl.int64) * (2 * HALF) + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
@@ -266,11 +293,15 @@ MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of p
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                      key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float = 1.0,
                      sm_scale: float | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding). With
-    ``n_valid`` the grid is planned for all n entries; the kernels read the live length on the device and
-    share it out among the splits."""
-    c, n_heads, d = q.shape
-    n_kv, n = k_pool.shape[1], slots.numel()
+    """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding), a batch of
+    sequences in one launch of each kernel. With ``n_valid`` the grid is planned for all n entries; the kernels
+    read the live length on the device and share it out among the splits. A batched operand may be any [B, n]
+    view whose rows are contiguous (a slot table's rows; a shared list expanded, stride 0)."""
+    if q.dim() == 3:  # one sequence: a batch of one
+        return sparse_attention(q[None], k_pool, v_pool, slots[None], key_pos, q_pos[None], inv_freq, rope_scale,
+                                sm_scale, None if n_valid is None else n_valid.view(1))[0]
+    batch, c, n_heads, d = q.shape
+    n_kv, n = k_pool.shape[1], slots.shape[1]
     group = n_heads // n_kv
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     dot_ty, ieee = query_dot_type(q.dtype, k_pool.dtype)
@@ -282,35 +313,38 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     block_r, block_n, warps, stages = tile
     block_n = block_n if d <= 128 else max(16, block_n // 2)
     row_blocks = triton.cdiv(c * group, block_r)
-    splits = max(1, min(triton.cdiv(n, block_n), TARGET_PROGRAMS // (row_blocks * n_kv)))
+    splits = max(1, min(triton.cdiv(n, block_n), TARGET_PROGRAMS // (batch * row_blocks * n_kv)))
     keys_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
     splits = triton.cdiv(n, keys_per_split)
-    slots, key_pos, q_pos = slots.contiguous(), key_pos.contiguous(), q_pos.contiguous()
+    slots, key_pos = (x if x.stride(-1) == 1 else x.contiguous() for x in (slots, key_pos))
+    q_pos, n_valid = q_pos.contiguous(), None if n_valid is None else n_valid.contiguous()
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    strides = (slots.stride(0), key_pos.stride(0) if key_pos.dim() == 2 else 0,
+               inv_freq.stride(0) if inv_freq.dim() == 2 else 0)  # per sequence: its slots, key positions, frequencies
     rotated = row_blocks > 1
     if rotated:  # rotate each key once instead of once per row block
-        keys = torch.empty(n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
-        _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK),)](
+        keys = torch.empty(batch, n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
+        _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
             k_pool, slots, key_pos, inv_freq, keys, n_valid, n, n_kv, float(rope_scale), k_pool.stride(0),
-            k_pool.stride(1), HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=n_valid is not None)
-        k_stride_row, k_stride_kvh = keys.stride(0), keys.stride(1)
+            k_pool.stride(1), *strides, HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=n_valid is not None)
+        k_stride_row, k_stride_kvh, k_stride_b = keys.stride(1), keys.stride(2), keys.stride(0)
     else:
-        keys, k_stride_row, k_stride_kvh = k_pool, k_pool.stride(0), k_pool.stride(1)
-    out = torch.empty(c, n_heads, d, dtype=q.dtype, device=q.device)
+        keys, k_stride_row, k_stride_kvh, k_stride_b = k_pool, k_pool.stride(0), k_pool.stride(1), 0
+    out = torch.empty(batch, c, n_heads, d, dtype=q.dtype, device=q.device)
     split = splits > 1
     if split:  # partial results for the merge
-        acc = torch.empty(splits, c, n_heads, d, dtype=torch.float32, device=q.device)
-        m = torch.empty(splits, c, n_heads, dtype=torch.float32, device=q.device)
+        acc = torch.empty(splits, batch, c, n_heads, d, dtype=torch.float32, device=q.device)
+        m = torch.empty(splits, batch, c, n_heads, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-    _sparse_attention_kernel[(row_blocks, n_kv, splits)](
+    _sparse_attention_kernel[(batch * row_blocks, n_kv, splits)](
         q.contiguous(), keys, v_pool, slots, key_pos, q_pos, inv_freq, *((acc, m, l) if split else (out, None, None)),
         n_valid, c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale) * LOG2E,
-        k_stride_row, k_stride_kvh, v_pool.stride(0), v_pool.stride(1),
+        k_stride_row, k_stride_kvh, v_pool.stride(0), v_pool.stride(1), row_blocks, *strides, k_stride_b,
         HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     if split:
-        rows, splits_p = c * n_heads, triton.next_power_of_2(splits)
+        rows, splits_p = batch * c * n_heads, triton.next_power_of_2(splits)
         block_s = min(splits_p, max(1, MERGE_TILE // d_p))
         block_rows = max(1, min(16, MERGE_TILE // (block_s * d_p)))
         _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
