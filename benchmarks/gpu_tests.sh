@@ -75,7 +75,7 @@ for ((i = 0; i < shards; i++)); do
   jobs+=("kernels-$i")
 done
 run_job() {  # NAME GPU
-  CUDA_VISIBLE_DEVICES=$2 timeout "$limit" python3 -m pytest -q -rs -p no:cacheprovider "${select[@]}" \
+  CUDA_VISIBLE_DEVICES=$2 timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "${select[@]}" \
     $(cat "$out/$1.ids") > "$out/$1.log" 2>&1
 }
 pids=()
