@@ -159,6 +159,19 @@ def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_ll
     torch.testing.assert_close(graphed.prompt_logits(ids), plain.prompt_logits(ids), atol=1e-4, rtol=1e-4)
 
 
+def test_an_offloaded_batch_decodes_through_one_graph_with_the_plain_paths_tokens(tiny_llama):
+    """Three sequences decoding together with their values on the host: one attention launch for the batch
+    (``attention.attend_batch``) reads the rows staged for all three lists at once, in their order."""
+    sizes = small_sizes("tokenselect")
+    prompts = [distinct_tokens(120 + 10 * i, 20 + i) for i in range(3)]
+    plain = LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=False, **sizes)
+    graphed = LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in graphed.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert graphed.runner.graphs.failure is None
+    assert 3 in [key[1] for key in graphed.runner.graphs.whole_keys() if key[0] == "decode"]
+
+
 def test_full_attention_with_offloaded_values_runs_eagerly(tiny_llama, monkeypatch):
     """A full-attention graph would stage its table's whole capacity from the host every step: with the
     values offloaded, full attention's steps run eagerly (and give the plain path's tokens); on the device
