@@ -63,7 +63,7 @@ def main() -> None:
                     "C": i32, "N": i32, "G": i32, "H": i32, "keys_per_split": i32, "rope_scale": f32, "qk_scale": f32,
                     "k_stride_row": i32, "k_stride_kvh": i32, "v_stride_slot": i32, "v_stride_kvh": i32,
                     "row_blocks": i32, "slot_stride_b": i32, "kpos_stride_b": i32, "inv_stride_b": i32,
-                    "k_stride_b": i32},
+                    "k_stride_b": i32, "q_stride_tok": i32, "qpos_stride_b": i32},
                     {"HALF": 64, "HALF_P": 64, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot,
                      "IEEE": ieee, "ROTATED": rotated, "SPLIT": split, "LIVE": live}, num_warps=warps,
                     num_stages=stages)

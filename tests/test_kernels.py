@@ -647,7 +647,12 @@ def test_sparse_attention_of_a_batch_is_each_sequence_alone(monkeypatch, c, n, o
         inv_freq = torch.stack([r[2] * (1 + 0.1 * b) for b, r in enumerate(ropes)])
         scale = ropes[0][3]
     n_valid = torch.tensor(lives, device=DEVICE)
-    got = TRITON.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, n_valid=n_valid)
+    # the queries as the model hands them: a view of one q, k, v product (a token stride past n_heads * d)
+    product = torch.randn(batch * c, (N_KV * group + 2 * N_KV) * d, generator=gen).to(DEVICE, dtype)
+    product[:, :N_KV * group * d] = q.reshape(batch * c, -1)
+    q_view = product[:, :N_KV * group * d].view(batch, c, N_KV * group, d)
+    assert not q_view.is_contiguous() and torch.equal(q_view, q)
+    got = TRITON.sparse_attention(q_view, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, n_valid=n_valid)
     assert got.shape == q.shape and not got.isnan().any()
     for b, live in enumerate(lives):
         pos = key_pos if shared else key_pos[b]

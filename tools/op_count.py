@@ -32,6 +32,7 @@ one's, e.g. ``git worktree add /tmp/before 8e96f1f``):
     python tools/op_count.py --context 300                     # inside the threshold: every token (ALL)
     python tools/op_count.py --policy tokenselect --set theta=-1   # TokenSelect's Selection Cache hit
     python tools/op_count.py --policy tokenselect --set theta=None # ... and a step that selects (no cache)
+    python tools/op_count.py --policy tokenselect --batch 8        # 8 sequences decoding together
     python tools/op_count.py --json /tmp/now.json
     PYTHONPATH=/tmp/before python tools/op_count.py --json /tmp/before.json
     python tools/op_count.py --compare /tmp/before.json /tmp/now.json    # per-layer diff of two runs
@@ -225,16 +226,20 @@ def instrument(rec: Recorder, llm) -> dict:
     return seen
 
 
-def count(context: int, decode_steps: int, settings: dict, kernels: str = "torch", name: str = "infllm") -> dict:
+def count(context: int, decode_steps: int, settings: dict, kernels: str = "torch", name: str = "infllm",
+          batch: int = 1) -> dict:
     from tokenselect import LLM, SamplingParams
 
     llm = LLM.random(CONFIG, name, device="cpu", dtype="bfloat16", kernels=kernels, cuda_graphs=True,
-                     chunk_size=256, kv_cache_tokens=context + decode_steps + 64, **settings)
+                     chunk_size=256, kv_cache_tokens=batch * (context + decode_steps + 64), **settings)
     rec = Recorder()
     seen = instrument(rec, llm)
-    ids = torch.randint(2, CONFIG["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    seq = llm.add_request(ids, SamplingParams(max_tokens=decode_steps + 8, ignore_eos=True))
-    while seq.prefilling:
+    gen = torch.Generator().manual_seed(0)
+    seqs = [llm.add_request(torch.randint(2, CONFIG["vocab_size"], (context,), generator=gen).tolist(),
+                            SamplingParams(max_tokens=decode_steps + 8 + 4 * batch, ignore_eos=True))
+            for _ in range(batch)]  # (the first decode while the later prompts are prefilled: none may finish)
+    seq = seqs[0]
+    while any(s.prefilling for s in seqs):  # every prompt in before the decode steps, which then run together
         llm.step()
     for _ in range(decode_steps):  # decode steps before the one counted (the graph of this capacity exists)
         llm.step()
@@ -250,7 +255,7 @@ def count(context: int, decode_steps: int, settings: dict, kernels: str = "torch
             "kernels": kernels, "step_stats": {} if stats is None else dataclasses.asdict(policy.stats() - stats),  # the step's
             "mode": policy.mode(t, 1) if hasattr(policy, "mode") else None,
             "graph_ready": policy.graph_ready(t, 1), "whole_step": seen["whole"] > before,
-            "layers": CONFIG["num_hidden_layers"], "host_reads": rec.host_reads, "ops": rec.ops}
+            "layers": CONFIG["num_hidden_layers"], "batch": batch, "host_reads": rec.host_reads, "ops": rec.ops}
 
 
 # ---- reports -----------------------------------------------------------------------------------------------------
@@ -276,7 +281,8 @@ COLUMNS = ("policy", "kernel calls", "kernel device ops", "kv write", "device op
 
 def summary(run: dict) -> str:
     lines = [f"tokenselect: {run['tokenselect']} (kernels: {run.get('kernels', 'torch')})",
-             f"context {run['context']} tokens, mode {run['mode']}, graph_ready {run['graph_ready']}, "
+             f"{run.get('batch', 1)} sequence(s) decoding, context {run['context']} tokens, mode {run['mode']}, "
+             f"graph_ready {run['graph_ready']}, "
              f"whole step: {'yes' if run['whole_step'] else 'no'}, host reads in the step: {run['host_reads']}",
              f"{run.get('policy', 'infllm')} settings: {run['settings']}"
              + "".join(f"; the step's {key.replace('_', ' ')}: {n}" for key, n in run.get("step_stats", {}).items()
@@ -322,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=600, help="prompt tokens before the counted decode step (InfLLM "
                    "selects past 8 + 263 + 256 = 527, TokenSelect past 16 + 256 + 64 = 336)")
     p.add_argument("--decode-steps", type=int, default=2, help="decode steps run before the counted one")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together in the counted step (each with "
+                   "a prompt of --context tokens)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the policy's settings over the "
                    f"defaults {SETTINGS} (e.g. positions=reindex; theta=None, a number or an integer)")
     p.add_argument("--ops", nargs="*", default=[], help="print these layers' device ops in order, with shapes")
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels == "triton":  # before tokenselect.kernels is imported (``kernels/__init__.py``)
         os.environ["TRITON_INTERPRET"] = "1"
     torch.manual_seed(0)
-    run = count(args.context, args.decode_steps, settings, args.kernels, args.policy)
+    run = count(args.context, args.decode_steps, settings, args.kernels, args.policy, args.batch)
     print(summary(run))
     for layer in args.ops:
         layer = layer if layer in ("pre", "outside") else int(layer)

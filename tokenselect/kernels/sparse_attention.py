@@ -171,7 +171,7 @@ def _attend_block(q1, q2, m, l, acc, start, hi, i, N, C, kvh, k_ptr, v_ptr, slot
 def _sparse_attention_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, kpos_ptr, qpos_ptr, inv_freq_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr,
     C, N, G, H, keys_per_split, rope_scale, qk_scale, k_stride_row, k_stride_kvh, v_stride_slot, v_stride_kvh,
-    row_blocks, slot_stride_b, kpos_stride_b, inv_stride_b, k_stride_b,
+    row_blocks, slot_stride_b, kpos_stride_b, inv_stride_b, k_stride_b, q_stride_tok, qpos_stride_b,
     HALF: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_TY: tl.constexpr, IEEE: tl.constexpr, ROTATED: tl.constexpr, SPLIT: tl.constexpr, LIVE: tl.constexpr,
 ):
@@ -184,14 +184,15 @@ def _sparse_attention_kernel(
     ``*n_valid_ptr`` entries (read on the device), spread over the splits here (the grid was planned for
     the whole list); a split past them sees no key (m = -inf, l = 0).
     A batch: axis 0 runs over (sequence b, row block); b's queries, lists, positions, frequencies (and rotated
-    keys) start at its offsets, the pools are shared."""
+    keys) start at its offsets, the pools are shared. The queries are read at their token stride (a view of the
+    model's q, k, v product is not copied), a head's d values contiguous."""
     b = tl.program_id(0) // row_blocks
     n_seqs = tl.num_programs(0) // row_blocks
     b64 = b.to(tl.int64)
-    q_ptr += b64 * C * H * (2 * HALF)
+    q_ptr += b64 * C * q_stride_tok
     slot_ptr += b64 * slot_stride_b
     kpos_ptr += b64 * kpos_stride_b
-    qpos_ptr += b64 * C
+    qpos_ptr += b64 * qpos_stride_b
     inv_freq_ptr += b64 * inv_stride_b
     k_ptr += b64 * k_stride_b
     if LIVE:
@@ -207,7 +208,7 @@ def _sparse_attention_kernel(
     dim_ok, v_dim_ok = half < HALF, dims < 2 * HALF
     inv_freq = tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)
     q_pos = tl.load(qpos_ptr + i, mask=row_ok, other=0).to(tl.float32)
-    q_base = q_ptr + (i * H + h)[:, None] * (2 * HALF)
+    q_base = q_ptr + (i.to(tl.int64) * q_stride_tok + h * (2 * HALF))[:, None]
     q_ok = row_ok[:, None] & dim_ok[None, :]
     q1 = tl.load(q_base + half[None, :], mask=q_ok, other=0.0).to(tl.float32)
     q2 = tl.load(q_base + HALF + half[None, :], mask=q_ok, other=0.0).to(tl.float32)
@@ -316,9 +317,14 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     splits = max(1, min(triton.cdiv(n, block_n), TARGET_PROGRAMS // (batch * row_blocks * n_kv)))
     keys_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
     splits = triton.cdiv(n, keys_per_split)
-    slots, key_pos = (x if x.stride(-1) == 1 else x.contiguous() for x in (slots, key_pos))
-    q_pos, n_valid = q_pos.contiguous(), None if n_valid is None else n_valid.contiguous()
-    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    # read in place where the strides allow: rows of contiguous entries (a slot table's rows, a shared arange at
+    # stride 0), queries at any token stride (a view of the model's q, k, v product)
+    slots, key_pos, q_pos = (x if x.stride(-1) == 1 else x.contiguous() for x in (slots, key_pos, q_pos))
+    n_valid = None if n_valid is None else n_valid.contiguous()
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32)
+    inv_freq = inv_freq if inv_freq.stride(-1) == 1 else inv_freq.contiguous()
+    if q.stride(3) != 1 or q.stride(2) != d or batch > 1 and q.stride(0) != c * q.stride(1):
+        q = q.contiguous()
     strides = (slots.stride(0), key_pos.stride(0) if key_pos.dim() == 2 else 0,
                inv_freq.stride(0) if inv_freq.dim() == 2 else 0)  # per sequence: its slots, key positions, frequencies
     rotated = row_blocks > 1
@@ -337,9 +343,10 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         m = torch.empty(splits, batch, c, n_heads, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
     _sparse_attention_kernel[(batch * row_blocks, n_kv, splits)](
-        q.contiguous(), keys, v_pool, slots, key_pos, q_pos, inv_freq, *((acc, m, l) if split else (out, None, None)),
+        q, keys, v_pool, slots, key_pos, q_pos, inv_freq, *((acc, m, l) if split else (out, None, None)),
         n_valid, c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale) * LOG2E,
         k_stride_row, k_stride_kvh, v_pool.stride(0), v_pool.stride(1), row_blocks, *strides, k_stride_b,
+        q.stride(1), q_pos.stride(0),
         HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
     )
