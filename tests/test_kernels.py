@@ -650,7 +650,7 @@ def test_sparse_attention_of_a_batch_is_each_sequence_alone(monkeypatch, c, n, o
     # the queries as the model hands them: a view of one q, k, v product (a token stride past n_heads * d)
     product = torch.randn(batch * c, (N_KV * group + 2 * N_KV) * d, generator=gen).to(DEVICE, dtype)
     product[:, :N_KV * group * d] = q.reshape(batch * c, -1)
-    q_view = product[:, :N_KV * group * d].view(batch, c, N_KV * group, d)
+    q_view = product[:, :N_KV * group * d].view(batch, c, N_KV * group, d)  # (with c = 1: stride(1) is n_heads * d)
     assert not q_view.is_contiguous() and torch.equal(q_view, q)
     got = TRITON.sparse_attention(q_view, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, n_valid=n_valid)
     assert got.shape == q.shape and not got.isnan().any()

@@ -323,8 +323,10 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     n_valid = None if n_valid is None else n_valid.contiguous()
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32)
     inv_freq = inv_freq if inv_freq.stride(-1) == 1 else inv_freq.contiguous()
-    if q.stride(3) != 1 or q.stride(2) != d or batch > 1 and q.stride(0) != c * q.stride(1):
+    stride_tok = q.stride(1) if c > 1 else q.stride(0)  # a size-1 dimension's stride says nothing
+    if q.stride(3) != 1 or q.stride(2) != d or batch > 1 and q.stride(0) != c * stride_tok:
         q = q.contiguous()
+        stride_tok = q.stride(1)
     strides = (slots.stride(0), key_pos.stride(0) if key_pos.dim() == 2 else 0,
                inv_freq.stride(0) if inv_freq.dim() == 2 else 0)  # per sequence: its slots, key positions, frequencies
     rotated = row_blocks > 1
@@ -346,7 +348,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         q, keys, v_pool, slots, key_pos, q_pos, inv_freq, *((acc, m, l) if split else (out, None, None)),
         n_valid, c, n, group, n_heads, keys_per_split, float(rope_scale), float(sm_scale) * LOG2E,
         k_stride_row, k_stride_kvh, v_pool.stride(0), v_pool.stride(1), row_blocks, *strides, k_stride_b,
-        q.stride(1), q_pos.stride(0),
+        stride_tok, q_pos.stride(0),
         HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
     )
