@@ -78,12 +78,8 @@ def attend(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: Rope
            step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """One sequence's queries q: [w, n_heads, d] (un-rotated; their keys already cached at slots ``own``) over
     what its policy chooses, with RoPE at the chosen positions -> [w, n_heads, d]. The same eagerly and in a
-    CUDA graph."""
-    attended = policy.attend(layer, step, q, own)
-    inv_freq, scale = rope(attended.q_pos)
-    k_pool, v_pool, slots = cache.attention_pools(layer, attended.slots)
-    return kernels.sparse_attention(q, k_pool, v_pool, slots, attended.key_pos, attended.q_pos, inv_freq, scale,
-                                    n_valid=attended.n_valid)
+    CUDA graph (``attend_batch`` for a batch of one: its operands are views, nothing is copied)."""
+    return attend_batch(policy, cache, kernels, rope, layer, [step], q[None], own[None])[0]
 
 
 def attend_batch(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, layer: int,
@@ -105,11 +101,11 @@ def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     tensors' common storage at stride 0 where all are the same view (an arange every sequence shares), at their
     spacing where they are evenly spaced rows of one tensor (the rows of a graph's slot table), else a stack."""
     first = tensors[0]
-    offsets = [t.data_ptr() - first.data_ptr() for t in tensors]
     alike = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
                 and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors)
-    if alike and first.dim() == 1 and first.stride(0) == 1 and offsets[-1] % first.element_size() == 0:
-        spacing = (offsets[1] if len(tensors) > 1 else 0) // first.element_size()
-        if spacing >= 0 and all(o == b * spacing * first.element_size() for b, o in enumerate(offsets)):
+    if alike and first.dim() == 1 and first.stride(0) == 1:
+        offsets = [(t.data_ptr() - first.data_ptr()) // first.element_size() for t in tensors]  # in elements
+        spacing = offsets[1] if len(tensors) > 1 else 0
+        if spacing >= 0 and offsets == [b * spacing for b in range(len(tensors))]:
             return first.as_strided((len(tensors), first.numel()), (spacing, 1))
     return torch.stack(tensors)

@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from .attention import attend, attend_batch
+from .attention import attend_batch
 from .models.llama import AttentionContext, CausalLM
 from .policies import AttentionPolicy, SeqStep
 from .transfer import to_device
@@ -387,8 +387,6 @@ class _WholeStep:
         launch (``attention.attend_batch``)."""
         owner, cache, w = self.owner, self.owner.cache, self.width
         cache.write(layer, self.new_slots, k, v)
-        if self.batch == 1:
-            return attend(self.policy, cache, owner.kernels, owner.rope, layer, seqs[0], q, self.new_slots)
         batched = q.view(self.batch, w, *q.shape[1:])
         return attend_batch(self.policy, cache, owner.kernels, owner.rope, layer, seqs, batched,
                             self.new_slots.view(self.batch, w)).view(q.shape)
