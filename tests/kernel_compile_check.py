@@ -40,7 +40,7 @@ def main() -> None:
             compile_one("paged_dot", "_scores_kernel", {
                 "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
-                "stride_slot": i32, "stride_kvh": i32},
+                "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32},
                 {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "DOT_TY": dot,
                  "IEEE": ieee, "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4,
                 num_stages=2 if ieee else 3)
@@ -96,10 +96,10 @@ def main() -> None:
     for masked in (True, False):
         compile_one("head_vote", "_head_totals_kernel", {
             "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_valid_ptr": i64p,
-            "n_blocks": i32, "block_n": i32}, {"BLOCK": 1024, "MASKED": masked})
+            "n_blocks": i32, "block_n": i32, "n_heads": i32, "stride_valid": i32}, {"BLOCK": 1024, "MASKED": masked})
         compile_one("head_vote", "_vote_kernel", {
             "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
-            "H": i32, "N": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
+            "H": i32, "N": i32, "stride_valid": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
     for dt in ("bf16", "fp32"):
         compile_one("rms_norm", "_rms_norm_kernel", {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                                                      "dim": i32, "eps": f32}, {"BLOCK": 4096}, num_warps=8)
@@ -108,27 +108,33 @@ def main() -> None:
     topk = {"scores_ptr": "*fp32", "hist_ptr": "*i32", "n_valid_ptr": i64p}
     for masked in (True, False):
         for p in range(4):
-            compile_one("topk", "_histogram_kernel", {**topk, "N": i32, "k": i32},
+            compile_one("topk", "_histogram_kernel", {**topk, "N": i32, "k": i32, "stride_s": i32, "stride_valid": i32},
                         {"PASS": p, "BLOCK": 2048, "MASKED": masked})
-        compile_one("topk", "_count_kernel", {**topk, "counts_ptr": "*i32", "N": i32, "k": i32},
+        compile_one("topk", "_count_kernel", {**topk, "counts_ptr": "*i32", "N": i32, "k": i32, "n_blocks": i32,
+                                              "stride_s": i32, "stride_valid": i32},
                     {"BLOCK": 2048, "MASKED": masked})
         for gather in (True, False):
             compile_one("topk", "_write_kernel", {**topk, "counts_ptr": "*i32", "values_ptr": i64p, "out_ptr": i64p,
-                                                  "N": i32, "k": i32, "n_blocks": i32},
+                                                  "N": i32, "k": i32, "n_blocks": i32, "stride_s": i32,
+                                                  "stride_valid": i32, "stride_values": i32, "stride_out": i32},
                         {"BLOCK": 2048, "BLOCK_C": 1024, "MASKED": masked, "GATHER": gather})
     for q in ("*bf16", "*fp32"):  # a decode graph's own query, an eager step's fp32 mean
         for candidates, word in ((True, i64p), (False, "*u8")):  # without: the miss flag's pointer stands in
             compile_one("selection_check", "_selection_check_kernel", {
                 "q_ptr": q, "unit_ptr": "*fp32", "valid_ptr": "*u8", "row_ptr": i64p, "counts_ptr": i64p,
                 "miss_ptr": "*u8", "live_ptr": word, "cand_ptr": word, "layer": i32, "n_layers": i32, "n": i32,
-                "theta": f32}, {"EPS": 1e-8, "BLOCK": 1024, "CANDIDATES": candidates})
+                "theta": f32, "stride_q": i32, "stride_row": i32, "stride_live": i32, "stride_cand": i32},
+                {"EPS": 1e-8, "BLOCK": 1024, "CANDIDATES": candidates})
         compile_one("selection_update", "_selection_update_kernel", {
             "q_ptr": q, "unit_ptr": "*fp32", "sel_ptr": i64p, "valid_ptr": "*u8", "row_ptr": i64p, "new_ptr": i64p,
-            "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32},
+            "miss_ptr": "*u8", "out_ptr": i64p, "layer": i32, "n_layers": i32, "n": i32, "width": i32,
+            "stride_q": i32, "stride_row": i32, "stride_new": i32, "stride_out": i32},
             {"EPS": 1e-8, "BLOCK": 1024})
     for word in ("*i64", "*i32"):  # the slot table's entries; other values a row
         compile_one("row_copy", "_gather_into_kernel", {"src_ptr": word, "index_ptr": i64p, "out_ptr": word, "n": i32,
-                                                        "src_stride": i32}, {"BLOCK": mods["row_copy"].GATHER_BLOCK})
+                                                        "src_stride": i32, "src_row": i32, "index_row": i32,
+                                                        "out_row": i32, "out_stride": i32},
+                    {"BLOCK": mods["row_copy"].GATHER_BLOCK})
     for word in ("*i32", "*u8"):
         compile_one("row_copy", "_gather_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
                                                    "words": i32}, {"BLOCK_R": 16, "BLOCK_W": 256})

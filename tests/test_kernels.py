@@ -970,7 +970,10 @@ def test_gather_into_matches_reference(n, k, dtype):
         assert torch.equal(ref_out, out)
     with pytest.raises(ValueError, match="int64"):
         TRITON.gather_into(src, index.int(), out)
-    for bad in (frame[:k - 1], frame[:k].double()) + ((frame[:2 * k:2],) if k > 1 else ()):  # (one entry: contiguous)
+    strided = torch.full((2 * k,), -7, device=DEVICE).to(dtype)  # an out read at its stride: every other entry
+    TRITON.gather_into(src, index, strided[::2])
+    assert torch.equal(strided[::2], src[index]) and (strided[1::2] == -7).all()
+    for bad in (frame[:k - 1], frame[:k].double()):
         with pytest.raises(ValueError, match="gather_into needs"):
             TRITON.gather_into(src, index, bad)
     for bad_src, bad_index in ((table[:n], index), (src, index[:, None])):  # a 2-D source, a 2-D index
@@ -1013,3 +1016,147 @@ def test_row_copy_reference_is_the_definition():
                      torch.tensor([1, 7]))
     assert (pool[[1, 7]] == 1).all() and (other[[1, 7]] == 2).all() and (other[[0, 2, 3, 4, 5, 6]] == 0).all()
     assert gather_rows(pool, torch.empty(0, dtype=torch.int64)).shape == (0, 2, 3)
+
+
+# ---- selection kernels over a batch of sequences (a whole-step decode graph: one launch a layer for the batch) ----
+
+def table_rows(batch: int, width: int, values: torch.Tensor, gen: torch.Generator, pad: int = 5) -> torch.Tensor:
+    """[batch, width] as rows of a wider table (row stride width + pad, as a graph's slot table), drawn from
+    values (a 1-D tensor)."""
+    table = values[torch.randint(0, values.numel(), (batch, width + pad), generator=gen)]
+    return table.to(DEVICE)[:, 2:2 + width]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_selection_check_of_a_batch_is_each_sequence_alone(batch, dtype):
+    """Each sequence's decision, candidates and count, from queries that are rows of the batch's q, k, v product and
+    rows, live counts and candidates that are strided views (a graph's metadata), as it alone gets them."""
+    from tokenselect.kernels.selection_check import selection_check, selection_check_ref
+
+    gen = torch.Generator().manual_seed(batch)
+    n, rows, layers, layer = 96, 10, 2, 1
+    unit = torch.nn.functional.normalize(torch.randn(rows, layers, n, generator=gen), dim=-1).to(DEVICE)
+    valid = (torch.rand(rows, layers, generator=gen) < 0.8).to(DEVICE)
+    seq_rows = torch.randperm(rows, generator=gen)[:batch]
+    near = unit[seq_rows.to(DEVICE), layer].cpu() + 0.6 * torch.randn(batch, n, generator=gen) / n ** 0.5
+    product = torch.randn(batch, 3 * n, generator=gen)
+    product[:, :n] = near
+    q = product.to(DEVICE, dtype)[:, :n]  # rows 3n apart
+    meta = torch.zeros(3, 2 * batch, dtype=torch.int64, device=DEVICE)
+    meta[0, ::2] = seq_rows.to(DEVICE)
+    meta[1, ::2] = torch.randint(1, 500, (batch,), generator=gen).to(DEVICE)
+    row, live, candidates = meta[0, ::2], meta[1, ::2], meta[2, ::2]  # stride 2
+    theta = 0.8
+    counts = {name: torch.zeros(2, dtype=torch.int64, device=DEVICE) for name in ("batch", "alone", "ref")}
+    got = selection_check(q, unit, valid, row, layer, theta, counts["batch"], live, candidates)
+    alone = [selection_check(q[b], unit, valid, row[b], layer, theta, counts["alone"]) for b in range(batch)]
+    want = selection_check_ref(q, unit, valid, row, layer, theta, counts["ref"])
+    assert got.shape == (batch,) and got.dtype == torch.bool
+    assert got.tolist() == [bool(m) for m in alone] == want.tolist()
+    assert torch.equal(candidates, torch.where(got, live, 0)) and (meta[:, 1::2] == 0).all()
+    assert counts["batch"].tolist() == counts["alone"].tolist() == counts["ref"].tolist() == \
+        [batch - int(got.sum()), int(got.sum())]
+    if batch == 8:
+        assert 0 < int(got.sum()) < batch  # hits and misses in one launch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_selection_update_of_a_batch_is_each_sequence_alone(batch, dtype):
+    """Store-or-reuse for a batch of rows at once, misses and hits mixed: the tables and each entry (written into
+    rows of a wider frame, as a graph's attended lists) as the reference's, sequence by sequence; the other rows,
+    layers and the frame's other entries untouched."""
+    from tokenselect.kernels.selection_update import selection_update, selection_update_ref
+
+    gen = torch.Generator().manual_seed(10 + batch)
+    n, width, rows, layers, layer = 80, 1100, 9, 2, 0
+    unit = torch.nn.functional.normalize(torch.randn(rows, layers, n, generator=gen), dim=-1).to(DEVICE)
+    selection = torch.randint(0, 1 << 40, (rows, layers, width), generator=gen).to(DEVICE)
+    valid = (torch.rand(rows, layers, generator=gen) < 0.5).to(DEVICE)
+    tables = {name: (unit.clone(), selection.clone(), valid.clone()) for name in ("triton", "torch")}
+    row = torch.randperm(rows, generator=gen)[:batch].to(DEVICE)
+    q = (torch.randn(batch, 2 * n, generator=gen) * 3).to(DEVICE, dtype)[:, n:]
+    new = torch.randint(0, 1 << 40, (batch, width), generator=gen).to(DEVICE)
+    miss = (torch.arange(batch) % 3 != 1).to(DEVICE)
+    frames = {name: torch.full((batch, width + 7), -1, dtype=torch.int64, device=DEVICE) for name in tables}
+    got = selection_update(q, *tables["triton"], row, layer, new, miss, frames["triton"][:, 3:3 + width])
+    want = selection_update_ref(q, *tables["torch"], row, layer, new, miss, frames["torch"][:, 3:3 + width])
+    assert got.data_ptr() == frames["triton"][0, 3:].data_ptr() and torch.equal(got, want)
+    assert torch.equal(frames["triton"], frames["torch"]) and (frames["torch"][:, :3] == -1).all()
+    for b in range(batch):
+        r = int(row[b])
+        assert torch.equal(want[b], new[b] if bool(miss[b]) else selection[r, layer])
+    torch.testing.assert_close(tables["triton"][0], tables["torch"][0], atol=1e-6, rtol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(tables["triton"][1:], tables["torch"][1:]))
+    untouched = torch.ones(rows, layers, dtype=torch.bool)
+    untouched[row[miss].cpu(), layer] = False
+    for t, before in zip(tables["torch"], (unit, selection, valid)):
+        assert torch.equal(t[untouched.to(DEVICE)], before[untouched.to(DEVICE)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_head_soft_vote_of_a_batch_is_each_sequence_alone(batch, group, dtype):
+    """Queries [B, H, d] over slot lists that are rows of a wider table, each with its own live prefix (ragged,
+    none and all among them): every sequence's vote is the one it gets alone (the same kernels: bit for bit) and
+    the reference's; one shared list (``[N]``) votes as the rows would."""
+    gen = torch.Generator().manual_seed(batch * 10 + group)
+    n, n_slots = 700, 2000
+    q, k_pool = query((batch, N_KV * group, 128), dtype, gen), pool(n_slots, 128, dtype, gen)
+    slots = table_rows(batch, n, torch.arange(n_slots), gen)
+    live = torch.tensor([n, 0, 311, 129][:batch], device=DEVICE)
+    got = TRITON.head_soft_vote(q, k_pool, slots, 0.125, live)
+    assert got.shape == (batch, n)
+    for b in range(batch):
+        alone = TRITON.head_soft_vote(q[b], k_pool, slots[b], 0.125, live[b])
+        assert torch.equal(got[b], alone)
+        torch.testing.assert_close(got[b], TORCH.head_soft_vote(q[b], k_pool, slots[b], 0.125, live[b]),
+                                   atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(TORCH.head_soft_vote(q, k_pool, slots, 0.125, live), got, atol=1e-5, rtol=1e-4)
+    shared = TRITON.head_soft_vote(q, k_pool, slots[0], 0.125)
+    for b in range(batch):
+        assert torch.equal(shared[b], TRITON.head_soft_vote(q[b], k_pool, slots[0], 0.125))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_topk_of_a_batch_is_each_sequence_alone(batch):
+    """Rows of scores (ties among them: repeated values), each with its own live prefix (none, fewer than k, all),
+    their picks gathered from rows of a slot table into rows of a wider frame: each row's picks are the
+    reference's for that row alone; nothing is written outside the rows' picks."""
+    gen = torch.Generator().manual_seed(batch)
+    n, k = 3000, 700
+    scores = (torch.randint(0, 900, (batch, n + 11), generator=gen).float() / 7).to(DEVICE)[:, 5:5 + n]
+    slots = table_rows(batch, n, torch.randperm(10 ** 6, generator=gen), gen)
+    live = torch.tensor([2900, 0, 500, 3000, 701, 1][:batch], device=DEVICE)
+    for values in (None, slots):
+        frame = torch.full((batch, k + 9), -1, dtype=torch.int64, device=DEVICE)
+        got = TRITON.topk(scores, k, live, values, frame[:, 4:4 + k])
+        want = TORCH.topk(scores, k, live, values)
+        assert got.shape == want.shape == (batch, k) and torch.equal(got, want)
+        assert (frame[:, :4] == -1).all() and (frame[:, 4 + k:] == -1).all()
+        for b in range(batch):
+            assert torch.equal(want[b], TORCH.topk(scores[b], k, live[b], None if values is None else values[b]))
+    plain = TRITON.topk(scores, k)
+    for b in range(batch):
+        assert torch.equal(plain[b], TRITON.topk(scores[b], k))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_gather_into_of_a_batch_gathers_each_row_from_its_own(batch, dtype):
+    """out[b] = src[b][index[b]], src and out rows of wider tables (a graph's slot table and attended lists)."""
+    gen = torch.Generator().manual_seed(batch)
+    n, k = 900, 300
+    src = table_rows(batch, n, torch.randint(-2 ** 31, 2 ** 31 - 1, (5000,), generator=gen), gen).to(dtype)
+    index = torch.randint(0, n, (batch, k), generator=gen).to(DEVICE)
+    frame = torch.full((batch, k + 10), -7, dtype=dtype, device=DEVICE)
+    out = frame[:, 6:6 + k]
+    assert TRITON.gather_into(src, index, out).data_ptr() == out.data_ptr()
+    assert (frame[:, :6] == -7).all() and (frame[:, 6 + k:] == -7).all()
+    want = torch.zeros(batch, k, dtype=dtype, device=DEVICE)
+    TORCH.gather_into(src, index, want)
+    assert torch.equal(out, want)
+    for b in range(batch):
+        assert torch.equal(out[b], src[b][index[b]])

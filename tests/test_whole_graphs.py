@@ -6,6 +6,8 @@ generate the plain path's tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -583,3 +585,40 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
         if graphs:
             assert [key[1] for key in llm.runner.graphs.whole_keys()] == [1]  # the longer request alone
     assert outputs[0] == outputs[1]
+
+
+def test_a_batch_of_tokenselect_decode_steps_selects_in_one_launch_a_layer(tiny_llama, batch_invariant_matmuls):
+    """Six requests decoding together through whole steps: the Selection Cache's check and update, the vote and the
+    top-k each run once a layer for the whole batch (their operands [6, ...]), not once a sequence, and make the
+    choices the plain path makes one sequence at a time: the same tokens, the same decisions, and as many
+    sequences' votes (each batched call counting its rows)."""
+    sizes = small_sizes("tokenselect")
+    engines = [LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=graphs, dtype="float32", theta=0.5, **sizes)
+               for graphs in (False, True)]
+    calls = []  # per engine: {kernel: [rows of each call]}
+    for llm in engines:
+        seen = {"vote": [], "topk": [], "check": [], "update": []}
+        calls.append(seen)
+        policy, sc = llm.policy, llm.policy.selection_cache
+
+        def counted(fn, name, arg, seen=seen):
+            def run(*a, **k):
+                operand = a[arg]
+                seen[name].append(operand.shape[0] if operand.dim() == {"vote": 3, "topk": 2}.get(name, 2) else 1)
+                return fn(*a, **k)
+            return run
+        policy.kernels = dataclasses.replace(policy.kernels, head_soft_vote=counted(policy.kernels.head_soft_vote,
+                                                                                     "vote", 0),
+                                             topk=counted(policy.kernels.topk, "topk", 0))
+        sc.check, sc.update_kernel = counted(sc.check, "check", 0), counted(sc.update_kernel, "update", 0)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = [[o.token_ids for o in llm.generate([ids(70 + 9 * i, 50 + i) for i in range(6)], params, use_tqdm=False)]
+            for llm in engines]
+    assert outs[1] == outs[0]
+    assert engines[1].stats() == engines[0].stats()
+    plain, graphed = calls
+    assert max(plain["vote"]) == 1  # the plain path: a sequence at a time
+    for name in ("vote", "topk", "check", "update"):
+        assert sum(graphed[name]) == sum(plain[name])  # the same selections ...
+        assert graphed[name].count(6) >= 4 * engines[1].model.config.n_layers  # ... six at once, in many steps
+        assert len(graphed[name]) < len(plain[name])

@@ -16,7 +16,7 @@ import torch
 
 from .kernels import Kernels
 from .kv_cache import KVCache
-from .policies.base import AttentionPolicy, EagerStep, SeqStep, start_steps
+from .policies.base import AttentionPolicy, EagerStep, SeqStep, rows, start_steps
 from .rope import RopeSpec
 from .sequence import Sequence
 
@@ -85,27 +85,13 @@ def attend(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: Rope
 def attend_batch(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, layer: int,
                  steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     """``attend`` for B sequences of one policy and mode, whose lists have one length (a whole-step graph's
-    batch): q: [B, w, n_heads, d], own: [B, w] -> [B, w, n_heads, d], each policy choice made per sequence and
+    batch): q: [B, w, n_heads, d], own: [B, w] -> [B, w, n_heads, d], the policy's choices made for the
+    batch (``AttentionPolicy.attend_batch``: TokenSelect's decode steps in one launch of each selection kernel) and
     one attention launch for all (one node a layer in a graph, not B, and a grid over every sequence)."""
-    lists = [policy.attend(layer, step, q[b], own[b]) for b, step in enumerate(steps)]
+    lists = policy.attend_batch(layer, steps, q, own)
     frequencies = [rope(a.q_pos) for a in lists]
     k_pool, v_pool, slots = cache.attention_pools(layer, rows([a.slots for a in lists]))
     n_valid = None if lists[0].n_valid is None else rows([a.n_valid.view(1) for a in lists]).view(-1)
     return kernels.sparse_attention(q, k_pool, v_pool, slots, rows([a.key_pos for a in lists]),
                                     rows([a.q_pos for a in lists]), rows([f[0] for f in frequencies]),
                                     frequencies[0][1], n_valid=n_valid)
-
-
-def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """B tensors of one shape [n] as a [B, n] operand of a batched kernel, copying nothing where it can: the
-    tensors' common storage at stride 0 where all are the same view (an arange every sequence shares), at their
-    spacing where they are evenly spaced rows of one tensor (the rows of a graph's slot table), else a stack."""
-    first = tensors[0]
-    alike = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
-                and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors)
-    if alike and first.dim() == 1 and first.stride(0) == 1:
-        offsets = [(t.data_ptr() - first.data_ptr()) // first.element_size() for t in tensors]  # in elements
-        spacing = offsets[1] if len(tensors) > 1 else 0
-        if spacing >= 0 and offsets == [b * spacing for b in range(len(tensors))]:
-            return first.as_strided((len(tensors), first.numel()), (spacing, 1))
-    return torch.stack(tensors)

@@ -150,7 +150,8 @@ def instrument(rec: Recorder, llm) -> dict:
     new_api = hasattr(llm, "runner")
     if new_api:
         from tokenselect.cuda_graphs import _WholeStep as Whole
-        policy_methods = ("attend",)
+        # a batch's lists (``attend_batch``, which may call ``attend`` for each sequence: nested, one region)
+        policy_methods = ("attend", "attend_batch") if hasattr(type(llm.policy), "attend_batch") else ("attend",)
     else:  # before #29: a graph step's list (``graph_list``), an eager step's plan (``plan``)
         from tokenselect.whole_graphs import _GraphStep as Whole
         policy_methods = ("graph_list", "plan")

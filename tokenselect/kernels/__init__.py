@@ -49,7 +49,13 @@ class Kernels:
     gather_into(src [S], index [n] int64, out [n]) -> out holding src[index] (the chosen slots into the attended
     list, ``row_copy.py``);
     page_scores(query [H, d], lo [rows, P, n_kv, d], hi, row, tail_lo [n_kv, d], tail_hi, tail_at) -> [P] fp32, the
-    best head's upper bound on q . k a page (QUEST's selection, ``page_bounds.py``)."""
+    best head's upper bound on q . k a page (QUEST's selection, ``page_bounds.py``).
+
+    A batch of sequences in one launch (a whole-step decode graph's: TokenSelect's selection): head_soft_vote with
+    q [B, H, d], slots [B, N], n_valid [B] -> [B, N]; topk with scores [B, N], n_valid [B], values [B, N], out
+    [B, k] -> [B, k]; selection_check with q [B, n], row, live, candidates [B] -> [B]; selection_update with q
+    [B, n], row [B], new [B, width], miss [B], out [B, width] -> [B, width]; gather_into with src [B, S], index
+    and out [B, n]. Rows may be strided views (a graph's slot table, its metadata): each is read in place."""
 
     name: str
     paged_dot: Callable

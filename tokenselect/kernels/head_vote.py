@@ -26,7 +26,13 @@ def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tenso
 
     n_valid: None, or an int64 tensor [] on q's device: only ``slots[:n_valid]`` are candidates (a slot
     list of fixed length, as a CUDA graph needs, of which a prefix is live); the rest vote -inf, all of
-    them when it is 0 (a decode graph's Selection Cache hit)."""
+    them when it is 0 (a decode graph's Selection Cache hit).
+    A batch: q [B, n_heads, head_dim], slots [B, N] (or [N], shared), n_valid [B] -> [B, N], each sequence's
+    vote as it alone would get it."""
+    if q.dim() == 3:
+        return torch.stack([head_soft_vote_ref(q[b], k_pool, slots if slots.dim() == 1 else slots[b], scale,
+                                               None if n_valid is None else n_valid.reshape(-1)[b])
+                            for b in range(q.shape[0])])
     scores = paged_dot_ref(q, k_pool, slots) * scale
     if n_valid is None:
         return torch.softmax(scores, dim=-1).sum(dim=0)
@@ -36,14 +42,15 @@ def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tenso
 
 
 @triton.jit
-def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_blocks, block_n,
-                        BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = head h: combine the per-block (max, sum of exp) into the head's max M[h] and
+def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_blocks, block_n, n_heads,
+                        stride_valid, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Program = (head h, sequence b of the batch): combine the per-block (max, sum of exp) into the head's max M[h] and
     1 / sum_t exp(s[h, t] - M[h]); MASKED: over the blocks (of block_n tokens) that hold any of the
     first *n_valid_ptr tokens only, the others' stats are not written."""
-    h = tl.program_id(0)
-    row = h.to(tl.int64) * n_blocks
+    h = tl.program_id(0) + tl.program_id(1).to(tl.int64) * n_heads  # the (sequence, head) pair
+    row = h * n_blocks
     if MASKED:
+        n_valid_ptr += tl.program_id(1).to(tl.int64) * stride_valid
         n_blocks = tl.minimum(tl.cdiv(tl.load(n_valid_ptr).to(tl.int32), block_n), n_blocks)
     top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     for start in range(0, n_blocks, BLOCK):
@@ -62,17 +69,22 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 
 
 @triton.jit
-def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """Pass 2, program = block of tokens: vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf
+def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_valid, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 2, program = (block of tokens, sequence b of the batch): vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf
     for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
+    seq = tl.program_id(1).to(tl.int64)
+    s_ptr += seq * H * N
+    m_ptr += seq * H
+    inv_l_ptr += seq * H
+    out_ptr += seq * N
     heads = tl.arange(0, BLOCK_H)
     first = tl.program_id(0) * BLOCK_N
     cols = first + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
     n_live = N
     if MASKED:
-        n_live = tl.load(n_valid_ptr).to(tl.int32)
+        n_live = tl.load(n_valid_ptr + seq * stride_valid).to(tl.int32)
         col_ok = col_ok & (cols < n_live)
     if first < n_live:
         s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :],
@@ -89,18 +101,22 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, BLOCK_H: t
 
 def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
                    n_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`head_soft_vote_ref` (same arguments, same result up to rounding)."""
-    n_heads, n = q.shape[0], slots.numel()
-    out = torch.empty(n, dtype=torch.float32, device=q.device)
-    if n == 0:
-        return out
-    scores, m, l = scores_with_stats(q, k_pool, slots, scale, stats=True, n_valid=n_valid)
-    m_head = torch.empty(n_heads, dtype=torch.float32, device=q.device)
-    inv_l = torch.empty_like(m_head)
-    _head_totals_kernel[(n_heads,)](m, l, m_head, inv_l, n_valid, m.shape[1], scores_block(q, k_pool),
-                                    BLOCK=1024, MASKED=n_valid is not None)
-    block_h = triton.next_power_of_2(n_heads)
-    block_n = max(16, 4096 // block_h)
-    _vote_kernel[(triton.cdiv(n, block_n),)](scores, m_head, inv_l, out, n_valid, n_heads, n, BLOCK_H=block_h,
-                                             BLOCK_N=block_n, MASKED=n_valid is not None)
-    return out
+    """Triton version of :func:`head_soft_vote_ref` (same arguments, same result up to rounding); a batch in
+    one launch of each kernel."""
+    batch, n_heads = (q.shape[0], q.shape[1]) if q.dim() == 3 else (1, q.shape[0])
+    n = slots.shape[-1]
+    out = torch.empty(batch, n, dtype=torch.float32, device=q.device)
+    if n and batch:
+        scores, m, l = scores_with_stats(q.view(batch, n_heads, -1) if q.dim() == 2 else q, k_pool, slots, scale,
+                                         stats=True, n_valid=n_valid)
+        m_head = torch.empty(batch, n_heads, dtype=torch.float32, device=q.device)
+        inv_l = torch.empty_like(m_head)
+        valid = None if n_valid is None else n_valid.reshape(-1)
+        stride_valid = 0 if valid is None else valid.stride(0)
+        _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
+                                              n_heads, stride_valid, BLOCK=1024, MASKED=valid is not None)
+        block_h = triton.next_power_of_2(n_heads)
+        block_n = max(16, 4096 // block_h)
+        _vote_kernel[(triton.cdiv(n, block_n), batch)](scores, m_head, inv_l, out, valid, n_heads, n, stride_valid,
+                                                       BLOCK_H=block_h, BLOCK_N=block_n, MASKED=valid is not None)
+    return out if q.dim() == 3 else out[0]

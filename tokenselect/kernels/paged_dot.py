@@ -31,10 +31,12 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
 
 @triton.jit
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
-                   stride_slot, stride_kvh, D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
                    STATS: tl.constexpr, MASKED: tl.constexpr):
-    """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh: for each block b of
+    """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
+    ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
+    after the sequences' before it): for each block b of
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
     m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
     compiler fetch the next block's keys while this one is scored. MASKED: only the first
@@ -42,6 +44,15 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
     kernel does nothing)."""
     group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
+    seq = tl.program_id(1).to(tl.int64)
+    q_ptr += seq * stride_qb
+    slot_ptr += seq * stride_slot_row
+    if MASKED:
+        n_valid_ptr += seq * stride_valid
+    out_ptr += seq * G * n_kv * N
+    if STATS:
+        m_ptr += seq * G * n_kv * n_blocks
+        l_ptr += seq * G * n_kv * n_blocks
     n_live = N
     last = n_blocks
     if MASKED:
@@ -85,33 +96,47 @@ SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
 def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
     """The slots per block of the scores kernel (the stats' column unit) for these operands."""
     block_n = (FP32_SCORES_TILE if torch.float32 in (q.dtype, k_pool.dtype) else SCORES_TILE)[0]
-    return block_n if q.shape[1] <= 128 else block_n // 2
+    return block_n if q.shape[-1] <= 128 else block_n // 2
 
 
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
                       n_valid: torch.Tensor | None = None):
     """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None).
     n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
-    of the blocks past them are left unwritten (see the kernel)."""
-    n_heads, d = q.shape
-    n_kv, n = k_pool.shape[1], slots.numel()
+    of the blocks past them are left unwritten (see the kernel).
+    A batch in one launch: q [B, n_heads, d], slots [B, N] and n_valid [B] (views of any row stride) -> scores
+    [B, n_heads, N], m, l [B, n_heads, n_blocks]."""
+    batched = q.dim() == 3
+    qs = q if batched else q[None]
+    if not qs[0].is_contiguous():
+        qs = qs.contiguous()
+    batch, n_heads, d = qs.shape
+    slot_rows = slots if slots.dim() == 2 else slots[None]  # one list for every sequence: read at row stride 0
+    if slot_rows.shape[0] not in (1, batch):
+        raise ValueError(f"{slot_rows.shape[0]} slot lists for {batch} queries")
+    if slot_rows.shape[1] > 1 and slot_rows.stride(1) != 1:
+        slot_rows = slot_rows.contiguous()
+    n_kv, n = k_pool.shape[1], slot_rows.shape[1]
     group = n_heads // n_kv
-    out = torch.empty(n_heads, n, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, n_heads, n, dtype=torch.float32, device=q.device)
     dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
     _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
-    block_n = scores_block(q, k_pool)
+    block_n = scores_block(qs[0], k_pool)
     n_blocks = triton.cdiv(n, block_n)
-    m = torch.empty(n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
+    m = torch.empty(batch, n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
     l = torch.empty_like(m) if stats else None
-    if n == 0:
+    valid = None if n_valid is None else n_valid.reshape(-1)
+    if n and batch:
+        _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv, batch)](
+            qs, k_pool, slot_rows, out, m, l, valid, n, group, n_kv, n_blocks, float(scale),
+            k_pool.stride(0), k_pool.stride(1), qs.stride(0), slot_rows.stride(0) if slot_rows.shape[0] > 1 else 0,
+            0 if valid is None else valid.stride(0), D=d, D_P=max(16, triton.next_power_of_2(d)),
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCKS=blocks,
+            DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
+        )
+    if batched:
         return out, m, l
-    _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv,)](
-        q.contiguous(), k_pool, slots.contiguous(), out, m, l, n_valid, n, group, n_kv, n_blocks, float(scale),
-        k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCKS=blocks,
-        DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
-    )
-    return out, m, l
+    return out[0], None if m is None else m[0], None if l is None else l[0]
 
 
 MAX_GROUP_ROWS = 64  # query rows per kv head in one launch: more would overflow shared memory

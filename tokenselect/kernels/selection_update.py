@@ -1,4 +1,5 @@
-"""The Selection Cache's store-or-reuse for one (sequence, layer) of a decode graph, as one kernel.
+"""The Selection Cache's store-or-reuse for one (sequence, layer) of a decode graph, or for a batch of sequences at
+one layer, as one kernel.
 
     if miss:  unit[row, layer] = q / max(|q|, eps);  selection[row, layer] = new;  valid[row, layer] = True
     entry = selection[row, layer]   (after the store: ``new`` on a miss, the cached choice on a hit)
@@ -27,7 +28,13 @@ def selection_update_ref(q: torch.Tensor, unit: torch.Tensor, selection: torch.T
     """q: [n] (any float dtype: computed in fp32); unit: [rows, n_layers, n] fp32; selection: [rows, n_layers,
     width] int64; valid: [rows, n_layers] bool (the three updated in place); row: int64 []; new: [width] int64;
     miss: bool []. Returns the entry [width] after the update, in ``out`` ([width] int64) when given, else in a
-    tensor of its own."""
+    tensor of its own. A batch: q [B, n], row [B], new [B, width], miss [B] (rows of different sequences),
+    out [B, width] -> [B, width]."""
+    if q.dim() == 2:
+        out = torch.empty_like(new) if out is None else out
+        for b in range(q.shape[0]):
+            selection_update_ref(q[b], unit, selection, valid, row[b], layer, new[b], miss[b], out[b])
+        return out
     index = row.view(1)  # a device scalar: index ops (indexing with it would read it on the host)
     q = q.float()
     unit_q = q / torch.linalg.vector_norm(q).clamp_min(EPS)
@@ -40,12 +47,17 @@ def selection_update_ref(q: torch.Tensor, unit: torch.Tensor, selection: torch.T
 
 @triton.jit
 def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_ptr, miss_ptr, out_ptr, layer,
-                             n_layers, n, width, EPS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program = block of BLOCK entries of the query and of the selection: the entry's part of the selection (the
-    new one on a miss, the cached one on a hit) into ``out``, and on a miss its part of both stored. Only a miss's
-    programs that hold part of the query compute its norm (each the whole norm: no second kernel)."""
-    entry = tl.load(row_ptr) * n_layers + layer
-    miss = tl.load(miss_ptr) != 0
+                             n_layers, n, width, stride_q, stride_row, stride_new, stride_out,
+                             EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program = (block of BLOCK entries of the query and of the selection, sequence b): the entry's part of the
+    selection (the new one on a miss, the cached one on a hit) into ``out``, and on a miss its part of both stored.
+    Only a miss's programs that hold part of the query compute its norm (each the whole norm: no second kernel)."""
+    b = tl.program_id(1).to(tl.int64)
+    q_ptr += b * stride_q
+    new_ptr += b * stride_new
+    out_ptr += b * stride_out
+    entry = tl.load(row_ptr + b * stride_row) * n_layers + layer
+    miss = tl.load(miss_ptr + b) != 0
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if miss & (tl.program_id(0) * BLOCK < n):
         sq = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -67,20 +79,32 @@ def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_p
         tl.store(valid_ptr + entry, tl.full((), 1, tl.uint8))
 
 
+def _rows(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """t: [batch, m] (or [m] for a batch of one) -> [batch, m] whose rows are each contiguous (a view where they are)."""
+    t = t.reshape(batch, -1)
+    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+
+
 def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
                      row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`selection_update_ref` (same arguments, same result up to the rounding of the
     stored unit query)."""
-    if q.numel() != unit.shape[-1] or new.numel() != selection.shape[-1]:  # the kernel's row strides
-        raise ValueError(f"a query of {q.numel()} and a selection of {new.numel()} for entries of "
+    batch = q.shape[0] if q.dim() == 2 else 1
+    qs, news = _rows(q, batch), _rows(new, batch)
+    if qs.shape[1] != unit.shape[-1] or news.shape[1] != selection.shape[-1]:  # the kernel's row strides
+        raise ValueError(f"a query of {qs.shape[1]} and a selection of {news.shape[1]} for entries of "
                          f"{unit.shape[-1]} and {selection.shape[-1]}")
     if out is None:
         out = torch.empty_like(new)
-    elif out.shape != new.shape or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int64 tensor of shape {tuple(new.shape)}")
-    grid = (triton.cdiv(max(q.numel(), new.numel()), BLOCK),)  # a program per BLOCK entries of either
-    _selection_update_kernel[grid](q.contiguous(), unit, selection, valid.view(torch.uint8), row, new.contiguous(),
-                                   miss.view(torch.uint8), out, layer, unit.shape[1], q.numel(), new.numel(),
-                                   EPS=EPS, BLOCK=BLOCK)
+    elif out.shape != new.shape or out.dtype != torch.int64 or (out.dim() and out.stride(-1) != 1):
+        raise ValueError(f"out must be an int64 tensor of shape {tuple(new.shape)}, each row contiguous")
+    rows, misses = row.reshape(-1), miss.reshape(-1)
+    if rows.numel() != batch or misses.numel() != batch or (misses.numel() > 1 and misses.stride(0) != 1):
+        raise ValueError(f"{batch} queries for {rows.numel()} rows and {misses.numel()} decisions (contiguous)")
+    outs = out.view(1, -1) if out.dim() == 1 else out
+    grid = (triton.cdiv(max(qs.shape[1], news.shape[1]), BLOCK), batch)  # a program per BLOCK entries of either
+    _selection_update_kernel[grid](qs, unit, selection, valid.view(torch.uint8), rows, news, misses.view(torch.uint8),
+                                   outs, layer, unit.shape[1], qs.shape[1], news.shape[1], qs.stride(0),
+                                   rows.stride(0), news.stride(0), outs.stride(0), EPS=EPS, BLOCK=BLOCK)
     return out

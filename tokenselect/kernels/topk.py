@@ -13,6 +13,9 @@ With ``n_valid`` only scores[:n_valid] are read; the others count as -inf (a who
 span, whose live prefix is 0 on a decode step's Selection Cache hit: then the first k positions come back, and
 only the last kernel does anything: the passes and the counts return at once). With ``values`` the picks are
 gathered from it (the chosen tokens' cache slots rather than their indices: no gather after the top-k).
+
+A batch (scores [B, N], n_valid [B], values [B, N], out [B, k]) runs in the same six launches, a row of programs a
+sequence: a decode graph of B sequences holds six nodes a layer for it, not 6B.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     it is padded: keys cached before RoPE tie wherever a token repeats).
     n_valid: None, or an int64 tensor []: scores[n_valid:] count as -inf.
     values: None, or [N] int64: return values[indices] instead.
-    out: None, or a contiguous int64 [min(k, N)] to write the result to (and return)."""
+    out: None, or a contiguous int64 [min(k, N)] to write the result to (and return).
+    A batch: scores [B, N], n_valid [B], values [B, N], out [B, min(k, N)] -> [B, min(k, N)], each row's top-k as
+    it alone would get it."""
+    if scores.dim() == 2:
+        picks = torch.stack([topk_ref(scores[b], k, None if n_valid is None else n_valid.reshape(-1)[b],
+                                      None if values is None else values[b]) for b in range(scores.shape[0])])
+        return picks if out is None else _checked_out(out, picks.shape).copy_(picks)
     n = scores.numel()
     index = torch.arange(n, device=scores.device)
     if n_valid is not None:
@@ -40,12 +49,13 @@ def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     first_tied = tied & (torch.cumsum(tied, 0) <= k - above.sum())  # static shapes, no host read (graphs, meta)
     picked = torch.topk(torch.where(above | first_tied, n - index, -1), k, sorted=False).indices.sort().values
     picked = picked if values is None else values[picked]
-    return picked if out is None else _checked_out(out, picked.numel()).copy_(picked)
+    return picked if out is None else _checked_out(out, picked.shape).copy_(picked)
 
 
-def _checked_out(out: torch.Tensor, k: int) -> torch.Tensor:
-    if out.shape != (k,) or out.dtype != torch.int64 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int64 tensor of shape ({k},), not {out.dtype} {tuple(out.shape)}")
+def _checked_out(out: torch.Tensor, shape: tuple) -> torch.Tensor:
+    if out.shape != shape or out.dtype != torch.int64 or (out.numel() > 1 and out.stride(-1) != 1):
+        raise ValueError(f"out must be an int64 tensor of shape {tuple(shape)} (each row contiguous), not {out.dtype} "
+                         f"{tuple(out.shape)}")
     return out
 
 
@@ -83,11 +93,16 @@ def _found(hist_ptr, k, PASSES: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexpr, BLOCK: tl.constexpr,
-                      MASKED: tl.constexpr):
-    """Program = block of scores: add the histogram of byte PASS of its keys that share the bytes found by the
+def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, stride_s, stride_valid, PASS: tl.constexpr,
+                      BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Program = (block of scores, sequence b of the batch: its row of scores, its histograms): add the histogram of byte PASS of its keys that share the bytes found by the
     passes before into hist[PASS]. Program 0 also adds the scores past n_valid (all -inf, not read)."""
     shift: tl.constexpr = 24 - 8 * PASS
+    seq = tl.program_id(1).to(tl.int64)
+    scores_ptr += seq * stride_s
+    hist_ptr += seq * 1024
+    if MASKED:
+        n_valid_ptr += seq * stride_valid
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live > 0:  # none live: the write kernel needs no histogram
         prefix, _ = _found(hist_ptr, k, PASS)
@@ -110,9 +125,16 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, PASS: tl.constexp
 
 
 @triton.jit
-def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = block b of scores: counts[b] = (#keys above the k-th largest, #keys equal to it); nothing when
+def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, n_blocks, stride_s, stride_valid,
+                  BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Program = (block b of scores, sequence of the batch): counts[b] = (#keys above the k-th largest, #keys equal to it); nothing when
     none is live (the write kernel needs no count then)."""
+    seq = tl.program_id(1).to(tl.int64)
+    scores_ptr += seq * stride_s
+    hist_ptr += seq * 1024
+    counts_ptr += seq * 2 * n_blocks
+    if MASKED:
+        n_valid_ptr += seq * stride_valid
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live > 0:
         kth, _ = _found(hist_ptr, k, 4)
@@ -133,12 +155,22 @@ def _write_picks(values_ptr, out_ptr, at, i, pick, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out_ptr, N, k, n_blocks,
-                  BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, MASKED: tl.constexpr, GATHER: tl.constexpr):
-    """Program = block b of scores: write the positions it picks to out (GATHER: values at them), after the
+def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out_ptr, N, k, n_blocks, stride_s,
+                  stride_valid, stride_values, stride_out, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                  MASKED: tl.constexpr, GATHER: tl.constexpr):
+    """Program = (block b of scores, sequence of the batch): write the positions it picks to out (GATHER: values at them), after the
     picks of blocks < b. A key above the k-th largest is picked; one equal to it while fewer than the ties
     wanted came before it. None live: positions 0..k-1 (all tie at -inf; the first are taken)."""
     b = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    scores_ptr += seq * stride_s
+    hist_ptr += seq * 1024
+    counts_ptr += seq * 2 * n_blocks
+    out_ptr += seq * stride_out
+    if MASKED:
+        n_valid_ptr += seq * stride_valid
+    if GATHER:
+        values_ptr += seq * stride_values
     i = b * BLOCK + tl.arange(0, BLOCK)
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live == 0:
@@ -167,23 +199,42 @@ BLOCK, BLOCK_C = 2048, 1024
 def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
          values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`topk_ref` (same arguments; the same positions where no two scores tie at the
-    k-th largest, otherwise the first of the tied ones). scores: fp32, bf16 or fp16."""
+    k-th largest, otherwise the first of the tied ones). scores: fp32, bf16 or fp16; a batch in one launch of each
+    kernel."""
     if values is not None and values.shape != scores.shape:
         raise ValueError(f"values of shape {tuple(values.shape)} for scores of shape {tuple(scores.shape)}")
-    n = scores.numel()
+    batched = scores.dim() == 2
+    rows = scores if batched else scores[None]
+    batch, n = rows.shape
     k = min(k, n)
-    out = torch.empty(k, dtype=torch.int64, device=scores.device) if out is None else _checked_out(out, k)
-    if k == 0:
+    shape = (batch, k) if batched else (k,)
+    out = torch.empty(shape, dtype=torch.int64, device=scores.device) if out is None else _checked_out(out, shape)
+    if k == 0 or batch == 0:
         return out
-    scores = scores.contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    outs = out if batched else out[None]
     n_blocks = triton.cdiv(n, BLOCK)
-    hist = torch.zeros(4, 256, dtype=torch.int32, device=scores.device)
-    counts = torch.empty(n_blocks, 2, dtype=torch.int32, device=scores.device)
+    hist = torch.zeros(batch, 4, 256, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(batch, n_blocks, 2, dtype=torch.int32, device=scores.device)
     masked = n_valid is not None
+    valid = n_valid.reshape(-1) if masked else None
+    if masked and valid.numel() != batch:
+        raise ValueError(f"{valid.numel()} live counts for {batch} rows of scores")
+    stride_valid = valid.stride(0) if masked else 0
+    grid = (n_blocks, batch)
     for p in range(4):
-        _histogram_kernel[(n_blocks,)](scores, hist, n_valid, n, k, PASS=p, BLOCK=BLOCK, MASKED=masked)
-    _count_kernel[(n_blocks,)](scores, hist, n_valid, counts, n, k, BLOCK=BLOCK, MASKED=masked)
+        _histogram_kernel[grid](rows, hist, valid, n, k, rows.stride(0), stride_valid, PASS=p, BLOCK=BLOCK,
+                                MASKED=masked)
+    _count_kernel[grid](rows, hist, valid, counts, n, k, n_blocks, rows.stride(0), stride_valid, BLOCK=BLOCK,
+                        MASKED=masked)
     gather = values is not None
-    _write_kernel[(n_blocks,)](scores, hist, n_valid, counts, values.contiguous() if gather else out, out, n, k,
-                               n_blocks, BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather)
+    value_rows = None
+    if gather:
+        value_rows = values if batched else values[None]
+        if value_rows.stride(-1) != 1:
+            value_rows = value_rows.contiguous()
+    _write_kernel[grid](rows, hist, valid, counts, value_rows if gather else outs, outs, n, k, n_blocks,
+                        rows.stride(0), stride_valid, value_rows.stride(0) if gather else 0, outs.stride(0),
+                        BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather)
     return out

@@ -152,6 +152,12 @@ class AttentionPolicy:
         """What the queries q: [w, n_heads, head_dim] (un-rotated), cached at slots own: [w], attend."""
         raise NotImplementedError
 
+    def attend_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> list[Attended]:
+        """``attend`` for B sequences stepping together in one mode (a whole-step graph's batch), q: [B, w, n_heads,
+        head_dim], own: [B, w]; each list of one length. Here each sequence's on its own; a policy may choose for the
+        batch at once (TokenSelect's decode steps: one launch of each selection kernel, not one a sequence)."""
+        return [self.attend(layer, step, q[b], own[b]) for b, step in enumerate(steps)]
+
     def release(self, seq_id: int) -> None:
         """Forget the per-sequence state of a finished sequence."""
 
@@ -276,6 +282,34 @@ class SelectivePolicy(AttentionPolicy):
         chosen, count = self.choose(layer, step, q)
         return self.assemble(step, chosen, count, own)
 
+    def choose_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor) -> torch.Tensor | None:
+        """``choose`` for a batch of sequences at once (q: [B, w, n_heads, head_dim]): indices into each middle,
+        [B, budget], ascending, every one chosen; None where the policy chooses each sequence's on its own."""
+        return None
+
+    def attend_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> list[Attended]:
+        """With ``choose_batch``: the batch's choices in one launch of each kernel, gathered into the rows of one
+        [B, n] list a step (one more launch a layer) whose frames are built once a step, at re-indexed positions;
+        else each sequence's ``attend``."""
+        chosen = None
+        if len(steps) > 1 and steps[0].mode == SELECT and self.positions == "reindex":
+            chosen = self.choose_batch(layer, steps, q)
+        if chosen is None:
+            return super().attend_batch(layer, steps, q, own)
+        n_init, b, w = self.n_init, chosen.shape[1], own.shape[1]
+        frames = batch_once(steps, f"{n_init} sinks + {b} chosen + last {self.n_local} + own", lambda: torch.stack([
+            self.frame(step, b, own[i]) for i, step in enumerate(steps)]))
+        middles = rows([self.middle(step)[0] for step in steps])
+        self.kernels.gather_into(middles, chosen, frames[:, n_init:n_init + b])
+        key_pos = self.cache.arange(frames.shape[1])
+        return [Attended(frame, key_pos, key_pos[-w:], None) for frame in frames]
+
+    def frame(self, step: SeqStep, b: int, own: torch.Tensor) -> torch.Tensor:
+        """A list's entries around its ``b`` chosen: [sinks | b zeros | the last n_local tokens | own]."""
+        window = step.once(f"last {self.n_local} tokens", lambda: step.length - self.n_local +
+                           self.cache.arange(self.n_local))
+        return torch.cat([step.table[:self.n_init], step.table.new_zeros(b), step.table.index_select(0, window), own])
+
     def assemble(self, step: SeqStep, chosen: torch.Tensor, count: torch.Tensor | None, own: torch.Tensor) -> Attended:
         """The list ``[sinks | middle[chosen[:count]] | local window | own]``. The frame around the chosen (sinks,
         window, own) is gathered once a step; every layer writes its choice into its middle (the layers run in
@@ -284,8 +318,7 @@ class SelectivePolicy(AttentionPolicy):
         n_init, n_local, b, w = self.n_init, self.n_local, chosen.numel(), own.numel()
         n = n_init + b + n_local + w
         window = step.once(f"last {n_local} tokens", lambda: step.length - n_local + self.cache.arange(n_local))
-        frame = step.once(f"{n_init} sinks + {b} chosen + last {n_local} + own", lambda: torch.cat([
-            step.table[:n_init], step.table.new_zeros(b), step.table.index_select(0, window), own]))
+        frame = step.once(f"{n_init} sinks + {b} chosen + last {n_local} + own", lambda: self.frame(step, b, own))
         middle, _ = self.middle(step)
         self.kernels.gather_into(middle, chosen, frame[n_init:n_init + b])
         if self.positions == "original":
@@ -327,6 +360,25 @@ def positions_setting(default: str = "reindex", choices: tuple = SelectivePolicy
     return setting(default, "RoPE positions: by index within the attended list (reindex), the tokens' own "
                             "(original), or InfLLM's fixed: the memory at distance n_local from the chunk",
                    choices=choices)
+
+
+def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """B tensors of one shape [n] as a [B, n] operand of a batched kernel, copying nothing where it can: the
+    tensors' common storage at stride 0 where all are the same view (an arange every sequence shares), at their
+    spacing where they are evenly spaced rows of one tensor (the rows of a graph's slot table), else a stack."""
+    first = tensors[0]
+    alike = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
+                and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors)
+    if alike and first.dim() == 1 and first.stride(0) == 1:
+        offsets = [(t.data_ptr() - first.data_ptr()) // first.element_size() for t in tensors]  # in elements
+        spacing = offsets[1] if len(tensors) > 1 else 0
+        if spacing >= 0 and offsets == [b * spacing for b in range(len(tensors))]:
+            return first.as_strided((len(tensors), first.numel()), (spacing, 1))
+    return torch.stack(tensors)
+
+def batch_once(steps: list[SeqStep], key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``SeqStep.once`` for what a batch of sequences stepping together computes once a step (kept by the first)."""
+    return steps[0].once(f"batch of {len(steps)}: {key}", make)
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:

@@ -76,14 +76,15 @@ class SelectionCache:
                live: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(``miss``, the selection's candidates): with ``live`` (int64 []), the candidates are ``live`` on a miss
         and 0 on a hit, which gates the selection's kernels (they read nothing then), made by the check itself (no
-        ``live * miss`` node); without it None. With the cache off: (None, live)."""
+        ``live * miss`` node); without it None. With the cache off: (None, live).
+        A batch in one launch: row [B], q [B, n_heads, head_dim], live [B] -> miss and candidates [B]."""
         if self.theta is None:
             return None, live
         if self.heads.spans_ranks:
             miss = self._miss_across_ranks(q.flatten().float(), row, layer)
             return miss, None if live is None else live * miss
-        candidates = None if live is None else torch.empty((), dtype=torch.int64, device=live.device)
-        miss = self.check(q.flatten(), self.unit, self.valid, row, layer, self.theta, self.device_counts, live,
+        candidates = None if live is None else torch.empty_like(live)
+        miss = self.check(_flat(q), self.unit, self.valid, row, layer, self.theta, self.device_counts, live,
                           candidates)
         return miss, candidates
 
@@ -120,10 +121,11 @@ class SelectionCache:
                miss: torch.Tensor) -> torch.Tensor:
         """A decode step's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
         device, from ``miss``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
-        device). Returns the entry after that, [width] (``selection`` on a miss, the cached one on a hit)."""
+        device). Returns the entry after that, [width] (``selection`` on a miss, the cached one on a hit).
+        A batch in one launch: row [B], q [B, n_heads, head_dim], selection [B, width], miss [B] -> [B, width]."""
         if self.heads.spans_ranks:  # the entry is the rank's part of the query over the whole query's norm
             return self._update_across_ranks(q.flatten().float() / self._norm, row, layer, selection, miss)
-        return self.update_kernel(q.flatten(), self.unit, self.selection, self.valid, row, layer, selection, miss)
+        return self.update_kernel(_flat(q), self.unit, self.selection, self.valid, row, layer, selection, miss)
 
     def _update_across_ranks(self, unit_q: torch.Tensor, row: torch.Tensor, layer: int, selection: torch.Tensor,
                              miss: torch.Tensor) -> torch.Tensor:
@@ -147,3 +149,8 @@ class SelectionCache:
     @property
     def misses(self) -> int:
         return self.counts()[1]
+
+
+def _flat(q: torch.Tensor) -> torch.Tensor:
+    """A query [n_heads, head_dim] (or [n]) -> [n]; a batch's [B, n_heads, head_dim] -> [B, n]."""
+    return q.flatten(1) if q.dim() == 3 else q.flatten()

@@ -22,8 +22,8 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import (PolicyStats, SelectivePolicy, SeqStep, dense_until_setting, n_init_setting, n_local_setting,
-                   positions_setting, selection_query)
+from .base import (PolicyStats, SelectivePolicy, SeqStep, batch_once, dense_until_setting, n_init_setting,
+                   n_local_setting, positions_setting, rows, selection_query)
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -62,14 +62,32 @@ class TokenSelect(SelectivePolicy):
         query. A decode step's query is its own (a view: no kernel), and goes through the Selection Cache, whose
         decision gates the work: on a hit the vote and the top-k see no live candidate (their kernels read
         nothing; the top-k's picks are discarded), and the store-or-reuse returns the cached choice."""
-        sc = self.selection_cache
         query = q[0] if step.decode else selection_query(q).to(q.dtype)
         middle, live = self.middle(step)
-        keys = self.cache.k_select[layer]
-        miss, candidates = sc.decide(step.row, layer, query, live) if step.decode else (None, live)
-        if miss is None:  # select, store nothing
-            return self.top(query, keys, middle, live), None
-        return sc.update(step.row, layer, query, self.top(query, keys, middle, candidates), miss), None
+        return self.select(layer, step.row, query, middle, live, step.decode), None
+
+    def choose_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor) -> torch.Tensor | None:
+        """``choose`` for a batch of decode steps: the Selection Cache's check, the vote, the top-k and the
+        store-or-reuse each in one launch for the batch (the sequences' tables, lengths and rows read as strided
+        views of the graph's inputs), not one a sequence. A prefill chunk, another selector, or a cache whose queries
+        span tensor-parallel ranks chooses per sequence (None)."""
+        if not steps[0].decode or self.selector != "soft_vote" or self.selection_cache.heads.spans_ranks:
+            return None
+        middles = rows([self.middle(step)[0] for step in steps])
+        live = batch_once(steps, f"length - {self.n_init + self.n_local}", lambda: rows(
+            [step.length.view(1) for step in steps]).view(-1) - (self.n_init + self.n_local))
+        seq_rows = rows([step.row.view(1) for step in steps]).view(-1)
+        return self.select(layer, seq_rows, q[:, 0], middles, live, decode=True)
+
+    def select(self, layer: int, row: torch.Tensor, query: torch.Tensor, middle: torch.Tensor, live: torch.Tensor,
+               decode: bool) -> torch.Tensor:
+        """The choice of one sequence (row int64 [], query [n_heads, d], middle [M], live int64 []) or of a batch
+        of decode steps (row [B], query [B, n_heads, d], middle [B, M], live [B]): [k] or [B, k] indices into the
+        middle. A decode step goes through the Selection Cache."""
+        sc = self.selection_cache
+        miss, candidates = sc.decide(row, layer, query, live) if decode else (None, live)
+        picks = self.top(query, self.cache.k_select[layer], middle, candidates)
+        return picks if miss is None else sc.update(row, layer, query, picks, miss)
 
     def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
                 q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
@@ -88,7 +106,8 @@ class TokenSelect(SelectivePolicy):
               live: torch.Tensor | None = None) -> torch.Tensor:
         """query: [n_heads, head_dim] in the dtype the kernels compute in (the model's; never cast to the
         pool's, which may be fp8), k_pool: [n_slots, n_kv, d], middle: [M] -> vote [M] fp32.
-        live: None, or int64 []: only middle[:live] are candidates, the others vote -inf."""
+        live: None, or int64 []: only middle[:live] are candidates, the others vote -inf.
+        A batch (soft vote): query [B, n_heads, head_dim], middle [B, M], live [B] -> [B, M]."""
         kern = self.kernels
         if self.selector == "soft_vote":  # summed over every rank's heads (``heads``), as over one GPU's
             return self.heads.sum(kern.head_soft_vote(query, k_pool, middle, self.scale, live))
@@ -106,7 +125,8 @@ class TokenSelect(SelectivePolicy):
 
     def top(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
             live: torch.Tensor | None = None) -> torch.Tensor:
-        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live])."""
+        """Sorted indices into ``middle`` of the ``k`` tokens with the highest vote (among middle[:live]); for a
+        batch (``votes``) [B, k]."""
         return self.kernels.topk(self.votes(query, k_pool, middle, live), self.k, live)
 
     def release(self, seq_id: int) -> None:
