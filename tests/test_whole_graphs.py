@@ -615,7 +615,8 @@ def test_a_batch_of_tokenselect_decode_steps_selects_in_one_launch_a_layer(tiny_
     outs = [[o.token_ids for o in llm.generate([ids(70 + 9 * i, 50 + i) for i in range(6)], params, use_tqdm=False)]
             for llm in engines]
     assert outs[1] == outs[0]
-    assert engines[1].stats() == engines[0].stats()
+    assert engines[1].policy.stats() == engines[0].policy.stats()  # the Selection Cache's decisions (on a GPU the
+    # engines' KV pools differ in size: each is sized by the memory free when it starts)
     plain, graphed = calls
     assert max(plain["vote"]) == 1  # the plain path: a sequence at a time
     for name in ("vote", "topk", "check", "update"):
