@@ -588,38 +588,40 @@ def test_requests_with_their_own_settings_decode_as_the_plain_path(tiny_llama, b
 
 
 def test_a_batch_of_tokenselect_decode_steps_selects_in_one_launch_a_layer(tiny_llama, batch_invariant_matmuls):
-    """Six requests decoding together through whole steps: the Selection Cache's check and update, the vote and the
-    top-k each run once a layer for the whole batch (their operands [6, ...]), not once a sequence, and make the
-    choices the plain path makes one sequence at a time: the same tokens, the same decisions, and as many
-    sequences' votes (each batched call counting its rows)."""
+    """Six requests decoding together, eagerly and through whole steps: the Selection Cache's check and update, the
+    vote and the top-k run once a layer for the decoding sequences together (their operands [B, ...]), in the steps
+    that also prefill another prompt's chunk too (eager ones), and make the choices each request makes alone: the
+    same tokens, the same decisions, and as many sequences' votes (each batched call counting its rows)."""
     sizes = small_sizes("tokenselect")
-    engines = [LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=graphs, dtype="float32", theta=0.5, **sizes)
-               for graphs in (False, True)]
-    calls = []  # per engine: {kernel: [rows of each call]}
-    for llm in engines:
+    prompts = [ids(70 + 9 * i, 50 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = {}
+    for name, graphs in (("alone", False), ("eager", False), ("graphs", True)):
+        llm = LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=graphs, dtype="float32", theta=0.5, **sizes)
         seen = {"vote": [], "topk": [], "check": [], "update": []}
-        calls.append(seen)
         policy, sc = llm.policy, llm.policy.selection_cache
 
-        def counted(fn, name, arg, seen=seen):
+        def counted(fn, name, dims, seen=seen):
             def run(*a, **k):
-                operand = a[arg]
-                seen[name].append(operand.shape[0] if operand.dim() == {"vote": 3, "topk": 2}.get(name, 2) else 1)
+                seen[name].append(a[0].shape[0] if a[0].dim() == dims else 1)
                 return fn(*a, **k)
             return run
         policy.kernels = dataclasses.replace(policy.kernels, head_soft_vote=counted(policy.kernels.head_soft_vote,
-                                                                                     "vote", 0),
-                                             topk=counted(policy.kernels.topk, "topk", 0))
-        sc.check, sc.update_kernel = counted(sc.check, "check", 0), counted(sc.update_kernel, "update", 0)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outs = [[o.token_ids for o in llm.generate([ids(70 + 9 * i, 50 + i) for i in range(6)], params, use_tqdm=False)]
-            for llm in engines]
-    assert outs[1] == outs[0]
-    assert engines[1].policy.stats() == engines[0].policy.stats()  # the Selection Cache's decisions (on a GPU the
-    # engines' KV pools differ in size: each is sized by the memory free when it starts)
-    plain, graphed = calls
-    assert max(plain["vote"]) == 1  # the plain path: a sequence at a time
-    for name in ("vote", "topk", "check", "update"):
-        assert sum(graphed[name]) == sum(plain[name])  # the same selections ...
-        assert graphed[name].count(6) >= 4 * engines[1].model.config.n_layers  # ... six at once, in many steps
-        assert len(graphed[name]) < len(plain[name])
+                                                                                     "vote", 3),
+                                             topk=counted(policy.kernels.topk, "topk", 2))
+        sc.check, sc.update_kernel = counted(sc.check, "check", 2), counted(sc.update_kernel, "update", 2)
+        batches = [prompts] if name != "alone" else [[p] for p in prompts]
+        tokens = [o.token_ids for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+        runs[name] = tokens, llm.policy.stats(), seen, llm
+    alone = runs["alone"]
+    assert max(alone[2]["vote"]) == 1
+    layers = alone[3].model.config.n_layers
+    for name in ("eager", "graphs"):
+        tokens, stats, seen, llm = runs[name]
+        assert tokens == alone[0] and stats == alone[1]  # the same tokens and Selection Cache decisions
+        for kernel in ("vote", "topk", "check", "update"):
+            assert sum(seen[kernel]) == sum(alone[2][kernel])  # the same selections ...
+            assert seen[kernel].count(6) >= 4 * layers  # ... six at once, in many steps
+            assert len(seen[kernel]) < len(alone[2][kernel])
+    mixed = [b for b in runs["eager"][2]["vote"] if 1 < b < 6]  # decodes beside a later prompt's prefill chunk
+    assert len(mixed) >= 2 * layers

@@ -53,7 +53,13 @@ class RopeFrequencies:
 
 class BatchAttention:
     """The attention context the model calls: ``attention(layer, q, k, v)``. Built for one step: every chunk's
-    policy prepares its sequence (``AttentionPolicy.prepare``) before the first layer runs."""
+    policy prepares its sequence (``AttentionPolicy.prepare``) before the first layer runs.
+
+    The step's decode tokens come first (``Scheduler.schedule``). Where two or more of them share a policy that
+    chooses for a batch at once (``AttentionPolicy.batch_choice``) and select, they attend as a whole-step graph's
+    batch does (``attend_batch``: their slot tables as rows of one table padded to the longest); a step that also
+    prefills a prompt's chunk (continuous batching) then selects for them in one launch of each kernel a layer,
+    not one a sequence."""
 
     def __init__(self, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, chunks: list[Chunk],
                  new_slots: torch.Tensor, q_shape: tuple[int, int], q_dtype: torch.dtype):
@@ -62,12 +68,35 @@ class BatchAttention:
         self.chunks, self.new_slots = chunks, new_slots
         self.steps = start_steps([EagerStep(ch.seq.policy, ch.seq.id, ch.seq.slots, ch.past, ch.length, ch.decode,
                                             (ch.length, *q_shape), q_dtype) for ch in chunks])
+        self.together = self._decodes_together()
+
+    def _decodes_together(self) -> list[SeqStep]:
+        """The SeqSteps of the leading decode chunks that attend as one batch (over a padded table), or []."""
+        first = self.chunks[0].seq.policy
+        n = 0
+        for ch, step in zip(self.chunks, self.steps):
+            if not (ch.decode and ch.length == 1 and ch.start == n and ch.seq.policy is first
+                    and step.mode == self.steps[0].mode):
+                break
+            n += 1
+        if n < 2 or not first.batch_choice or not first.graph_ready(self.chunks[0].past):
+            return []
+        longest = max(ch.past for ch in self.chunks[:n]) + 1
+        table = torch.zeros(n, longest, dtype=torch.int64, device=self.new_slots.device)
+        for b, ch in enumerate(self.chunks[:n]):  # the cached tokens' slots and the step's own; the rest never read
+            table[b, :ch.past + 1].copy_(ch.seq.slots[:ch.past + 1])
+        return [SeqStep(table[b], step.length, step.row, True, step.mode, step.buffers)
+                for b, step in enumerate(self.steps[:n])]
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [n, n_heads, d], k, v: [n, n_kv_heads, d], un-rotated -> [n, n_heads, d]."""
         self.cache.write(layer, self.new_slots, k, v)
         out = torch.empty_like(q)
-        for ch, step in zip(self.chunks, self.steps):
+        n = len(self.together)
+        if n:
+            out[:n] = attend_batch(self.chunks[0].seq.policy, self.cache, self.kernels, self.rope, layer,
+                                   self.together, q[:n, None], self.new_slots[:n, None])[:, 0]
+        for ch, step in zip(self.chunks[n:], self.steps[n:]):
             rows = slice(ch.start, ch.start + ch.length)
             own = ch.seq.slots[ch.past:ch.past + ch.length]
             out[rows] = attend(ch.seq.policy, self.cache, self.kernels, self.rope, layer, step, q[rows], own)

@@ -120,6 +120,9 @@ class AttentionPolicy:
     # True: per-sequence state built from the prompt's queries (InfLLM's memory) goes with a reused prefix: the
     # policy takes it at a chunk boundary (``snapshot``) and gives it to a sequence that starts there (``restore``)
     prefix_state = False
+    # True where ``attend_batch`` chooses for a batch at once (TokenSelect's decode steps): an eager step's decode
+    # tokens of such a policy then attend as one batch too (``attention.BatchAttention``)
+    batch_choice = False
 
     # the reduction over heads of the policy's choice, across tensor-parallel ranks (``parallel.HeadReduce``: none in
     # a single process): where a policy sums or maxes a score over heads, it passes the result through ``heads``

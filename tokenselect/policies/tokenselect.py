@@ -46,6 +46,7 @@ class TokenSelectSettings(Validated):
 class TokenSelect(SelectivePolicy):
     name = "tokenselect"
     Settings = TokenSelectSettings
+    batch_choice = True
 
     def __init__(self, cache: KVCache, kernels: Kernels, **settings):
         s = self.Settings(**settings)
