@@ -26,6 +26,20 @@ def empty_tokenselect_home(request, tmp_path, monkeypatch):
         monkeypatch.setenv("TOKENSELECT_HOME", str(tmp_path / "tokenselect-home"))
 
 
+@pytest.fixture(autouse=True)
+def modest_kv_pools(request, monkeypatch):
+    """An engine's default KV pool takes 85% of the GPU memory it finds free. ``benchmarks/gpu_tests.sh`` runs
+    several pytest processes side by side on one GPU, and there one test's engines (a tiny model's pool of 200M
+    tokens, 56 GB) left too little for the others: two tests failed out of memory, in a process that was not
+    theirs. In the tests an engine takes 5% (7 GB of an H200's free memory: millions of a tiny model's tokens, and
+    300K of SmolLM2's). On a CPU the pool has its own fixed limit, so this changes nothing there. Tests of the
+    default itself are marked ``product_pool``."""
+    from tokenselect import engine
+
+    if request.node.get_closest_marker("product_pool") is None:
+        monkeypatch.setattr(engine, "GPU_MEMORY_FRACTION", 0.05)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     """make(family="llama", **config_overrides) -> path of a saved tiny checkpoint (cached per config)."""

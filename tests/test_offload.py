@@ -194,6 +194,7 @@ def test_a_value_pool_larger_than_host_memory_is_refused_up_front(tiny_llama, mo
     KVCache(1, 1 << 20, 4, 128, torch.bfloat16, CPU)  # nothing to check without offload
 
 
+@pytest.mark.product_pool
 def test_default_pool_counts_only_keys_against_gpu_memory_with_offload(monkeypatch):
     """Llama-3-8B shape, fp8: 32 KiB of K (and as much V) per token; an fp8 pool is its own selection keys."""
     gpu = SimpleNamespace(config=SimpleNamespace(n_layers=32, n_kv_heads=8, head_dim=128),
@@ -208,6 +209,7 @@ def test_default_pool_counts_only_keys_against_gpu_memory_with_offload(monkeypat
     assert LLM._default_pool_tokens(gpu, "values") == int((16 << 30) * engine.HOST_MEMORY_FRACTION) // per_pool
 
 
+@pytest.mark.product_pool
 def test_default_pool_counts_the_fp8_selection_keys_on_the_gpu(monkeypatch):
     """bf16 K and V (64 KiB a token each) and an fp8 copy of the keys (32 KiB) on the GPU; with value offload the
     host holds V alone."""
