@@ -79,6 +79,7 @@ class BatchAttention:
                     and step.mode == self.steps[0].mode):
                 break
             n += 1
+        # (as a whole step's graph: not where a padded table would stage values from the host beyond the live ones)
         if n < 2 or not first.batch_choice or not first.graph_ready(self.chunks[0].past):
             return []
         longest = max(ch.past for ch in self.chunks[:n]) + 1

@@ -379,6 +379,7 @@ def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
             return first.as_strided((len(tensors), first.numel()), (spacing, 1))
     return torch.stack(tensors)
 
+
 def batch_once(steps: list[SeqStep], key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``SeqStep.once`` for what a batch of sequences stepping together computes once a step (kept by the first)."""
     return steps[0].once(f"batch of {len(steps)}: {key}", make)
