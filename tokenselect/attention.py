@@ -84,8 +84,7 @@ class BatchAttention:
             return []
         longest = max(ch.past for ch in self.chunks[:n]) + 1
         table = torch.zeros(n, longest, dtype=torch.int64, device=self.new_slots.device)
-        for b, ch in enumerate(self.chunks[:n]):  # the cached tokens' slots and the step's own; the rest never read
-            table[b, :ch.past + 1].copy_(ch.seq.slots[:ch.past + 1])
+        fill_tables(table, self.chunks[:n])
         return [SeqStep(table[b], step.length, step.row, True, step.mode, step.buffers)
                 for b, step in enumerate(self.steps[:n])]
 
@@ -102,6 +101,13 @@ class BatchAttention:
             own = ch.seq.slots[ch.past:ch.past + ch.length]
             out[rows] = attend(ch.seq.policy, self.cache, self.kernels, self.rope, layer, step, q[rows], own)
         return out
+
+
+def fill_tables(table: torch.Tensor, chunks: list[Chunk]) -> None:
+    """Row b of table: [B, C] <- the slots of chunk b's cached tokens and its own (a step's tables padded to one
+    length C; the entries past them are not the sequence's, and never attended)."""
+    for b, ch in enumerate(chunks):
+        table[b, :ch.past + ch.length].copy_(ch.seq.slots[:ch.past + ch.length])
 
 
 def attend(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope: RopeFrequencies, layer: int,

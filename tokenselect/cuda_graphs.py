@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from .attention import attend_batch
+from .attention import attend_batch, fill_tables
 from .models.llama import AttentionContext, CausalLM
 from .policies import AttentionPolicy, SeqStep
 from .transfer import to_device
@@ -322,8 +322,7 @@ class _WholeStep:
 
     def feed(self, chunks, ids: list[int], rows: list[int], new_slots: torch.Tensor) -> None:
         self.inputs.copy_(to_device(ids + [ch.past for ch in chunks] + rows, self.inputs.device))
-        for b, ch in enumerate(chunks):  # the cached tokens' slots and the step's own
-            self.table[b, :ch.past + ch.length].copy_(ch.seq.slots[:ch.past + ch.length])
+        fill_tables(self.table, chunks)
         self.new_slots.copy_(new_slots)
 
     def replay(self) -> torch.Tensor:

@@ -44,8 +44,8 @@ def head_soft_vote_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tenso
 @triton.jit
 def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_blocks, block_n, n_heads,
                         stride_valid, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = (head h, sequence b of the batch): combine the per-block (max, sum of exp) into the head's max M[h] and
-    1 / sum_t exp(s[h, t] - M[h]); MASKED: over the blocks (of block_n tokens) that hold any of the
+    """Program = (head h, sequence b of the batch): combine the per-block (max, sum of exp) into the head's max M[h]
+    and 1 / sum_t exp(s[h, t] - M[h]); MASKED: over the blocks (of block_n tokens) that hold any of the
     first *n_valid_ptr tokens only, the others' stats are not written."""
     h = tl.program_id(0) + tl.program_id(1).to(tl.int64) * n_heads  # the (sequence, head) pair
     row = h * n_blocks
@@ -71,8 +71,8 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 @triton.jit
 def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_valid, BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 2, program = (block of tokens, sequence b of the batch): vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf
-    for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
+    """Pass 2, program = (block of tokens, sequence b of the batch): vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h];
+    MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
     seq = tl.program_id(1).to(tl.int64)
     s_ptr += seq * H * N
     m_ptr += seq * H

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .dot import exact_dot_type, mma
+from .operands import rows_in_place
 
 
 def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,8 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
 
 @triton.jit
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
-                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, D: tl.constexpr, D_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, D: tl.constexpr,
+                   D_P: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
                    STATS: tl.constexpr, MASKED: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
@@ -114,8 +116,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     slot_rows = slots if slots.dim() == 2 else slots[None]  # one list for every sequence: read at row stride 0
     if slot_rows.shape[0] not in (1, batch):
         raise ValueError(f"{slot_rows.shape[0]} slot lists for {batch} queries")
-    if slot_rows.shape[1] > 1 and slot_rows.stride(1) != 1:
-        slot_rows = slot_rows.contiguous()
+    slot_rows = rows_in_place(slot_rows)
     n_kv, n = k_pool.shape[1], slot_rows.shape[1]
     group = n_heads // n_kv
     out = torch.empty(batch, n_heads, n, dtype=torch.float32, device=q.device)

@@ -174,7 +174,8 @@ def gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> to
             or (dims == 2 and src.shape[0] != index.shape[0]) or (index.numel() > 1 and index.stride(-1) != 1):
         raise ValueError(f"gather_into needs a src of 1 (or, for a batch, 2) dims, an index and an out of as many, the "
                          f"out of the index's shape and the src's dtype, the index's rows contiguous; got src "
-                         f"{src.dtype} {tuple(src.shape)}, index {tuple(index.shape)}, out {out.dtype} {tuple(out.shape)}")
+                         f"{src.dtype} {tuple(src.shape)}, index {tuple(index.shape)}, "
+                         f"out {out.dtype} {tuple(out.shape)}")
     src2, index2, out2 = (t if dims == 2 else t[None] for t in (src, index, out))
     n = index2.shape[1]
     if index.numel():

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .operands import rows_in_place
 from .selection_check import EPS
 
 BLOCK = 1024
@@ -80,9 +81,8 @@ def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_p
 
 
 def _rows(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """t: [batch, m] (or [m] for a batch of one) -> [batch, m] whose rows are each contiguous (a view where they are)."""
-    t = t.reshape(batch, -1)
-    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+    """t: [batch, m] (or [m] for a batch of one) -> [batch, m], its rows read in place where they can be."""
+    return rows_in_place(t.reshape(batch, -1))
 
 
 def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,

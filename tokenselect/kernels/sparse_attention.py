@@ -32,6 +32,7 @@ from triton.language.extra import libdevice
 
 from ..rope import rotate
 from .dot import INTERPRETED, mma, query_dot_type
+from .operands import rows_in_place
 
 LOG2E = 1.4426950408889634
 
@@ -319,10 +320,9 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     splits = triton.cdiv(n, keys_per_split)
     # read in place where the strides allow: rows of contiguous entries (a slot table's rows, a shared arange at
     # stride 0), queries at any token stride (a view of the model's q, k, v product)
-    slots, key_pos, q_pos = (x if x.stride(-1) == 1 else x.contiguous() for x in (slots, key_pos, q_pos))
+    slots, key_pos, q_pos = (rows_in_place(x) for x in (slots, key_pos, q_pos))
     n_valid = None if n_valid is None else n_valid.contiguous()
-    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32)
-    inv_freq = inv_freq if inv_freq.stride(-1) == 1 else inv_freq.contiguous()
+    inv_freq = rows_in_place(inv_freq.to(device=q.device, dtype=torch.float32))
     stride_tok = q.stride(1) if c > 1 else q.stride(0)  # a size-1 dimension's stride says nothing
     if q.stride(3) != 1 or q.stride(2) != d or batch > 1 and q.stride(0) != c * stride_tok:
         q = q.contiguous()

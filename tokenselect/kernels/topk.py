@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .operands import rows_in_place
+
 
 def topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
              values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,8 +97,9 @@ def _found(hist_ptr, k, PASSES: tl.constexpr):
 @triton.jit
 def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, stride_s, stride_valid, PASS: tl.constexpr,
                       BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = (block of scores, sequence b of the batch: its row of scores, its histograms): add the histogram of byte PASS of its keys that share the bytes found by the
-    passes before into hist[PASS]. Program 0 also adds the scores past n_valid (all -inf, not read)."""
+    """Program = (block of scores, sequence b of the batch: its row of scores, its histograms): add the histogram
+    of byte PASS of its keys that share the bytes found by the passes before into hist[PASS]. Program 0 also adds
+    the scores past n_valid (all -inf, not read)."""
     shift: tl.constexpr = 24 - 8 * PASS
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
@@ -127,8 +130,8 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, stride_s, stride_
 @triton.jit
 def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, n_blocks, stride_s, stride_valid,
                   BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = (block b of scores, sequence of the batch): counts[b] = (#keys above the k-th largest, #keys equal to it); nothing when
-    none is live (the write kernel needs no count then)."""
+    """Program = (block b of scores, sequence of the batch): counts[b] = (#keys above the k-th largest, #keys equal
+    to it); nothing when none is live (the write kernel needs no count then)."""
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
     hist_ptr += seq * 1024
@@ -158,9 +161,9 @@ def _write_picks(values_ptr, out_ptr, at, i, pick, GATHER: tl.constexpr):
 def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out_ptr, N, k, n_blocks, stride_s,
                   stride_valid, stride_values, stride_out, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
                   MASKED: tl.constexpr, GATHER: tl.constexpr):
-    """Program = (block b of scores, sequence of the batch): write the positions it picks to out (GATHER: values at them), after the
-    picks of blocks < b. A key above the k-th largest is picked; one equal to it while fewer than the ties
-    wanted came before it. None live: positions 0..k-1 (all tie at -inf; the first are taken)."""
+    """Program = (block b of scores, sequence of the batch): write the positions it picks to out (GATHER: values at
+    them), after the picks of blocks < b. A key above the k-th largest is picked; one equal to it while fewer than
+    the ties wanted came before it. None live: positions 0..k-1 (all tie at -inf; the first are taken)."""
     b = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
@@ -211,8 +214,7 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     out = torch.empty(shape, dtype=torch.int64, device=scores.device) if out is None else _checked_out(out, shape)
     if k == 0 or batch == 0:
         return out
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = rows_in_place(rows)
     outs = out if batched else out[None]
     n_blocks = triton.cdiv(n, BLOCK)
     hist = torch.zeros(batch, 4, 256, dtype=torch.int32, device=scores.device)
@@ -229,11 +231,7 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     _count_kernel[grid](rows, hist, valid, counts, n, k, n_blocks, rows.stride(0), stride_valid, BLOCK=BLOCK,
                         MASKED=masked)
     gather = values is not None
-    value_rows = None
-    if gather:
-        value_rows = values if batched else values[None]
-        if value_rows.stride(-1) != 1:
-            value_rows = value_rows.contiguous()
+    value_rows = rows_in_place(values if batched else values[None]) if gather else None
     _write_kernel[grid](rows, hist, valid, counts, value_rows if gather else outs, outs, n, k, n_blocks,
                         rows.stride(0), stride_valid, value_rows.stride(0) if gather else 0, outs.stride(0),
                         BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather)
