@@ -14,7 +14,8 @@
 #   benchmarks/gpu_x4_jobs.sh tp_qwen_rest     # what tp_qwen's session left (results/tp_accuracy_qwen_h200.md)
 #   benchmarks/gpu_x4_jobs.sh sixth_qwen       # #27 on 2 GPUs: Qwen2.5 at 32x, and the 4x/8x cells topped up to 20
 #   benchmarks/gpu_x4_jobs.sh seventh_qwen     # #27 on 2 GPUs: what the sixth left (16x, QUEST and ReAttention at 8x)
-#   benchmarks/gpu_x4_jobs.sh smollm2_holes    # #27 on 2 GPUs: SmolLM2's table's cells under 20 samples, topped up
+#   benchmarks/gpu_x4_jobs.sh smollm2_holes    # #27 on 2 GPUs (HOLES_GPU_FIRST, HOLES_GPUS): SmolLM2's table's cells
+#                                              # under 20 samples, topped up
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -144,18 +145,19 @@ seventh_qwen() {
 smollm2_holes() {
   local eight=passkey,number_string,kv_retrieval,niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt
   local table=benchmarks/results/supporting/eval_smollm2_h100_predictions.jsonl.gz
-  local common=(MODEL=$smol TASKS=$eight LENGTHS=1x,2x,4x,8x,16x KV=140000 LIMIT=${HOLES_LIMIT:-1200} GPUS=2
-                RESUME_FROM=$table)
+  local common=(MODEL=$smol TASKS=$eight LENGTHS=1x,2x,4x,8x,16x KV=140000 LIMIT=${HOLES_LIMIT:-1200}
+                GPU_FIRST=${HOLES_GPU_FIRST:-0} GPUS=${HOLES_GPUS:-2} RESUME_FROM=$table)
   job smol_holes_many "${common[@]}" PER_TASK=1 POLICIES="full@dynamic:4 reattention quest"
   job smol_holes_few "${common[@]}" POLICIES="full full@yarn:4 infllm streaming tokenselect"
 }
 
 case "${1:-}" in
   sixth_qwen|seventh_qwen|smollm2_holes) "$1" ;;
-  tests)  # the GPU tests on GPUs 0 and 1, in the background, from a copy of the tree with the embedded model
+  tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
+    # embedded model
     mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
-    (cd /tmp/repo_tests && GPU_TESTS_GPUS="0 1" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 TREE_COMMIT=${TREE_COMMIT:-} \
-      "$bg" start tests benchmarks/gpu_tests.sh /tmp/res/tests/run 4) ;;
+    (cd /tmp/repo_tests && GPU_TESTS_GPUS="${TESTS_GPUS:-0 1}" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 \
+      TREE_COMMIT=${TREE_COMMIT:-} "$bg" start tests benchmarks/gpu_tests.sh /tmp/res/tests/run 4) ;;
   third_smollm2|third_qwen|third_after|fourth_qwen) "$1" ;;
   smollm2) smollm2 ;;
   qwen) qwen ;;

@@ -618,10 +618,15 @@ def test_a_batch_of_tokenselect_decode_steps_selects_in_one_launch_a_layer(tiny_
     layers = alone[3].model.config.n_layers
     for name in ("eager", "graphs"):
         tokens, stats, seen, llm = runs[name]
-        assert tokens == alone[0] and stats == alone[1]  # the same tokens and Selection Cache decisions
+        assert tokens == alone[0] and stats == alone[1], name  # the same tokens and Selection Cache decisions
+        # a CUDA graph replays its kernels without calling their Python wrappers: there only the recording counts
+        replayed = name == "graphs" and DEVICE.type == "cuda"
         for kernel in ("vote", "topk", "check", "update"):
-            assert sum(seen[kernel]) == sum(alone[2][kernel])  # the same selections ...
-            assert seen[kernel].count(6) >= 4 * layers  # ... six at once, in many steps
-            assert len(seen[kernel]) < len(alone[2][kernel])
+            if replayed:
+                assert max(seen[kernel]) >= 6, kernel  # the batch recorded in one launch a layer
+            else:
+                assert sum(seen[kernel]) == sum(alone[2][kernel]), (name, kernel)  # the same selections ...
+                assert seen[kernel].count(6) >= 4 * layers, (name, kernel)  # ... six at once, in many steps
+            assert len(seen[kernel]) < len(alone[2][kernel]), (name, kernel)
     mixed = [b for b in runs["eager"][2]["vote"] if 1 < b < 6]  # decodes beside a later prompt's prefill chunk
     assert len(mixed) >= 2 * layers
