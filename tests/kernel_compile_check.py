@@ -101,8 +101,10 @@ def main() -> None:
             "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
             "H": i32, "N": i32, "stride_valid": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
     for dt in ("bf16", "fp32"):
-        compile_one("rms_norm", "_rms_norm_kernel", {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
-                                                     "dim": i32, "eps": f32}, {"BLOCK": 4096}, num_warps=8)
+        for add in (False, True):
+            compile_one("rms_norm", "_rms_norm_kernel", {
+                "x_ptr": f"*{dt}", "add_ptr": f"*{dt}", "sum_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}",
+                "dim": i32, "eps": f32}, {"BLOCK": 4096, "ADD": add}, num_warps=8)
         compile_one("silu_mul", "_silu_mul_kernel", {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": i32,
                                                      "row_stride": i32}, {"BLOCK": 1024})
     topk = {"scores_ptr": "*fp32", "hist_ptr": "*i32", "n_valid_ptr": i64p}

@@ -225,6 +225,33 @@ def test_rms_norm_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 80), (3, 5, 16), (0, 64)])  # a decode row, ragged, per head, none
+def test_add_rms_norm_matches_reference(shape, dtype):
+    """The residual add and the norm after it in one launch: the sum rounded as PyTorch's add rounds it (exactly
+    the reference's), the norm of that sum as rms_norm's."""
+    from tokenselect.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+
+    gen = torch.Generator().manual_seed(7 + sum(shape))
+    x, add = ((3 * torch.randn(*shape, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(DEVICE, dtype)
+    total, normed = add_rms_norm(x, add, weight, 1e-5)
+    want_total, want = add_rms_norm_ref(x, add, weight, 1e-5)
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(normed, want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else
+                                                {"atol": 1e-2, "rtol": 8e-3}))  # bf16: one rounding step
+
+
+def test_add_rms_norm_refuses_operands_of_another_shape_or_dtype():
+    from tokenselect.kernels.rms_norm import add_rms_norm
+
+    x, w = torch.ones(2, 8, device=DEVICE), torch.ones(8, device=DEVICE)
+    for add in (torch.ones(2, 4, device=DEVICE), torch.ones(2, 8, device=DEVICE, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="add"):
+            add_rms_norm(x, add, w, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strided", [False, True])  # rows of a wider tensor, as a view (row stride > 2 * width)
 @pytest.mark.parametrize("shape", [(1, 14336), (7, 300), (0, 64)])  # (rows, width): a decode row, ragged, none
 def test_silu_mul_matches_reference(shape, strided, dtype):

@@ -142,18 +142,17 @@ class GraphCache:
         attn_out = torch.zeros(size, cfg.n_heads, cfg.head_dim, dtype=p.dtype, device=self.device)
         layers, embed = self.model.model.layers, self.model.model.embed_tokens
 
-        def first(_):
-            x = embed(ids)
-            return (x, *layers[0].attention_inputs(x))
+        def first(_):  # each piece up to the last -> (x, q, k, v) of the next layer
+            return layers[0].attention_inputs(embed(ids), None)
 
         def between(i: int) -> Callable:
             def piece(prev):
-                x = layers[i - 1].finish(prev[0], attn_out)
-                return (x, *layers[i].attention_inputs(x))
+                return layers[i].attention_inputs(*layers[i - 1].finish(prev[0], attn_out))
             return piece
 
         def last(prev):
-            return layers[-1].finish(prev[0], attn_out)
+            x, delta = layers[-1].finish(prev[0], attn_out)
+            return x + delta
 
         pieces = _Pieces(ids, attn_out, [first] + [between(i) for i in range(1, len(layers))] + [last])
         if self.capture:
@@ -371,13 +370,13 @@ class _WholeStep:
     def forward(self) -> torch.Tensor:
         """The model over the batch's tokens -> the last layer's output [B * w, hidden]."""
         model = self.owner.model.model
-        x = model.embed_tokens(self.ids)
+        x, delta = model.embed_tokens(self.ids), None
         seqs = [SeqStep(self.table[b], self.meta[0, b], self.meta[1, b], self.decode, self.mode, self.buffers[b])
                 for b in range(self.batch)]  # for every layer
         for i, layer in enumerate(model.layers):
-            q, k, v = layer.attention_inputs(x)
-            x = layer.finish(x, self.attention(i, q, k, v, seqs))
-        return x
+            x, q, k, v = layer.attention_inputs(x, delta)
+            x, delta = layer.finish(x, self.attention(i, q, k, v, seqs))
+        return x + delta
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   seqs: list[SeqStep]) -> torch.Tensor:

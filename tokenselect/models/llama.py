@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.rms_norm import rms_norm, rms_norm_ref
+from ..kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 
 
@@ -36,6 +36,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim]. One Triton kernel on a GPU, the same function in PyTorch elsewhere."""
         return (rms_norm if x.is_cuda else rms_norm_ref)(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, delta: [..., dim] (a residual stream and a sublayer's output not yet added, or None) -> (x + delta,
+        its norm): one Triton kernel on a GPU."""
+        if delta is None:
+            return x, self(x)
+        return (add_rms_norm if x.is_cuda else add_rms_norm_ref)(x, delta, self.weight, self.eps)
 
 
 # a stacked projection -> the checkpoint's projections it holds, in order (their output sizes: the module's
@@ -91,20 +98,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        q, k, v = self.attention_inputs(x)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None,
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, delta) -> the next (x, delta): see ``attention_inputs``."""
+        x, q, k, v = self.attention_inputs(x, delta)
         return self.finish(x, ctx.attention(self.self_attn.layer, q, k, v))
 
     # A layer is split around its attention call so that a step can run everything between two
-    # attention calls as one CUDA graph (``cuda_graphs.py``).
-    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [n, hidden] -> the un-rotated q, k, v this layer's attention takes."""
-        return self.self_attn.qkv(self.input_layernorm(x))
+    # attention calls as one CUDA graph (``cuda_graphs.py``). The residual stream travels as x and the last
+    # sublayer's output not yet added (delta), so that each add runs in one kernel with the norm after it.
+    def attention_inputs(self, x: torch.Tensor, delta: torch.Tensor | None):
+        """x: [n, hidden], delta: [n, hidden] or None (the previous layer's MLP output) -> (x + delta, then the
+        un-rotated q, k, v this layer's attention takes)."""
+        x, h = self.input_layernorm.add(x, delta)
+        return (x, *self.self_attn.qkv(h))
 
-    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """x: [n, hidden], out: [n, n_heads, head_dim] (attention's result) -> the layer's output [n, hidden]."""
-        x = x + self.self_attn.output(out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, hidden], out: [n, n_heads, head_dim] (attention's result) -> (x plus attention's output, the MLP's
+        output [n, hidden]: the layer's output is their sum, which the next norm computes)."""
+        x, h = self.post_attention_layernorm.add(x, self.self_attn.output(out))
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -132,10 +145,10 @@ class CausalLM(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids: [n_tokens] -> the last layer's output [n_tokens, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        return x
+            x, delta = layer(x, delta, ctx)
+        return x + delta
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [n, hidden], the last layer's output -> logits [n, vocab] (fp32)."""
