@@ -96,6 +96,30 @@ def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(tiny_llama):
     assert llm.generate([p], top1)[0].token_ids == llm.generate([p], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
 
 
+def test_a_steps_greedy_tokens_come_from_one_argmax_and_a_failed_sample_ends_only_its_own(monkeypatch):
+    """sample_rows: greedy rows (temperature 0, or under GREEDY_BELOW) take their argmax in one launch and one read;
+    a sampled row gets what ``sample`` alone gives it (same seed); a row whose sampling raises (NaN logits) gets the
+    exception, and the rows beside it their tokens."""
+    from tokenselect import sampling
+
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(50, generator=gen) for _ in range(5)]
+    rows[1][17] = 9.0
+    rows[4][3] = 11.0
+    rows[2] = torch.full((50,), float("nan"))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=sampling.GREEDY_BELOW / 2)]
+    argmaxes = []
+    real_argmax = torch.Tensor.argmax
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda t, *a, **k: argmaxes.append(t.shape) or real_argmax(t, *a, **k))
+    tokens = sampling.sample_rows(rows, params, [None, None, torch.Generator().manual_seed(1),
+                                                 torch.Generator().manual_seed(5), None])
+    assert argmaxes == [(3, 50)]  # the three greedy rows at once
+    assert tokens[0] == int(torch.argmax(rows[0])) and tokens[1] == 17 and tokens[4] == 3
+    assert isinstance(tokens[2], RuntimeError)
+    assert tokens[3] == sampling.sample(rows[3], params[3], torch.Generator().manual_seed(5))
+
+
 def test_stop_string_and_eos_end_generation(tiny_llama):
     llm = LLM(tiny_llama)
     p = prompt(30, 4)

@@ -630,3 +630,31 @@ def test_a_batch_of_tokenselect_decode_steps_selects_in_one_launch_a_layer(tiny_
             assert len(seen[kernel]) < len(alone[2][kernel]), (name, kernel)
     mixed = [b for b in runs["eager"][2]["vote"] if 1 < b < 6]  # decodes beside a later prompt's prefill chunk
     assert len(mixed) >= 2 * layers
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_full_attention_batch_reads_its_positions_and_lengths_in_place(tiny_llama, monkeypatch, batch):
+    """In a whole decode step of full attention, the queries' positions and the live lengths of the batch are
+    computed once a step as rows of one tensor: every layer hands them to the attention kernel as views, with no
+    stack a layer (a node of the graph each), and the tokens stay those of each request decoded alone."""
+    import tokenselect.attention as attention
+
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = [ids(40 + 7 * b, b) for b in range(batch)]
+    alone = [LLM(tiny_llama, "full", cuda_graphs=True, dtype="float32").generate([p], params)[0].token_ids
+             for p in prompts]
+    stacked = []
+
+    def spy(tensors):
+        out = rows(tensors)
+        if out.untyped_storage().data_ptr() != tensors[0].untyped_storage().data_ptr():
+            stacked.append([tuple(t.shape) for t in tensors])
+        return out
+
+    monkeypatch.setattr(attention, "rows", spy)
+    llm = LLM(tiny_llama, "full", cuda_graphs=True, dtype="float32")
+    steps_before = llm.runner.graphs.whole_steps if llm.runner.graphs else 0
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.runner.graphs.whole_steps - steps_before >= 4  # the decode steps ran as whole steps
+    assert stacked == []
+    assert together == alone

@@ -32,7 +32,7 @@ from .models.registry import resolve_model
 from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
 from .prefix_cache import PrefixCache, reuse_rule
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .settings import EngineSettings, scaled
@@ -408,16 +408,17 @@ class LLM:
         and sends the tokens, so that every rank appends the same."""
         tokens: dict[int, int | Exception] = {}
         if self.tp is None or self.tp.rank == 0:
-            for ch, row_logits in zip(chunks, logits):
-                seq = ch.seq
-                if ch.past + ch.length != seq.n_tokens:
-                    continue
-                try:
-                    tokens[seq.id] = sample(row_logits[-1], seq.params, seq.generator)
-                    if seq.logprobs is not None:
-                        seq.logprobs.append(token_logprobs(row_logits[-1], tokens[seq.id], seq.params.logprobs))
-                except Exception as error:
-                    tokens[seq.id] = error
+            ending = [(ch.seq, row_logits[-1]) for ch, row_logits in zip(chunks, logits)
+                      if ch.past + ch.length == ch.seq.n_tokens]
+            picks = sample_rows([row for _, row in ending], [seq.params for seq, _ in ending],
+                                [seq.generator for seq, _ in ending]) if ending else []
+            for (seq, row), token in zip(ending, picks):
+                tokens[seq.id] = token
+                if seq.logprobs is not None and not isinstance(token, BaseException):
+                    try:
+                        seq.logprobs.append(token_logprobs(row, token, seq.params.logprobs))
+                    except Exception as error:
+                        tokens[seq.id] = error
         if self.tp is None:
             return tokens
         sent = self.tp.broadcast({i: t if isinstance(t, int) else None for i, t in tokens.items()}

@@ -49,9 +49,32 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], not {self.logprobs}")
 
 
+def greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW
+
+
+def sample_rows(rows: list[torch.Tensor], params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int | Exception]:
+    """rows: [vocab] fp32 logits of several sequences -> each one's next token (``sample``), or the exception its
+    sampling raised. The greedy rows' tokens come from one argmax over them all and one read to the host (a step
+    of B greedy sequences waits for the device once, not B times)."""
+    tokens: list[int | Exception] = [0] * len(rows)
+    picked = [i for i, p in enumerate(params) if greedy(p)]
+    if picked:
+        for i, token in zip(picked, torch.stack([rows[i] for i in picked]).argmax(dim=-1).tolist()):
+            tokens[i] = token
+    for i, (row, p, generator) in enumerate(zip(rows, params, generators)):
+        if not greedy(p):
+            try:
+                tokens[i] = sample(row, p, generator)
+            except Exception as error:
+                tokens[i] = error
+    return tokens
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [vocab] fp32 -> the next token id."""
-    if params.temperature < GREEDY_BELOW:
+    if greedy(params):
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     if params.top_k > 0:

@@ -180,9 +180,17 @@ class AttentionPolicy:
     def whole_table(self, step: SeqStep, w: int) -> Attended:
         """Every token at its original position: the table's first length + w entries (the cached tokens, then
         the step's own), the rest of its span not read. What depends on the step alone is computed once."""
-        positions = self.cache.arange(step.table.numel())
-        q_pos = step.once(f"length + first {w}", lambda: step.length + positions[:w])
-        return Attended(step.table, positions, q_pos, step.once(f"length + {w}", lambda: step.length + w))
+        return self.whole_tables([step], w)[0]
+
+    def whole_tables(self, steps: list[SeqStep], w: int) -> list[Attended]:
+        """``whole_table`` of each of a batch's sequences (their tables of one length). The queries' positions and
+        the live lengths are computed once a step as rows of one [B, w] and one [B] tensor, so that a batched
+        kernel reads them in place (``rows``) and no layer stacks them again."""
+        positions = self.cache.arange(steps[0].table.numel())
+        lengths = batch_once(steps, "lengths", lambda: rows([step.length.view(1) for step in steps]).view(-1))
+        q_pos = batch_once(steps, f"length + first {w}", lambda: lengths[:, None] + positions[:w])
+        n_valid = batch_once(steps, f"length + {w}", lambda: lengths + w)
+        return [Attended(step.table, positions, q_pos[b], n_valid[b]) for b, step in enumerate(steps)]
 
     # ---- steps captured as CUDA graphs ---------------------------------------------------------
 

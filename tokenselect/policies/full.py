@@ -15,6 +15,9 @@ class FullAttention(AttentionPolicy):
     def attend(self, layer: int, step: SeqStep, q: torch.Tensor, own: torch.Tensor) -> Attended:
         return self.whole_table(step, own.numel())
 
+    def attend_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> list[Attended]:
+        return self.whole_tables(steps, own.shape[1])
+
     def graph_ready(self, t: int, w: int = 1) -> bool:
         """From the first token on; not with the values on the host, where a graph would stage the table's
         whole capacity (up to GRAIN - 1 rows more than the context, the whole prompt for every prefill chunk)."""
