@@ -124,7 +124,9 @@ def attend_batch(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope
     batch): q: [B, w, n_heads, d], own: [B, w] -> [B, w, n_heads, d], the policy's choices made for the
     batch (``AttentionPolicy.attend_batch``: TokenSelect's decode steps in one launch of each selection kernel) and
     one attention launch for all (one node a layer in a graph, not B, and a grid over every sequence)."""
-    lists = policy.attend_batch(layer, steps, q, own)
+    # one sequence: its policy's ``attend``, what every policy implements (and tools that record lists wrap)
+    lists = [policy.attend(layer, steps[0], q[0], own[0])] if len(steps) == 1 else policy.attend_batch(
+        layer, steps, q, own)
     frequencies = [rope(a.q_pos) for a in lists]
     k_pool, v_pool, slots = cache.attention_pools(layer, rows([a.slots for a in lists]))
     n_valid = None if lists[0].n_valid is None else rows([a.n_valid.view(1) for a in lists]).view(-1)

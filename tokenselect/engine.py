@@ -411,7 +411,7 @@ class LLM:
             ending = [(ch.seq, row_logits[-1]) for ch, row_logits in zip(chunks, logits)
                       if ch.past + ch.length == ch.seq.n_tokens]
             picks = sample_rows([row for _, row in ending], [seq.params for seq, _ in ending],
-                                [seq.generator for seq, _ in ending]) if ending else []
+                                [seq.generator for seq, _ in ending])
             for (seq, row), token in zip(ending, picks):
                 tokens[seq.id] = token
                 if seq.logprobs is not None and not isinstance(token, BaseException):

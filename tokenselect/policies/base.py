@@ -156,9 +156,10 @@ class AttentionPolicy:
         raise NotImplementedError
 
     def attend_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> list[Attended]:
-        """``attend`` for B sequences stepping together in one mode (a whole-step graph's batch), q: [B, w, n_heads,
-        head_dim], own: [B, w]; each list of one length. Here each sequence's on its own; a policy may choose for the
-        batch at once (TokenSelect's decode steps: one launch of each selection kernel, not one a sequence)."""
+        """``attend`` for B >= 2 sequences stepping together in one mode (a whole-step graph's batch; one sequence
+        goes to ``attend``), q: [B, w, n_heads, head_dim], own: [B, w]; each list of one length. Here each sequence's
+        on its own; a policy may choose for the batch at once (TokenSelect's decode steps: one launch of each
+        selection kernel, not one a sequence)."""
         return [self.attend(layer, step, q[b], own[b]) for b, step in enumerate(steps)]
 
     def release(self, seq_id: int) -> None:
@@ -187,7 +188,7 @@ class AttentionPolicy:
         the live lengths are computed once a step as rows of one [B, w] and one [B] tensor, so that a batched
         kernel reads them in place (``rows``) and no layer stacks them again."""
         positions = self.cache.arange(steps[0].table.numel())
-        lengths = batch_once(steps, "lengths", lambda: rows([step.length.view(1) for step in steps]).view(-1))
+        lengths = batch_lengths(steps)
         q_pos = batch_once(steps, f"length + first {w}", lambda: lengths[:, None] + positions[:w])
         n_valid = batch_once(steps, f"length + {w}", lambda: lengths + w)
         return [Attended(step.table, positions, q_pos[b], n_valid[b]) for b, step in enumerate(steps)]
@@ -303,7 +304,7 @@ class SelectivePolicy(AttentionPolicy):
         [B, n] list a step (one more launch a layer) whose frames are built once a step, at re-indexed positions;
         else each sequence's ``attend``."""
         chosen = None
-        if len(steps) > 1 and steps[0].mode == SELECT and self.positions == "reindex":
+        if steps[0].mode == SELECT and self.positions == "reindex":
             chosen = self.choose_batch(layer, steps, q)
         if chosen is None:
             return super().attend_batch(layer, steps, q, own)
@@ -317,9 +318,13 @@ class SelectivePolicy(AttentionPolicy):
 
     def frame(self, step: SeqStep, b: int, own: torch.Tensor) -> torch.Tensor:
         """A list's entries around its ``b`` chosen: [sinks | b zeros | the last n_local tokens | own]."""
-        window = step.once(f"last {self.n_local} tokens", lambda: step.length - self.n_local +
-                           self.cache.arange(self.n_local))
-        return torch.cat([step.table[:self.n_init], step.table.new_zeros(b), step.table.index_select(0, window), own])
+        return torch.cat([step.table[:self.n_init], step.table.new_zeros(b),
+                          step.table.index_select(0, self.local_window(step)), own])
+
+    def local_window(self, step: SeqStep) -> torch.Tensor:
+        """The positions of the last n_local cached tokens, [n_local] (once a step)."""
+        return step.once(f"last {self.n_local} tokens", lambda: step.length - self.n_local +
+                         self.cache.arange(self.n_local))
 
     def assemble(self, step: SeqStep, chosen: torch.Tensor, count: torch.Tensor | None, own: torch.Tensor) -> Attended:
         """The list ``[sinks | middle[chosen[:count]] | local window | own]``. The frame around the chosen (sinks,
@@ -328,7 +333,7 @@ class SelectivePolicy(AttentionPolicy):
         is closed up, so that the live entries come first."""
         n_init, n_local, b, w = self.n_init, self.n_local, chosen.numel(), own.numel()
         n = n_init + b + n_local + w
-        window = step.once(f"last {n_local} tokens", lambda: step.length - n_local + self.cache.arange(n_local))
+        window = self.local_window(step)
         frame = step.once(f"{n_init} sinks + {b} chosen + last {n_local} + own", lambda: self.frame(step, b, own))
         middle, _ = self.middle(step)
         self.kernels.gather_into(middle, chosen, frame[n_init:n_init + b])
@@ -391,6 +396,11 @@ def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 def batch_once(steps: list[SeqStep], key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``SeqStep.once`` for what a batch of sequences stepping together computes once a step (kept by the first)."""
     return steps[0].once(f"batch of {len(steps)}: {key}", make)
+
+
+def batch_lengths(steps: list[SeqStep]) -> torch.Tensor:
+    """The batch's cached lengths as one int64 [B] operand, once a step (a view of a whole step's inputs)."""
+    return batch_once(steps, "lengths", lambda: rows([step.length.view(1) for step in steps]).view(-1))
 
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:

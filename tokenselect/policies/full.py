@@ -16,10 +16,7 @@ class FullAttention(AttentionPolicy):
         return self.whole_table(step, own.numel())
 
     def attend_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> list[Attended]:
-        """Several sequences: their positions and lengths as rows of one tensor a step (``whole_tables``); one
-        sequence goes through ``attend``, as every policy's does."""
-        if len(steps) == 1:
-            return super().attend_batch(layer, steps, q, own)
+        """Their positions and lengths as rows of one tensor a step (``whole_tables``)."""
         return self.whole_tables(steps, own.shape[1])
 
     def graph_ready(self, t: int, w: int = 1) -> bool:

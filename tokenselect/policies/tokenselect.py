@@ -22,8 +22,8 @@ import torch
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import (PolicyStats, SelectivePolicy, SeqStep, batch_once, dense_until_setting, n_init_setting,
-                   n_local_setting, positions_setting, rows, selection_query)
+from .base import (PolicyStats, SelectivePolicy, SeqStep, batch_lengths, batch_once, dense_until_setting,
+                   n_init_setting, n_local_setting, positions_setting, rows, selection_query)
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -75,8 +75,8 @@ class TokenSelect(SelectivePolicy):
         if not steps[0].decode or self.selector != "soft_vote" or self.selection_cache.heads.spans_ranks:
             return None
         middles = rows([self.middle(step)[0] for step in steps])
-        live = batch_once(steps, f"length - {self.n_init + self.n_local}", lambda: rows(
-            [step.length.view(1) for step in steps]).view(-1) - (self.n_init + self.n_local))
+        live = batch_once(steps, f"length - {self.n_init + self.n_local}",
+                          lambda: batch_lengths(steps) - (self.n_init + self.n_local))
         seq_rows = rows([step.row.view(1) for step in steps]).view(-1)
         return self.select(layer, seq_rows, q[:, 0], middles, live, decode=True)
 
