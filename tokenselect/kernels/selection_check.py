@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .operands import batch_rows
+
 EPS = 1e-8  # as torch.nn.functional.cosine_similarity: a zero vector has cosine 0 with anything
 BLOCK = 1024
 
@@ -76,9 +78,7 @@ def selection_check(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, ro
                     candidates: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`selection_check_ref` (same arguments, same result up to rounding)."""
     batched = q.dim() == 2
-    qs = q.reshape(q.shape[0] if batched else 1, -1)
-    if qs[0].stride(0) != 1:
-        qs = qs.contiguous()
+    qs = batch_rows(q, q.shape[0] if batched else 1)
     rows = row.reshape(-1)
     miss = torch.empty(rows.numel(), dtype=torch.bool, device=q.device)
     given = candidates is not None

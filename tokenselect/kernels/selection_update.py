@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .operands import rows_in_place
+from .operands import batch_rows
 from .selection_check import EPS
 
 BLOCK = 1024
@@ -80,18 +80,13 @@ def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_p
         tl.store(valid_ptr + entry, tl.full((), 1, tl.uint8))
 
 
-def _rows(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """t: [batch, m] (or [m] for a batch of one) -> [batch, m], its rows read in place where they can be."""
-    return rows_in_place(t.reshape(batch, -1))
-
-
 def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tensor, valid: torch.Tensor,
                      row: torch.Tensor, layer: int, new: torch.Tensor, miss: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`selection_update_ref` (same arguments, same result up to the rounding of the
     stored unit query)."""
     batch = q.shape[0] if q.dim() == 2 else 1
-    qs, news = _rows(q, batch), _rows(new, batch)
+    qs, news = batch_rows(q, batch), batch_rows(new, batch)
     if qs.shape[1] != unit.shape[-1] or news.shape[1] != selection.shape[-1]:  # the kernel's row strides
         raise ValueError(f"a query of {qs.shape[1]} and a selection of {news.shape[1]} for entries of "
                          f"{unit.shape[-1]} and {selection.shape[-1]}")
