@@ -653,7 +653,7 @@ def test_full_attention_batch_reads_its_positions_and_lengths_in_place(tiny_llam
 
     monkeypatch.setattr(attention, "rows", spy)
     llm = LLM(tiny_llama, "full", cuda_graphs=True, dtype="float32")
-    steps_before = llm.runner.graphs.whole_steps if llm.runner.graphs else 0
+    steps_before = llm.runner.graphs.whole_steps
     together = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.runner.graphs.whole_steps - steps_before >= 4  # the decode steps ran as whole steps
     assert stacked == []
