@@ -11,7 +11,8 @@
 #            (carry [".carry/before"]; the embedded model of the current tree serves both)
 # Each tree runs `tokenselect bench e2e` at LENGTHS (default 128k) with dense, full, streaming, infllm, tokenselect and
 # TokenSelect's hit path (tokenselect:theta=-1) (or POLICIES), 32 decode steps (STEPS), with E2E_ARGS added (e.g. "--config tiny" to
-# try it on a CPU): about 3 minutes a tree at 128K on an H100.
+# try it on a CPU): about 3 minutes a tree at 128K on an H100. ORDER="after before" runs the current tree first: a
+# second run in that order tells a tree's difference from the order's (a warmer GPU, a cache already filled).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unpack() {  # (device) the packed tree -> /tmp/before, sharing this tree's embedded model
@@ -32,7 +33,7 @@ case "${1:-}" in
     mkdir -p "$out"
     unpack
     policies=${POLICIES:-dense,full,streaming,infllm,tokenselect,tokenselect:theta=-1}
-    for tree in before after; do
+    for tree in ${ORDER:-before after}; do
       root=$PWD; [[ $tree == before ]] && root=/tmp/before
       (cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" python3 -m tokenselect.cli bench e2e \
          --lengths "$lengths" --policies "$policies" --decode-steps "${STEPS:-32}" --output "$out" --tag "$tree" ${E2E_ARGS:-}) \

@@ -14,8 +14,12 @@
 #   benchmarks/gpu_x4_jobs.sh tp_qwen_rest     # what tp_qwen's session left (results/tp_accuracy_qwen_h200.md)
 #   benchmarks/gpu_x4_jobs.sh sixth_qwen       # #27 on 2 GPUs: Qwen2.5 at 32x, and the 4x/8x cells topped up to 20
 #   benchmarks/gpu_x4_jobs.sh seventh_qwen     # #27 on 2 GPUs: what the sixth left (16x, QUEST and ReAttention at 8x)
+#   benchmarks/gpu_x4_jobs.sh eighth_qwen      # #27 on GPUs 2-3: ReAttention's Qwen2.5 cells at 1x-8x (the issue's four
+#                                              # policies there)
 #   benchmarks/gpu_x4_jobs.sh smollm2_holes    # #27 on 2 GPUs (HOLES_GPU_FIRST, HOLES_GPUS): SmolLM2's table's cells
 #                                              # under 20 samples, topped up
+#   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
+#   benchmarks/gpu_x4_jobs.sh vote             # #27/#28 on GPU 2: ReAttention's vote kernel's tiles, a profiled prefill
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
 #   benchmarks/gpu_x4_jobs.sh collect DEST     # every finished job's tarballs into DEST (a device call's $OUT)
 set -euo pipefail
@@ -138,6 +142,14 @@ seventh_qwen() {
   job qwen_reattention_full "${common[@]}" KV=540000 TASKS=$qwen_tasks LENGTHS=8x,16x POLICIES="reattention full" GPU_FIRST=1
 }
 
+# What the issue names for Qwen2.5 at 1x-8x (full, TokenSelect, ReAttention, InfLLM) and the table still lacks:
+# ReAttention with its default at 1x, at 2x on number_string and niah_multikey_1, and at 8x (1-3 samples a cell)
+eighth_qwen() {
+  local common=(MODEL=$qwen POLICIES=reattention PER_TASK=1 LIMIT=${EIGHTH_LIMIT:-1200} RESUME_FROM=$qwen_table)
+  job qwen_reattention_short "${common[@]}" KV=70000 TASKS=$qwen_tasks LENGTHS=1x,2x GPUS=1 GPU_FIRST=3
+  job qwen_reattention_8x "${common[@]}" KV=280000 TASKS=$qwen_tasks LENGTHS=8x GPUS=2 GPU_FIRST=2
+}
+
 # SmolLM2's table (results/eval_smollm2_h100.md): the issue's eight policies over its eight tasks at 1x-16x, each
 # run starting from the table's answers, so that only the cells under 20 samples run (as of the sixth session:
 # dynamic NTK 620 samples in 32 cells, ReAttention 511 in 29, QUEST 435 in 23, YaRN 70, InfLLM 20, full 4; the
@@ -152,12 +164,32 @@ smollm2_holes() {
 }
 
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|smollm2_holes) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
     (cd /tmp/repo_tests && GPU_TESTS_GPUS="${TESTS_GPUS:-0 1}" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 \
       TREE_COMMIT=${TREE_COMMIT:-} "$bg" start tests benchmarks/gpu_tests.sh /tmp/res/tests/run 4) ;;
+  timings)  # #28 on GPU TIMINGS_GPU (default 0), from a copy of the tree with .carry/before: the 128K before/after of
+    # the packed tree against this one in both orders (a tree's difference, not the order's), then the 32K batch sweep
+    mkdir -p /tmp/repo_timings && tar cf - --exclude=.carry/parts --exclude=.git . | tar xf - -C /tmp/repo_timings
+    (cd /tmp/repo_timings && CUDA_VISIBLE_DEVICES=${TIMINGS_GPU:-0} "$bg" start timings bash -c '
+      export POLICIES=dense,tokenselect,tokenselect:theta=-1 out=/tmp/res/timings PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+      mkdir -p $out
+      benchmarks/before_after_e2e.sh run $out/before_after_first
+      ORDER="after before" benchmarks/before_after_e2e.sh run $out/before_after_swapped
+      benchmarks/gpu_throughput.sh $out/throughput --kv-cache-tokens 430000 --batch-sizes 1,4,8 \
+        --policies dense,full,tokenselect,tokenselect:theta=-1
+      tar czf $out/timings.tgz -C $out before_after_first before_after_swapped throughput') ;;
+  vote)  # #27/#28 on GPU VOTE_GPU (default 2): ReAttention's vote kernel over tiles and splits (its table printed when
+    # done), then a Qwen2.5-0.5B-shaped model's 128K prefill and decode under each selective policy, profiled
+    mkdir -p /tmp/repo_vote && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_vote
+    (cd /tmp/repo_vote && CUDA_VISIBLE_DEVICES=${VOTE_GPU:-2} "$bg" start vote bash -c '
+      out=/tmp/res/vote; mkdir -p $out; export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+      python3 benchmarks/reattention_vote_gpu.py --out $out/vote > $out.log 2>&1
+      python3 -m tokenselect.cli bench e2e --config qwen2.5-0.5b --lengths 128k --decode-steps 16 --profile-steps 2 \
+        --policies dense,tokenselect,reattention,quest --output $out/e2e
+      tar czf $out/vote.tgz -C $out vote e2e') ;;
   third_smollm2|third_qwen|third_after|fourth_qwen) "$1" ;;
   smollm2) smollm2 ;;
   qwen) qwen ;;

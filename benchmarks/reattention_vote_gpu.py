@@ -1,14 +1,16 @@
-"""ReAttention's prefill vote on the GPU: each (chunk query, head) pair's best cached key, for one layer and one
-512-token chunk, two ways:
+"""ReAttention's vote on the GPU: each (query, head) pair's best cached key, for one layer, two ways:
 
-- scores: what ReAttention did for every ``top`` (and still does for top > 1): ``paged_dot`` over blocks of
-  queries (at most ``SCORE_ELEMENTS`` floats of scores at a time), masked, ``torch.topk``, scattered into votes;
-- one pass: ``paged_argmax`` (top 1, the default), which never writes the scores, then the same scatter.
+- scores: what ReAttention does for ``top`` > 1: ``paged_dot`` over blocks of queries (at most ``SCORE_ELEMENTS``
+  floats of scores at a time), masked, ``torch.topk``, scattered into votes;
+- one pass: ``paged_argmax`` (top 1, the default), which never writes the scores, then the same scatter; in each
+  tile of ``--tiles`` (rows, keys a block, warps, stages) with the keys split as the kernel plans (``splits``), and
+  the first tile once more in one split (the kernel before the splits: one program per row tile).
 
-Both are timed with CUDA events (median of ``--repeats``) at each ``--lengths`` (the cached keys the chunk scores),
-for SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head_dim 64) and Llama-3-8B's (32, 8, 128), with
-random bf16 keys at random slots; the picks of the two are compared (the share equal, and the largest score gap
-where they differ). A 128K prompt's prefill runs this for every one of its 256 chunks in every layer.
+Both are timed with CUDA events (median of ``--repeats``) at each ``--lengths`` (the cached keys), for a 512-token
+prefill chunk and for a decode step (one query), in the attention shapes of SmolLM2-135M (9 query heads, 3 kv heads,
+head_dim 64), Qwen2.5-0.5B (14, 2, 64) and Llama-3-8B (32, 8, 128), with random bf16 keys at random slots; every
+one-pass pick is compared with the scores path's (the share equal, and the largest score gap where they differ).
+A 128K prompt's prefill runs the chunk's vote for every one of its 256 chunks in every layer.
 
     python benchmarks/reattention_vote_gpu.py --out OUT     # OUT/reattention_vote.{json,md}
 """
@@ -26,7 +28,7 @@ import torch
 from tokenselect.kernels import get_kernels
 from tokenselect.policies.reattention import SCORE_ELEMENTS
 
-SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}
+SHAPES = {"SmolLM2-135M": (9, 3, 64), "Qwen2.5-0.5B": (14, 2, 64), "Llama-3-8B": (32, 8, 128)}
 
 
 def through_scores(kernels, rows: torch.Tensor, k_pool, middle, live, n_heads: int) -> torch.Tensor:
@@ -67,46 +69,65 @@ def timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--lengths", default="32768,131072")
+    p.add_argument("--lengths", default="32768,131072,262144")
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--tiles", default="32,128,4,3;64,128,4,3;64,64,4,3;128,64,8,3;128,128,8,2",
+                   help="paged_argmax tiles to time, ';'-separated rows,keys,warps,stages (the first also in one split)")
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1, small --lengths (a trial)
     kernels = get_kernels("triton")
+    tiles = [tuple(map(int, t.split(","))) for t in args.tiles.split(";")]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows_out = []
-    for name, (n_heads, n_kv, d) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n_heads, n_kv, d = SHAPES[name]
         for m in map(int, args.lengths.split(",")):
             k_pool = torch.randn(m + 4096, n_kv, d, device=dev, generator=gen).to(torch.bfloat16)
             middle = torch.randperm(m + 4096, device=dev, generator=gen)[:m]
             live = torch.tensor(m - 7, device=dev)  # a ragged live end
-            rows = torch.randn(n_heads * args.chunk, d, device=dev, generator=gen).to(torch.bfloat16)
+            keys = k_pool[middle].float()
             votes = torch.zeros(m, dtype=torch.float64, device=dev)
 
             def voted(picks: torch.Tensor) -> torch.Tensor:
                 votes.zero_().scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
                 return picks
 
-            old_ms, old = timed(lambda: voted(through_scores(kernels, rows, k_pool, middle, live, n_heads)),
-                                args.repeats)
-            new_ms, new = timed(lambda: voted(kernels.paged_argmax(rows, k_pool, middle, live)), args.repeats)
-            same = (old == new).float().mean().item()
-            keys = k_pool[middle].float()
-            group_of_row = torch.arange(rows.shape[0], device=dev) // (rows.shape[0] // n_kv)
-            score = lambda picks: (rows.float() * keys[picks, group_of_row]).sum(-1)  # noqa: E731
-            gap = (score(old) - score(new)).abs().max().item()
-            rows_out.append({"model": name, "cached_keys": m, "chunk": args.chunk, "scores_ms": round(old_ms, 3),
-                             "one_pass_ms": round(new_ms, 3), "speedup": round(old_ms / new_ms, 2),
-                             "same_picks": round(same, 5), "largest_score_gap": gap})
-            print(rows_out[-1], flush=True)
+            for step, queries in (("chunk", args.chunk), ("decode", 1)):
+                rows = torch.randn(n_heads * queries, d, device=dev, generator=gen).to(torch.bfloat16)
+                group_of_row = torch.arange(rows.shape[0], device=dev) // (rows.shape[0] // n_kv)
+                score = lambda picks: (rows.float() * keys[picks, group_of_row]).sum(-1)  # noqa: E731
+                old_ms, old = timed(lambda: voted(through_scores(kernels, rows, k_pool, middle, live, n_heads)),
+                                    args.repeats)
+                row = {"model": name, "cached_keys": m, "step": step, "queries": queries, "scores_ms": round(old_ms, 3),
+                       "one_pass": []}
+                for i, tile in enumerate(tiles):
+                    for splits in ((None, 1) if i == 0 else (None,)):
+                        ms, new = timed(lambda: voted(kernels.paged_argmax(rows, k_pool, middle, live, tile=tile,
+                                                                           splits=splits)), args.repeats)
+                        row["one_pass"].append({"tile": list(tile), "splits": splits or "planned", "ms": round(ms, 3),
+                                                "same_picks": round((old == new).float().mean().item(), 5),
+                                                "largest_score_gap": (score(old) - score(new)).abs().max().item()})
+                best = min(row["one_pass"], key=lambda r: r["ms"])
+                row["best"] = best
+                rows_out.append(row)
+                print({k: v for k, v in row.items() if k != "one_pass"}, flush=True)
     device = torch.cuda.get_device_name() if dev == "cuda" else "CPU (Triton's interpreter: a trial, not a timing)"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "reattention_vote.json").write_text(json.dumps({"device": device, "rows": rows_out}, indent=1))
-    lines = [f"# ReAttention's prefill vote, one layer and one {args.chunk}-token chunk, on {device}", "",
-             "| model shape | cached keys | scores + top-k (ms) | one pass (ms) | speedup | picks equal | largest score gap |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['cached_keys']} | {r['scores_ms']} | {r['one_pass_ms']} | {r['speedup']}x | "
-              f"{100 * r['same_picks']:.2f}% | {r['largest_score_gap']:.2e} |" for r in rows_out]
+    (args.out / "reattention_vote.json").write_text(json.dumps({"device": device, "tiles": tiles, "rows": rows_out},
+                                                               indent=1))
+    name = lambda r: f"{'x'.join(map(str, r['tile']))}, {r['splits']} split{'s' if r['splits'] != 1 else ''}"  # noqa
+    heads = [name(r) for r in rows_out[0]["one_pass"]]
+    lines = [f"# ReAttention's vote, one layer, a {args.chunk}-token chunk and a decode step, on {device}", "",
+             "Milliseconds (median of {}); one pass: tile rows x keys x warps x stages.".format(args.repeats), "",
+             "| model shape | cached keys | step | scores + top-k | " + " | ".join(heads) + " | picks equal (worst) |",
+             "|---|---|---|---|" + "---|" * len(heads) + "---|"]
+    for r in rows_out:
+        cells = [f"**{x['ms']}**" if x is r["best"] else str(x["ms"]) for x in r["one_pass"]]
+        same = min(x["same_picks"] for x in r["one_pass"])
+        lines.append(f"| {r['model']} | {r['cached_keys']} | {r['step']} | {r['scores_ms']} | " + " | ".join(cells)
+                     + f" | {100 * same:.2f}% |")
     lines += ["", "Command: `python benchmarks/reattention_vote_gpu.py --out OUT`", ""]
     (args.out / "reattention_vote.md").write_text("\n".join(lines))
     print("\n".join(lines))

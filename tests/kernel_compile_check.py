@@ -47,8 +47,9 @@ def main() -> None:
         argmax = mods["paged_argmax"]
         block_r, block_n, warps, stages = argmax.FP32_ARGMAX_TILE if ieee else argmax.ARGMAX_TILE
         compile_one("paged_argmax", "_argmax_kernel", {
-            "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": i64p, "n_valid_ptr": i64p, "N": i32,
-            "per_kv": i32, "stride_slot": i32, "stride_kvh": i32},
+            "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "best_ptr": "*fp32", "where_ptr": i64p,
+            "n_valid_ptr": i64p, "N": i32, "per_kv": i32, "keys_per_split": i32, "stride_slot": i32,
+            "stride_kvh": i32},
             {"D": 128, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot, "IEEE": ieee,
              "MASKED": True}, num_warps=warps, num_stages=stages)
         for live in (False, True):  # the whole list, or its first *n_valid_ptr entries

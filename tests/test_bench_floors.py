@@ -181,3 +181,17 @@ def test_bench_e2e_writes_transformers_one_pass_and_estimate_rows(tmp_path):
                                               + rows["tokenselect:theta=-1"]["decode_ms"]) / 2)
     table = (tmp_path / "e2e_t.md").read_text()
     assert "x at 1K: prefill against " in table and "GB/s" in table
+
+
+def test_the_qwen_shape_builds_qwen2s_attention_with_its_bias_and_seven_heads_a_kv_head():
+    """``bench e2e --config qwen2.5-0.5b`` (the eval tables' Qwen2.5-Coder-0.5B, random weights): the Qwen2 family's
+    q/k/v bias and 14 query heads over 2 kv heads of 64 reach the model, and the floor counts those 2 kv heads."""
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    config = e2e.model_config(parser.parse_args(["e2e", "--config", "qwen2.5-0.5b", "--layers", "2"]))
+    llm = LLM.random(config, "full", device="cpu", kv_cache_tokens=16)
+    qkv = llm.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.bias is not None and qkv.out_features == (14 + 2 * 2) * 64 and qkv.in_features == 896
+    assert len(llm.model.model.layers) == 2
+    floor = decode_floor(config, None, 1024, bandwidth=1e12)
+    assert floor["attention"] == 2 * 1024 * 2 * 64 * 2 * 2  # layers x tokens x kv heads x head_dim x (K, V) x bf16

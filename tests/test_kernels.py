@@ -927,6 +927,25 @@ def test_paged_argmax_takes_the_first_of_equal_maxima(kernels):
     assert picks[2] == (-(k_pool[slots, 0] @ q[0])).argmax()
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("n_valid", [None, 250, 130, 5])  # 5 and 130: splits past the live keys see none
+def test_paged_argmax_over_split_keys_keeps_the_first_of_equal_maxima(splits, n_valid):
+    """The keys split among programs (as on a GPU, where a decode step's few rows would leave SMs idle): each row's
+    pick equals the reference's, and a slot listed twice, in different splits (entries 3 and 200, blocks of 16), is
+    picked at its first listing. Small integer keys and queries make every score exact."""
+    gen = torch.Generator().manual_seed(splits * 1000 + (n_valid or 0))
+    k_pool = torch.randint(-3, 4, (400, 2, 16), generator=gen).float().to(DEVICE)
+    slots = torch.randperm(400, generator=gen)[:300].to(DEVICE)
+    slots[200] = slots[3]
+    q = torch.randint(-2, 3, (2 * 6, 16), generator=gen).float().to(DEVICE)
+    q[0], q[6] = k_pool[slots[3], 0], k_pool[slots[3], 1]  # each kv head's first row: its own key scores highest
+    live = None if n_valid is None else torch.tensor(n_valid, device=DEVICE)
+    got = TRITON.paged_argmax(q, k_pool, slots, live, tile=(16, 16, 4, 2), splits=splits)
+    assert torch.equal(got, TORCH.paged_argmax(q, k_pool, slots, live))
+    if n_valid is None or n_valid > 3:
+        assert got[0] == got[6] == 3
+
+
 def raw_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (fp8 has no equality kernel in every build)."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -65,7 +65,13 @@ LLAMA3_8B = {
 }
 TINY = {**LLAMA3_8B, "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
-CONFIGS = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+# Qwen2.5-0.5B's shape (the eval tables' Qwen2.5-Coder-0.5B): 14 query heads over 2 kv heads, q/k/v bias, 32K window
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+}
+CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
 FULL_OFFLOAD_BYTES = 256 << 30  # host->GPU value copies full attention may make in one prefill
 PROGRESS_SECONDS = 30  # prefill progress lines at most this often
 # prompt of the untimed request each policy runs first (the whole prompt when it is shorter). Triton compiles a
@@ -553,7 +559,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_model_arguments(p) -> None:
     """--config and --layers: the random-weight model a bench builds (``model_config``)."""
-    p.add_argument("--config", default="llama3-8b", help="llama3-8b, tiny, or a config.json path")
+    p.add_argument("--config", default="llama3-8b", help=f"{', '.join(CONFIGS)}, or a config.json path")
     p.add_argument("--layers", type=int, help="override the number of layers (quick runs)")
 
 
