@@ -45,13 +45,14 @@ def main() -> None:
                  "IEEE": ieee, "STATS": stats, "MASKED": masked}, num_warps=8 if ieee else 4,
                 num_stages=2 if ieee else 3)
         argmax = mods["paged_argmax"]
-        block_r, block_n, warps, stages = argmax.FP32_ARGMAX_TILE if ieee else argmax.ARGMAX_TILE
-        compile_one("paged_argmax", "_argmax_kernel", {
-            "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "best_ptr": "*fp32", "where_ptr": i64p,
-            "n_valid_ptr": i64p, "N": i32, "per_kv": i32, "keys_per_split": i32, "stride_slot": i32,
-            "stride_kvh": i32},
-            {"D": 128, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot, "IEEE": ieee,
-             "MASKED": True}, num_warps=warps, num_stages=stages)
+        for tile in ((argmax.FP32_ARGMAX_TILE,) if ieee else (argmax.ARGMAX_TILE, argmax.FEW_ROWS_ARGMAX_TILE)):
+            block_r, block_n, warps, stages = tile
+            compile_one("paged_argmax", "_argmax_kernel", {
+                "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "best_ptr": "*fp32", "where_ptr": i64p,
+                "n_valid_ptr": i64p, "N": i32, "per_kv": i32, "keys_per_split": i32, "stride_slot": i32,
+                "stride_kvh": i32},
+                {"D": 128, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot, "IEEE": ieee,
+                 "MASKED": True}, num_warps=warps, num_stages=stages)
         for live in (False, True):  # the whole list, or its first *n_valid_ptr entries
             attention = mods["sparse_attention"]
             for rotated, split, tile in ((False, True, attention.FP32_DECODE_TILE if ieee else attention.DECODE_TILE),

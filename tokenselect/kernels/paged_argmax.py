@@ -88,9 +88,11 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, best_ptr, where_ptr, n_valid_ptr, N, 
     tl.store(where_ptr + out, where.to(tl.int64), mask=row_ok)
 
 
-# (rows, keys per block, warps, pipeline stages), measured on an H200 (benchmarks/reattention_vote_gpu.py); fp32
-# products run on CUDA cores with fp32 operands, in smaller blocks
-ARGMAX_TILE, FP32_ARGMAX_TILE = (32, 128, 4, 3), (32, 64, 4, 2)
+# (rows, keys per block, warps, pipeline stages), measured on an H200 (results/supporting/reattention_vote_h200.md):
+# a chunk's thousands of rows a kv head in tiles of 128 (each key block read for 128 rows), a decode step's few rows
+# (at most FEW_ROWS a kv head) in tiles of 32; fp32 products run on CUDA cores with fp32 operands, in smaller blocks
+ARGMAX_TILE, FEW_ROWS_ARGMAX_TILE, FP32_ARGMAX_TILE = (128, 64, 8, 3), (32, 128, 4, 3), (32, 64, 4, 2)
+FEW_ROWS = 32
 TARGET_PROGRAMS = 396  # programs to aim for by splitting the keys (3 per SM of an H100): a decode step's few rows,
 # or a chunk's rows in large tiles, would leave most SMs idle
 MIN_SPLIT_BLOCKS = 4  # blocks of keys a split walks at least
@@ -107,7 +109,8 @@ def paged_argmax(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, n_v
     if n == 0 or per_kv == 0:
         return torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
     dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
-    block_r, block_n, warps, stages = tile or (FP32_ARGMAX_TILE if ieee else ARGMAX_TILE)
+    block_r, block_n, warps, stages = tile or (FP32_ARGMAX_TILE if ieee else
+                                               FEW_ROWS_ARGMAX_TILE if per_kv <= FEW_ROWS else ARGMAX_TILE)
     if d > 128 and tile is None:
         block_n //= 2
     row_tiles = triton.cdiv(per_kv, block_r)
