@@ -405,13 +405,15 @@ def test_reattention_heads_vote_with_their_own_kv_heads(top):
     assert order == list(range(4)) + list(range(58, 61 + top)) + list(range(118, 121 + top)) + list(range(180, 200))
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("top", [1, 2])
 @pytest.mark.parametrize("per_block", [1, 3, 16])
-def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block, top):
+def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_block, top, kernels):
     """Every (query, head) pair votes for its ``top`` best keys once: with top 1 in one pass of ``paged_argmax``,
     with more a block of queries at a time (SCORE_ELEMENTS: blocks of 1, of 3 with a partial last one, one block).
     Query i's heads read dimension i, which token 20 + 16 i holds at 5 and token 21 + 16 i at 4: top 1 votes for
-    the first, top 2 for both."""
+    the first, top 2 for both. Every voted token has 4 votes: the winners are the earliest of equal counts, through
+    the reference's top-k and the Triton kernel's alike."""
     from tokenselect.policies import reattention
 
     gen = torch.Generator().manual_seed(3)
@@ -424,7 +426,8 @@ def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_bloc
     voted = [20 + 16 * i + j for i in range(w) for j in range(top)]  # 4 votes each
     cache, slots = cache_with_keys(keys)
     # the earliest 14 of the voted tokens win (a query counted twice would win over them)
-    policy = ReAttention(cache, TORCH, window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2, chunk=w, top=top)
+    policy = ReAttention(cache, get_kernels(kernels), window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2,
+                         chunk=w, top=top)
     monkeypatch.setattr(reattention, "SCORE_ELEMENTS", 4 * (t + w - 4 - 16) * per_block)  # heads x middle x queries
     order = step(policy, slots, q, decode=False).order(slots)
     covered = sorted({x for token in voted[:w - 2] for x in range(token - 2, token + 2)})

@@ -65,7 +65,7 @@ class ReAttention(SelectivePolicy):
         dead = step.once(f"reattention dead {m}", lambda: self.cache.arange(m) >= live)
         k_pool = self.cache.k_select[layer]
         n_heads = q.shape[1]
-        votes = torch.zeros(m, dtype=torch.float64, device=dev)  # counts, exact in fp64 beside the tie-break
+        votes = torch.zeros(m, device=dev)  # counts, exact in fp32: a token gets at most one vote a (query, head) pair
         # head-major rows: row h*b + i is head h, so the GQA mapping row -> kv head stays h // group (q: in its own
         # dtype; an fp8 pool's keys are upcast)
         if self.top == 1:  # each row's best key in one pass: the scores are never written
@@ -81,8 +81,8 @@ class ReAttention(SelectivePolicy):
                 votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
         self.heads.sum(votes)  # every rank's heads' votes (``parallel.HeadReduce``)
         # the n_spans most-voted tokens among those with a vote, of equal votes the earliest (so that the choice
-        # does not depend on the table's padding)
-        winners = torch.topk(votes * (m + 1) - self.cache.arange(m), min(self.n_spans, m)).indices
+        # does not depend on the table's padding): the kernels' top-k takes the first of scores tied at the k-th
+        winners = self.kernels.topk(votes, self.n_spans)
         won = votes.index_select(0, winners) > 0
         # each winner covers [w - span // 2, w + (span + 1) // 2), clipped to the live middle: +1 where a span
         # starts, -1 past its end, and a running sum marks the covered tokens
