@@ -44,6 +44,22 @@ from tokenselect.eval.tasks.haystack import prose_slice, prose_words, random_num
 ANSWER_TOKENS = 16
 
 
+def depth_plan(spec: str) -> list[tuple[int, float]]:
+    """--depths as (index, depth) pairs, the index seeding the sample: "N" (N depths spread evenly over 0..1), "N:A-B"
+    (the same N depths' indices A to B only: a later process finishes a run cut off at depth A with the very samples
+    the whole run would have drawn), or a list of depths "0.3,0.6"."""
+    if ":" in spec:
+        n, span = spec.split(":")
+        first, last = map(int, span.split("-"))
+        every = spread_depths(int(n))
+        if not 0 <= first <= last < len(every):
+            raise ValueError(f"--depths {spec}: indices {first}-{last} are not among the {len(every)} depths")
+        return [(i, every[i]) for i in range(first, last + 1)]
+    if "." in spec or "," in spec:
+        return list(enumerate(float(d) for d in spec.split(",")))
+    return list(enumerate(spread_depths(int(spec))))
+
+
 def prose_needle(n: int, depth: float, rng: random.Random, _tokens: int) -> Sample:
     """n words of essays with the needle, in words unlike RULER's, between sentences at ``depth``."""
     value = random_number(rng)
@@ -152,9 +168,7 @@ def run(args: argparse.Namespace, save=None) -> dict:
     for style in args.styles.split(","):
         for length in args.lengths.split(","):
             target = parse_length(length, llm.window)
-            depth_list = ([float(d) for d in args.depths.split(",")] if "." in args.depths or "," in args.depths
-                          else spread_depths(int(args.depths)))
-            for i, depth in enumerate(depth_list):
+            for i, depth in depth_plan(args.depths):
                 sample = fit_sample(STYLES[style], target - ANSWER_TOKENS, depth, f"{args.seed}/{style}/{target}/{i}",
                                     count)
                 ids = tokenizer(sample.input)["input_ids"]
@@ -211,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policy", default="tokenselect")
     parser.add_argument("--set", action="append", help="a policy setting KEY=VALUE (repeatable), e.g. k=1024")
     parser.add_argument("--lengths", default="2x,4x", help="context lengths, as multiples of the window or tokens")
-    parser.add_argument("--depths", default="5", help="N needle depths spread evenly over 0..1, or a list: 0.3,0.6")
+    parser.add_argument("--depths", default="5", help="N needle depths spread evenly over 0..1; N:A-B, those N depths' "
+                        "indices A to B only (the rest of a run that was cut off); or a list: 0.3,0.6")
     parser.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated: {', '.join(STYLES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="output folder")

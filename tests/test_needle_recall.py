@@ -58,3 +58,24 @@ def test_a_word_setting_reaches_the_policy_and_each_sample_is_saved(tmp_path, mo
                           "--styles", "prose", "--set", "selector=hard_vote", "--set", "k=64", "--out", str(tmp_path)])
     assert result["settings"]["selector"] == "hard_vote" and result["settings"]["k"] == 64
     assert saved[:2] == [1, 2]
+
+
+def test_a_cut_off_runs_rest_draws_the_very_samples_the_whole_run_would(tmp_path):
+    """--depths 3:1-2 runs the second and third of 3 spread depths with the seeds the whole run gives them (the same
+    prompts, so the same answers and recall); a range outside the depths is refused."""
+    whole = {(r["style"], r["depth"]): r for r in run(tmp_path / "whole", "full")}
+    args = ["--model", "embedded", "--policy", "full", "--lengths", "700", "--depths", "3:1-2", "--styles",
+            "ruler_noise,prose", "--out", str(tmp_path / "rest")]
+    rest = needle_recall().main(args)["rows"]
+    assert [r["depth"] for r in rest] == [0.5, 1.0, 0.5, 1.0]
+    for r in rest:
+        assert r["answer"] == whole[(r["style"], r["depth"])]["answer"]
+        assert r["tokens"] == whole[(r["style"], r["depth"])]["tokens"]
+    assert needle_recall().depth_plan("20:9-19")[0] == (9, 9 / 19)
+    for bad in ("3:2-3", "3:2-1"):
+        try:
+            needle_recall().depth_plan(bad)
+        except ValueError as e:
+            assert "are not among the 3 depths" in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
