@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .dot import exact_dot_type, mma
 from .paged_dot import paged_dot_ref
+from .sparse_attention import TARGET_PROGRAMS
 
 REF_SCORES = 1 << 24  # the reference scores blocks of rows, at most this many floats at a time
 
@@ -93,9 +94,8 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, best_ptr, where_ptr, n_valid_ptr, N, 
 # (at most FEW_ROWS a kv head) in tiles of 32; fp32 products run on CUDA cores with fp32 operands, in smaller blocks
 ARGMAX_TILE, FEW_ROWS_ARGMAX_TILE, FP32_ARGMAX_TILE = (128, 64, 8, 3), (32, 128, 4, 3), (32, 64, 4, 2)
 FEW_ROWS = 32
-TARGET_PROGRAMS = 396  # programs to aim for by splitting the keys (3 per SM of an H100): a decode step's few rows,
-# or a chunk's rows in large tiles, would leave most SMs idle
-MIN_SPLIT_BLOCKS = 4  # blocks of keys a split walks at least
+MIN_SPLIT_BLOCKS = 4  # blocks of keys a split walks at least (the splits aim at sparse attention's TARGET_PROGRAMS:
+# a decode step's few rows, or a chunk's rows in large tiles, would leave most SMs idle)
 
 
 def paged_argmax(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, n_valid: torch.Tensor | None = None,
