@@ -20,6 +20,8 @@
 #                                              # under 20 samples, topped up
 #   benchmarks/gpu_x4_jobs.sh theta07          # #27 on GPU THETA_GPU (default 0): TokenSelect at theta 0.7 on SmolLM2,
 #                                              # the cells of the table's theta=0.8 column
+#   benchmarks/gpu_x4_jobs.sh neighbours       # #27 on GPUs NEIGHBOURS_GPU and the next: TokenSelect's runs of neighbours
+#                                              # on the cells it loses (both models; both models carried)
 #   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
 #   benchmarks/gpu_x4_jobs.sh vote             # #27/#28 on GPU 2: ReAttention's vote kernel's tiles, a profiled prefill
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
@@ -159,6 +161,18 @@ theta07() {
     POLICIES="tokenselect:theta=0.7" PER_TASK=1 KV=40000 LIMIT=${THETA_LIMIT:-600} GPUS=1 GPU_FIRST=${THETA_GPU:-0}
 }
 
+# TokenSelect with runs of neighbours (``neighbours``: a token's vote is the best within r tokens) on the cells it loses
+# to ReAttention's spans and InfLLM's blocks (supporting/needle_answers_qwen_multikey.md), and on the cells it wins
+# (to see what the runs cost there): runs of 9 and of 33 tokens
+neighbours() {
+  local gpu=${NEIGHBOURS_GPU:-0}
+  job qwen_neighbours MODEL=$qwen TASKS=$qwen_tasks LENGTHS=4x,8x POLICIES="tokenselect:neighbours=4 tokenselect:neighbours=16" \
+    PER_TASK=1 KV=280000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 GPU_FIRST=$gpu
+  job smol_neighbours MODEL=$smol TASKS=number_string,niah_single_1,niah_single_2,niah_multikey_1 LENGTHS=4x,16x \
+    POLICIES="tokenselect:neighbours=4 tokenselect:neighbours=16" PER_TASK=1 KV=140000 LIMIT=${NEIGHBOURS_LIMIT:-900} \
+    GPUS=1 GPU_FIRST=$((gpu + 1))
+}
+
 # SmolLM2's table (results/eval_smollm2_h100.md): the issue's eight policies over its eight tasks at 1x-16x, each
 # run starting from the table's answers, so that only the cells under 20 samples run (as of the sixth session:
 # dynamic NTK 620 samples in 32 cells, ReAttention 511 in 29, QUEST 435 in 23, YaRN 70, InfLLM 20, full 4; the
@@ -173,7 +187,7 @@ smollm2_holes() {
 }
 
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests

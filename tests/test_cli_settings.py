@@ -204,7 +204,7 @@ def test_check_names_the_settings_a_kind_takes_and_fitted_keeps_a_zero_default()
     from tokenselect.settings import PAPER_WINDOW, NoSettings, check, fitted, scaled
 
     with pytest.raises(ValueError, match=r"^attention 'x' takes no setting a, b \(it takes: k, n_init, n_local, theta, "
-                                         r"selector, score_scale, positions, dense_until\)$"):
+                                         r"selector, neighbours, score_scale, positions, dense_until\)$"):
         check(TokenSelectSettings, {"b": 1, "a": 2, "k": 3}, "attention 'x'")
     with pytest.raises(ValueError, match=r"^attention 'full' takes no setting k \(it takes: none\)$"):
         check(NoSettings, {"k": 1}, "attention 'full'")

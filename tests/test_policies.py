@@ -270,6 +270,58 @@ def test_a_hit_gives_the_vote_and_the_top_k_no_live_candidate():
 
 # ---- ReAttention ------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("neighbours", [0, 3])
+def test_tokenselect_neighbours_select_the_run_around_the_best_voted_token(neighbours):
+    """Every head votes for token 100 (decode): with neighbours 3 and k 7 the choice is tokens 97-103, the run of
+    tokens within 3 of it; without, token 100 and six others on their own votes."""
+    torch.manual_seed(6)
+    t, d, n_init, n_local = 200, 16, 4, 20
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(1, 4, d)
+    keys[100] = loud_along(q, 5.0)
+    cache, slots = cache_with_keys(keys)
+    policy = TokenSelect(cache, TORCH, k=7, n_init=n_init, n_local=n_local, theta=None, dense_until=0,
+                         neighbours=neighbours)
+    order = step(policy, slots, q, decode=True).order(slots)
+    chosen = order[n_init:n_init + 7]
+    assert order[:n_init] == list(range(n_init)) and order[n_init + 7:] == list(range(t - n_local, t))
+    if neighbours:
+        assert chosen == list(range(97, 104))
+    else:
+        assert 100 in chosen and chosen != list(range(97, 104))
+
+
+def test_tokenselect_neighbours_stop_at_the_live_middles_end():
+    """The best-voted token is the middle's last live one (179): its run holds the 4 live tokens 176-179, never the
+    entries past the live middle (the local window's, attended once as the window), and the choice has no repeat."""
+    torch.manual_seed(7)
+    t, d, n_init, n_local = 200, 16, 4, 20
+    keys = 0.01 * torch.randn(t, 2, d)
+    q = torch.randn(1, 4, d)
+    keys[t - n_local - 1] = loud_along(q, 5.0)
+    keys[t - n_local] = loud_along(q, 10.0)  # the window's first key: louder, but not a candidate
+    cache, slots = cache_with_keys(keys)
+    policy = TokenSelect(cache, TORCH, k=7, n_init=n_init, n_local=n_local, theta=None, dense_until=0, neighbours=3)
+    order = step(policy, slots, q, decode=True).order(slots)
+    chosen = order[n_init:n_init + 7]
+    assert set(range(176, 180)) <= set(chosen) and max(chosen) == 179
+    assert len(order) == len(set(order))
+
+
+def test_tokenselect_neighbours_reach_the_policy_and_a_batch_decodes_as_each_request_alone(tiny_llama,
+                                                                                           batch_invariant_matmuls):
+    """``neighbours`` from the engine's settings reaches the policy; four requests decoding together (the batch's
+    vote in one call, then the spread) make the tokens each makes alone."""
+    settings = dict(chunk_size=32, k=16, n_init=4, n_local=16, dense_until=0, neighbours=2, theta=0.5)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(120 + 9 * i)] for i in range(4)]
+    llm = LLM(tiny_llama, "tokenselect", **settings)
+    assert llm.policy.neighbours == 2
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [LLM(tiny_llama, "tokenselect", **settings).generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
+
+
 def test_reattention_widens_winners_into_spans():
     torch.manual_seed(0)
     t, d = 400, 16

@@ -10,6 +10,10 @@ Selectors (paper eqs. 5-7), over scores s[h, t] = scale * <q_h, K[t, h // group]
     topk       sum_h s[h, t]                       (one loud head dominates)
     hard_vote  sum_h [t in top-k of head h]        (one vote per head, counted)
     soft_vote  sum_h softmax_t(s[h, :])[t]         (one normalised vote per head; default)
+
+With ``neighbours`` r > 0 (not the paper's; off by default) a token's vote is the best vote within r tokens of it,
+so the top-k takes runs of tokens around the best-voted ones (a needle's whole sentence, as ReAttention's spans and
+InfLLM's blocks attend), still k distinct tokens, each run's tokens tied and taken first to last.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import Kernels
 from ..kv_cache import KVCache
@@ -38,6 +43,9 @@ class TokenSelectSettings(Validated):
     theta: float | None = setting(0.9, "Selection Cache threshold on cos(q, q_cached); 1.0 never reuses",
                                   low=-1.0, high=1.0, per_request=True, none="off: every decode step selects")
     selector: str = setting("soft_vote", "head vote", choices=SELECTORS)
+    neighbours: int = setting(0, "a token's vote is the best within this many tokens on either side, so runs of "
+                                 "tokens around the best-voted are selected (0: each token on its own vote)",
+                              unit="tokens", low=0)
     score_scale: str = setting("raw", "per-head softmax scale for the vote: raw, sqrt_d or a number")
     positions: str = positions_setting()
     dense_until: int | None = dense_until_setting()
@@ -52,7 +60,7 @@ class TokenSelect(SelectivePolicy):
         s = self.Settings(**settings)
         super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions,
                          dense_until=s.dense_until)
-        self.k, self.selector = s.k, s.selector
+        self.k, self.selector, self.neighbours = s.k, s.selector, s.neighbours
         self.scale = resolve_score_scale(s.score_scale, cache.k.shape[-1])
         # an entry: a miss's choice, [k] indices into the middle
         self.selection_cache = SelectionCache(s.theta, cache.k.shape[0], s.k, kernels.selection_check,
@@ -111,7 +119,7 @@ class TokenSelect(SelectivePolicy):
         A batch (soft vote): query [B, n_heads, head_dim], middle [B, M], live [B] -> [B, M]."""
         kern = self.kernels
         if self.selector == "soft_vote":  # summed over every rank's heads (``heads``), as over one GPU's
-            return self.heads.sum(kern.head_soft_vote(query, k_pool, middle, self.scale, live))
+            return self.spread(self.heads.sum(kern.head_soft_vote(query, k_pool, middle, self.scale, live)))
         scores = kern.paged_dot(query, k_pool, middle) * self.scale  # [H, M]
         dead = None if live is None else self.cache.arange(middle.numel()) >= live
         if dead is not None:
@@ -122,7 +130,16 @@ class TokenSelect(SelectivePolicy):
             per_head = torch.topk(scores, min(self.k, scores.shape[1]), dim=1).indices  # [H, k]
             vote = torch.zeros(scores.shape[1], device=scores.device).scatter_add_(
                 0, per_head.flatten(), torch.ones(per_head.numel(), device=scores.device))
-        return self.heads.sum(vote if dead is None else vote.masked_fill(dead, float("-inf")))
+        return self.spread(self.heads.sum(vote if dead is None else vote.masked_fill(dead, float("-inf"))))
+
+    def spread(self, vote: torch.Tensor) -> torch.Tensor:
+        """``neighbours`` r > 0: each token's vote [M] (or a batch's [B, M]) becomes the largest within r tokens of it
+        (a max filter; the ends see fewer). Tokens past the live middle vote -inf and lend no vote; the top-k takes
+        none of them (``top``: its live count)."""
+        r = self.neighbours
+        if r == 0:
+            return vote
+        return F.max_pool1d(vote.unsqueeze(-2), 2 * r + 1, stride=1, padding=r).squeeze(-2)
 
     def top(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
             live: torch.Tensor | None = None) -> torch.Tensor:
