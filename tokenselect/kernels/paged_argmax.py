@@ -21,6 +21,7 @@ import triton.language as tl
 from .dot import exact_dot_type, mma
 from .paged_dot import paged_dot_ref
 from .sparse_attention import TARGET_PROGRAMS
+from .splits import key_splits, live_keys_per_split
 
 REF_SCORES = 1 << 24  # the reference scores blocks of rows, at most this many floats at a time
 
@@ -60,7 +61,7 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, best_ptr, where_ptr, n_valid_ptr, N, 
     n_live = N
     if MASKED:
         n_live = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
-        keys_per_split = tl.cdiv(tl.cdiv(n_live, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        keys_per_split = live_keys_per_split(n_live, BLOCK_N)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, n_live)
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -114,10 +115,8 @@ def paged_argmax(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, n_v
     if d > 128 and tile is None:
         block_n //= 2
     row_tiles = triton.cdiv(per_kv, block_r)
-    if splits is None:
-        splits = max(1, min(triton.cdiv(n, block_n * MIN_SPLIT_BLOCKS), TARGET_PROGRAMS // (row_tiles * n_kv)))
-    keys_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
-    splits = triton.cdiv(n, keys_per_split)
+    splits, keys_per_split = key_splits(n, block_n, splits or TARGET_PROGRAMS // (row_tiles * n_kv),
+                                        1 if splits else MIN_SPLIT_BLOCKS)
     best = torch.empty(splits, q.shape[0], dtype=torch.float32, device=q.device)
     where = torch.empty(splits, q.shape[0], dtype=torch.int64, device=q.device)
     _argmax_kernel[(row_tiles, n_kv, splits)](

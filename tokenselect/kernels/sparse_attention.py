@@ -33,6 +33,7 @@ from triton.language.extra import libdevice
 from ..rope import rotate
 from .dot import INTERPRETED, mma, query_dot_type
 from .operands import rows_in_place
+from .splits import key_splits, live_keys_per_split
 
 LOG2E = 1.4426950408889634
 
@@ -198,7 +199,7 @@ def _sparse_attention_kernel(
     k_ptr += b64 * k_stride_b
     if LIVE:
         N = tl.minimum(tl.load(n_valid_ptr + b).to(tl.int32), N)
-        keys_per_split = tl.cdiv(tl.cdiv(N, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        keys_per_split = live_keys_per_split(N, BLOCK_N)
     pid_r, kvh, split = tl.program_id(0) % row_blocks, tl.program_id(1), tl.program_id(2)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < C * G
@@ -315,9 +316,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     block_r, block_n, warps, stages = tile
     block_n = block_n if d <= 128 else max(16, block_n // 2)
     row_blocks = triton.cdiv(c * group, block_r)
-    splits = max(1, min(triton.cdiv(n, block_n), TARGET_PROGRAMS // (batch * row_blocks * n_kv)))
-    keys_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
-    splits = triton.cdiv(n, keys_per_split)
+    splits, keys_per_split = key_splits(n, block_n, TARGET_PROGRAMS // (batch * row_blocks * n_kv))
     # read in place where the strides allow: rows of contiguous entries (a slot table's rows, a shared arange at
     # stride 0), queries at any token stride (a view of the model's q, k, v product)
     slots, key_pos, q_pos = (rows_in_place(x) for x in (slots, key_pos, q_pos))
