@@ -35,6 +35,12 @@ qwen_tasks=niah_single_1,niah_single_2,number_string,niah_multikey_1  # Qwen2.5'
 qwen_table=benchmarks/results/supporting/eval_qwen2.5_coder_0.5b_h200_predictions.jsonl.gz  # its answers so far
 building=0  # 1: build the prompts of each job instead of starting it
 
+copy_tree() {  # DEST [EXCLUDE...]: this tree (without .git and the EXCLUDEd paths) copied to DEST, for a background job
+  # to run from: every device call re-syncs the working tree under a running process
+  local dest=$1; shift
+  mkdir -p "$dest" && tar cf - --exclude=.git "${@/#/--exclude=}" . | tar xf - -C "$dest"
+}
+
 job() {  # NAME VAR=VALUE... [-- PARTS]: benchmarks/gpu_real_eval.sh /tmp/res/NAME with those settings, in the background
   local name=$1; shift
   local vars=() parts=(eval)
@@ -190,12 +196,12 @@ case "${1:-}" in
   sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
-    mkdir -p /tmp/repo_tests && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_tests
+    copy_tree /tmp/repo_tests .carry
     (cd /tmp/repo_tests && GPU_TESTS_GPUS="${TESTS_GPUS:-0 1}" GRAPH_SHARDS=4 GPU_TESTS_LIMIT=900 \
       TREE_COMMIT=${TREE_COMMIT:-} "$bg" start tests benchmarks/gpu_tests.sh /tmp/res/tests/run 4) ;;
   timings)  # #28 on GPU TIMINGS_GPU (default 0), from a copy of the tree with .carry/before: the 128K before/after of
     # the packed tree against this one in both orders (a tree's difference, not the order's), then the 32K batch sweep
-    mkdir -p /tmp/repo_timings && tar cf - --exclude=.carry/parts --exclude=.git . | tar xf - -C /tmp/repo_timings
+    copy_tree /tmp/repo_timings .carry/parts
     (cd /tmp/repo_timings && CUDA_VISIBLE_DEVICES=${TIMINGS_GPU:-0} "$bg" start timings bash -c '
       export POLICIES=dense,tokenselect,tokenselect:theta=-1 out=/tmp/res/timings PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
       mkdir -p $out
@@ -206,7 +212,7 @@ case "${1:-}" in
       tar czf $out/timings.tgz -C $out before_after_first before_after_swapped throughput') ;;
   vote)  # #27/#28 on GPU VOTE_GPU (default 2): ReAttention's vote kernel over tiles and splits (its table printed when
     # done), then a Qwen2.5-0.5B-shaped model's 128K prefill and decode under each selective policy, profiled
-    mkdir -p /tmp/repo_vote && tar cf - --exclude=.carry --exclude=.git . | tar xf - -C /tmp/repo_vote
+    copy_tree /tmp/repo_vote .carry
     (cd /tmp/repo_vote && CUDA_VISIBLE_DEVICES=${VOTE_GPU:-2} "$bg" start vote bash -c '
       out=/tmp/res/vote; mkdir -p $out; export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
       python3 benchmarks/reattention_vote_gpu.py --out $out/vote > $out.log 2>&1
