@@ -20,8 +20,10 @@
 #                                              # under 20 samples, topped up
 #   benchmarks/gpu_x4_jobs.sh theta07          # #27 on GPU THETA_GPU (default 0): TokenSelect at theta 0.7 on SmolLM2,
 #                                              # the cells of the table's theta=0.8 column
-#   benchmarks/gpu_x4_jobs.sh neighbours       # #27 on GPUs NEIGHBOURS_GPU and the next: TokenSelect's runs of neighbours
-#                                              # on the cells it loses (both models; both models carried)
+#   benchmarks/gpu_x4_jobs.sh neighbours_smol  # #27: TokenSelect's runs of neighbours on the cells it loses and wins,
+#   benchmarks/gpu_x4_jobs.sh neighbours_qwen  # SmolLM2's and Qwen2.5's (each once its model is carried)
+#   benchmarks/gpu_x4_jobs.sh eleventh_timings # #28 on GPU TIMINGS_GPU (default 1): ReAttention's radix top-k and
+#                                              # TokenSelect's neighbours timed (below)
 #   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
 #   benchmarks/gpu_x4_jobs.sh vote             # #27/#28 on GPU 2: ReAttention's vote kernel's tiles, a profiled prefill
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
@@ -169,14 +171,40 @@ theta07() {
 
 # TokenSelect with runs of neighbours (``neighbours``: a token's vote is the best within r tokens) on the cells it loses
 # to ReAttention's spans and InfLLM's blocks (supporting/needle_answers_qwen_multikey.md), and on the cells it wins
-# (to see what the runs cost there): runs of 9 and of 33 tokens
-neighbours() {
-  local gpu=${NEIGHBOURS_GPU:-0}
-  job qwen_neighbours MODEL=$qwen TASKS=$qwen_tasks LENGTHS=4x,8x POLICIES="tokenselect:neighbours=4 tokenselect:neighbours=16" \
-    PER_TASK=1 KV=280000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 GPU_FIRST=$gpu
+# (to see what the runs cost there): runs of 9 and of 33 tokens. The models come in different calls, so a group each:
+# SmolLM2's on GPU NEIGHBOURS_GPU (default 0), Qwen2.5's on GPU QWEN_NEIGHBOURS_GPU (default 1), its cells
+# QWEN_NEIGHBOURS_TASKS at QWEN_NEIGHBOURS_LENGTHS (default the table's four tasks at 4x and 8x)
+neighbours_policies="tokenselect:neighbours=4 tokenselect:neighbours=16"
+neighbours_smol() {
   job smol_neighbours MODEL=$smol TASKS=number_string,niah_single_1,niah_single_2,niah_multikey_1 LENGTHS=4x,16x \
-    POLICIES="tokenselect:neighbours=4 tokenselect:neighbours=16" PER_TASK=1 KV=140000 LIMIT=${NEIGHBOURS_LIMIT:-900} \
-    GPUS=1 GPU_FIRST=$((gpu + 1))
+    POLICIES="$neighbours_policies" PER_TASK=1 KV=140000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 \
+    GPU_FIRST=${NEIGHBOURS_GPU:-0}
+}
+neighbours_qwen() {
+  job qwen_neighbours MODEL=$qwen TASKS=${QWEN_NEIGHBOURS_TASKS:-$qwen_tasks} LENGTHS=${QWEN_NEIGHBOURS_LENGTHS:-4x,8x} \
+    POLICIES="$neighbours_policies" PER_TASK=1 KV=280000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 \
+    GPU_FIRST=${QWEN_NEIGHBOURS_GPU:-1}
+}
+
+# The eleventh session's timings (2 GPUs; #28), from a copy of the tree with .carry/before packed at 42abf56, the last
+# commit before ReAttention's winners went through the kernels' radix top-k: the Qwen2.5-0.5B shape at 128K, that tree
+# against this one in both orders (ReAttention's decode step; TokenSelect, its hit path and dense must not move), then
+# what TokenSelect's neighbours cost a step (runs of 9 and 33 tokens) on the Qwen2.5 and the Llama-3-8B shapes
+eleventh_timings() {
+  copy_tree /tmp/repo_timings .carry/parts
+  (cd /tmp/repo_timings && CUDA_VISIBLE_DEVICES=${TIMINGS_GPU:-1} "$bg" start timings bash -c '
+    export out=/tmp/res/timings PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p $out
+    export POLICIES=dense,reattention,tokenselect,tokenselect:theta=-1 E2E_ARGS="--config qwen2.5-0.5b"
+    benchmarks/before_after_e2e.sh run $out/qwen_first
+    ORDER="after before" benchmarks/before_after_e2e.sh run $out/qwen_swapped
+    spread=tokenselect,tokenselect:neighbours=4,tokenselect:neighbours=16
+    python3 -m tokenselect.cli bench e2e --config qwen2.5-0.5b --lengths 128k --decode-steps 32 --policies $spread \
+      --output $out/neighbours_qwen > $out/neighbours_qwen.log 2>&1
+    python3 -m tokenselect.cli bench e2e --lengths 128k --decode-steps 32 --policies dense,$spread,tokenselect:theta=-1 \
+      --output $out/neighbours_llama > $out/neighbours_llama.log 2>&1
+    tar czf $out/timings.tgz -C $out qwen_first qwen_swapped neighbours_qwen neighbours_qwen.log neighbours_llama \
+      neighbours_llama.log')
 }
 
 # SmolLM2's table (results/eval_smollm2_h100.md): the issue's eight policies over its eight tasks at 1x-16x, each
@@ -193,7 +221,7 @@ smollm2_holes() {
 }
 
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_qwen|eleventh_timings) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     copy_tree /tmp/repo_tests .carry
