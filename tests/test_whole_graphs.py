@@ -487,7 +487,11 @@ def test_a_batch_past_eight_sequences_decodes_through_one_graph(tiny_llama, batc
             for llm in engines]
     assert outs[1] == outs[0]
     assert 12 in [key[1] for key in engines[1].runner.graphs.whole_keys() if key[0] == "decode"]
-    assert engines[1].stats() == engines[0].stats()
+    # every stat but the pool's size, which an engine takes from the memory it finds free (other processes on the GPU)
+    stats = [{k: v for k, v in llm.stats().items() if k not in ("kv_slots", "kv_slots_free")} for llm in engines]
+    assert stats[1] == stats[0]
+    used = [llm.cache.n_slots - llm.cache.num_free for llm in engines]
+    assert used[1] == used[0]
 
 
 @pytest.mark.parametrize("attention", ["full", "tokenselect"])
