@@ -8,6 +8,8 @@
 #                                                                 that time the packed tree call it too)
 #            benchmarks/before_after_e2e.sh run OUTDIR [LENGTHS] -> OUTDIR/before_after.md and both runs' JSON
 #            (TREE_COMMIT=<commit> names the current tree in the table; else git describe --dirty)
+#            benchmarks/before_after_e2e.sh both OUTDIR [LENGTHS] -> run in each order: OUTDIR/first (before, then
+#                                                                 after) and OUTDIR/swapped (ORDER="after before")
 #            (carry [".carry/before"]; the embedded model of the current tree serves both)
 # Each tree runs `tokenselect bench e2e` at LENGTHS (default 128k) with dense, full, streaming, infllm, tokenselect and
 # TokenSelect's hit path (tokenselect:theta=-1) (or POLICIES), 32 decode steps (STEPS), with E2E_ARGS added (e.g. "--config tiny" to
@@ -27,6 +29,10 @@ case "${1:-}" in
     echo "$commit" > .carry/before/COMMIT
     du -sh .carry/before ;;
   unpack) unpack ;;
+  both)
+    out=${2:?usage: both OUTDIR [LENGTHS]}
+    "$0" run "$out/first" "${@:3}"
+    ORDER="after before" "$0" run "$out/swapped" "${@:3}" ;;
   run)
     out=${2:?usage: run OUTDIR [LENGTHS]}
     lengths=${3:-128k}

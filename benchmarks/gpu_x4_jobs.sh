@@ -184,11 +184,10 @@ neighbours_smol() {
 neighbours_smol_rest() {  # what SmolLM2's table lacks before r = 16 could be the default: its other four tasks at 4x
   # and 16x, and every task at 2x and 8x (16 processes, one a task and length group)
   local eight=passkey,number_string,kv_retrieval,niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt
-  job smol_neighbours_rest MODEL=$smol TASKS=passkey,vt,kv_retrieval,niah_single_3 LENGTHS=4x,16x \
-    POLICIES=tokenselect:neighbours=16 PER_TASK=1 KV=140000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 \
-    GPU_FIRST=${NEIGHBOURS_GPU:-0}
-  job smol_neighbours_2x8x MODEL=$smol TASKS=$eight LENGTHS=2x,8x POLICIES=tokenselect:neighbours=16 PER_TASK=1 \
-    KV=140000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 GPU_FIRST=${NEIGHBOURS_GPU:-0}
+  local common=(MODEL=$smol POLICIES=tokenselect:neighbours=16 PER_TASK=1 KV=140000 LIMIT=${NEIGHBOURS_LIMIT:-900}
+                GPUS=1 GPU_FIRST=${NEIGHBOURS_GPU:-0})
+  job smol_neighbours_rest "${common[@]}" TASKS=passkey,vt,kv_retrieval,niah_single_3 LENGTHS=4x,16x
+  job smol_neighbours_2x8x "${common[@]}" TASKS=$eight LENGTHS=2x,8x
 }
 neighbours_qwen() {
   job qwen_neighbours MODEL=$qwen TASKS=${QWEN_NEIGHBOURS_TASKS:-$qwen_tasks} LENGTHS=${QWEN_NEIGHBOURS_LENGTHS:-4x,8x} \
@@ -206,15 +205,13 @@ eleventh_timings() {
     export out=/tmp/res/timings PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     mkdir -p $out
     export POLICIES=dense,reattention,tokenselect,tokenselect:theta=-1 E2E_ARGS="--config qwen2.5-0.5b"
-    benchmarks/before_after_e2e.sh run $out/qwen_first
-    ORDER="after before" benchmarks/before_after_e2e.sh run $out/qwen_swapped
+    benchmarks/before_after_e2e.sh both $out/qwen
     spread=tokenselect,tokenselect:neighbours=4,tokenselect:neighbours=16
     python3 -m tokenselect.cli bench e2e --config qwen2.5-0.5b --lengths 128k --decode-steps 32 --policies $spread \
       --output $out/neighbours_qwen > $out/neighbours_qwen.log 2>&1
     python3 -m tokenselect.cli bench e2e --lengths 128k --decode-steps 32 --policies dense,$spread,tokenselect:theta=-1 \
       --output $out/neighbours_llama > $out/neighbours_llama.log 2>&1
-    tar czf $out/timings.tgz -C $out qwen_first qwen_swapped neighbours_qwen neighbours_qwen.log neighbours_llama \
-      neighbours_llama.log')
+    tar czf $out/timings.tgz -C $out qwen neighbours_qwen neighbours_qwen.log neighbours_llama neighbours_llama.log')
 }
 
 # SmolLM2's table (results/eval_smollm2_h100.md): the issue's eight policies over its eight tasks at 1x-16x, each
@@ -243,11 +240,10 @@ case "${1:-}" in
     (cd /tmp/repo_timings && CUDA_VISIBLE_DEVICES=${TIMINGS_GPU:-0} "$bg" start timings bash -c '
       export POLICIES=dense,tokenselect,tokenselect:theta=-1 out=/tmp/res/timings PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
       mkdir -p $out
-      benchmarks/before_after_e2e.sh run $out/before_after_first
-      ORDER="after before" benchmarks/before_after_e2e.sh run $out/before_after_swapped
+      benchmarks/before_after_e2e.sh both $out/before_after
       benchmarks/gpu_throughput.sh $out/throughput --kv-cache-tokens 430000 --batch-sizes 1,4,8 \
         --policies dense,full,tokenselect,tokenselect:theta=-1
-      tar czf $out/timings.tgz -C $out before_after_first before_after_swapped throughput') ;;
+      tar czf $out/timings.tgz -C $out before_after throughput') ;;
   vote)  # #27/#28 on GPU VOTE_GPU (default 2): ReAttention's vote kernel over tiles and splits (its table printed when
     # done), then a Qwen2.5-0.5B-shaped model's 128K prefill and decode under each selective policy, profiled
     copy_tree /tmp/repo_vote .carry
