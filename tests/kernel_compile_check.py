@@ -90,11 +90,12 @@ def main() -> None:
             "n": i32, "K": i32, "stride_row": i32},
             {"BLOCK_B": block_scores.BLOCK_B, "BLOCK_K": block_scores.BLOCK_K, "MASKED": masked})
     for q in ("*fp32", "*bf16"):  # QUEST hands its fp32 selection query; the kernel reads any float dtype
-        compile_one("page_bounds", "_page_scores_kernel", {
-            "q_ptr": q, "lo_ptr": "*fp32", "hi_ptr": "*fp32", "row_ptr": i64p, "tail_lo_ptr": "*fp32",
-            "tail_hi_ptr": "*fp32", "tail_at_ptr": i64p, "out_ptr": "*fp32", "P": i32, "n_kv": i32, "group": i32,
-            "d": i32, "stride_row": "i64", "stride_page": i32, "stride_kvh": i32},
-            {"BLOCK_P": mods["page_bounds"].BLOCK_P, "D_P": 128})
+        for has_n_valid in (False, True):  # QUEST's live pages, or TokenSelect's shortlist gated by a hit
+            compile_one("page_bounds", "_page_scores_kernel", {
+                "q_ptr": q, "lo_ptr": "*fp32", "hi_ptr": "*fp32", "row_ptr": i64p, "tail_lo_ptr": "*fp32",
+                "tail_hi_ptr": "*fp32", "tail_at_ptr": i64p, "n_valid_ptr": i64p, "out_ptr": "*fp32", "P": i32,
+                "n_kv": i32, "group": i32, "d": i32, "stride_row": "i64", "stride_page": i32, "stride_kvh": i32},
+                {"HAS_N_VALID": has_n_valid, "BLOCK_P": mods["page_bounds"].BLOCK_P, "D_P": 128})
     for masked in (True, False):
         compile_one("head_vote", "_head_totals_kernel", {
             "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_valid_ptr": i64p,

@@ -193,7 +193,7 @@ def test_quest_kept_bounds_follow_the_rule_step_after_step(dense_until):
         q = torch.randn(1, 4, d)
         plan = step(policy, slots[:t], decode=True, seq_id=0, q=q)
         if t + 1 <= dense_until:
-            assert token_order(plan, slots) == list(range(t)) and policy.pages.get(0, 0) == 0, t
+            assert token_order(plan, slots) == list(range(t)) and policy.bounds.pages.get(0, 0) == 0, t
             continue
         chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 1)
         assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t)), t
@@ -217,10 +217,10 @@ def test_quest_bounds_of_every_layer_are_each_page_s_channel_minimum_and_maximum
     policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local, dense_until=0)
     for t, pages in ((n_init + 14 * ps + n_local, 14), (n_init + 16 * ps + n_local + 1, 16)):
         row = policy.prepare(0, slots, t, n, True, (1, 4, 8), torch.float32)
-        assert policy.pages[0] == pages
+        assert policy.bounds.pages[0] == pages
         want = keys.float()[:, n_init:n_init + pages * ps].unflatten(1, (pages, ps))  # [layers, pages, ps, kv, d]
-        assert torch.equal(policy.lo[row, :, :pages], want.amin(dim=2))
-        assert torch.equal(policy.hi[row, :, :pages], want.amax(dim=2))
+        assert torch.equal(policy.bounds.lo[row, :, :pages], want.amin(dim=2))
+        assert torch.equal(policy.bounds.hi[row, :, :pages], want.amax(dim=2))
 
 
 def test_quest_original_positions_reach_the_policy():
@@ -263,9 +263,9 @@ def test_quest_bounds_are_kept_and_extended():
     later = step(kept, slots[:399], decode=True, seq_id=3, q=q)
     fresh = Quest(cache, TORCH, k=64, page_size=16, n_init=4, n_local=8)
     assert torch.equal(later.slots, step(fresh, slots[:399], decode=True, seq_id=3, q=q).slots)
-    assert kept.pages[3] == (399 - 8 - 4) // 16  # the full pages whose bounds are kept
+    assert kept.bounds.pages[3] == (399 - 8 - 4) // 16  # the full pages whose bounds are kept
     kept.release(3)
-    assert 3 not in kept.pages and 3 not in kept.rows
+    assert 3 not in kept.bounds.pages and 3 not in kept.rows
 
 
 # ---- InfLLM ------------------------------------------------------------------------------------------

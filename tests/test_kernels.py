@@ -421,6 +421,20 @@ def test_page_scores_match_reference(pages, n_kv, group, d, dtype):
         torch.testing.assert_close(page_scores(*args), page_scores_ref(*args), atol=1e-5 * d ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_valid", [0, 1, 31, 32, 33, 70, 100])
+def test_page_scores_past_n_valid_score_minus_infinity_and_the_rest_are_unchanged(n_valid):
+    """Pages 0..n_valid-1 score as without ``n_valid`` (a block boundary at 32 on both sides, none live, all live,
+    more than the row holds); the others -inf, the kernel and the reference alike."""
+    query, lo, hi, tail_lo, tail_hi = page_bounds_case(70, 2, 4, 64, seed=n_valid)
+    args = (query, lo, hi, torch.tensor(1, device=DEVICE), tail_lo, tail_hi, torch.tensor(40, device=DEVICE))
+    whole = page_scores_ref(*args)
+    live = min(n_valid, 70)
+    for scores in (page_scores_ref(*args, torch.tensor(n_valid, device=DEVICE)),
+                   page_scores(*args, torch.tensor(n_valid, device=DEVICE))):
+        torch.testing.assert_close(scores[:live], whole[:live], atol=1e-5 * 8, rtol=1e-5)
+        assert torch.isneginf(scores[live:]).all()
+
+
 def test_page_scores_read_the_layer_view_of_the_bounds():
     """QUEST hands a layer's view of its [rows, layers, pages, n_kv, d] bounds (strided rows); a dead tail page
     (bounds +inf / -inf, no live key) scores what it scores, and the pages around it are unaffected."""
