@@ -19,8 +19,6 @@
 #            in one pass, and Hugging Face transformers' SDPA), the Selection Cache's hit path, and the decode step
 #            at SmolLM2-135M-Instruct's hit rate on the RULER tasks (27.4% at theta 0.9, eval_smollm2_h100.md)
 #                                                                                          (about 6 minutes)
-#   shortlist  128K: TokenSelect's two-stage selection (candidates 8192 and 16384, pages of 16) beside one-stage
-#            TokenSelect, both hit paths and dense (#28)                                   (about 4 minutes)
 #   256k     256K, past where a linear fit of the 128K and 32K rows puts the crossover of TokenSelect's selecting
 #            decode step and full attention (~180K): dense, full, TokenSelect and its hit path (about 4 minutes)
 #   fp8-select  128K and 256K with fp8 selection keys (--select-dtype fp8: TokenSelect scores an fp8 copy of the bf16
@@ -58,9 +56,6 @@ case "$part" in
              --profile-steps 2 "${extra[@]}" ;;
   128k) "${e2e[@]}" --lengths 32k,128k --tag 128k_$gpu --hit-rate 0.274 \
           --policies dense,dense:chunk=8192,dense:chunk=all,transformers,full,streaming,infllm,tokenselect,tokenselect:theta=-1 \
-          "${extra[@]}" ;;
-  shortlist) "${e2e[@]}" --lengths 128k --tag 128k_shortlist_$gpu --hit-rate 0.274 \
-          --policies "dense,tokenselect,tokenselect:theta=-1,tokenselect:candidates=8192,tokenselect:candidates=8192;theta=-1,tokenselect:candidates=16384" \
           "${extra[@]}" ;;
   256k) "${e2e[@]}" --lengths 256k --tag 256k_$gpu --policies dense,full,tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
   fp8-select) "${e2e[@]}" --lengths 128k,256k --tag fp8_select_$gpu --select-dtype fp8 --hit-rate 0.274 \

@@ -23,8 +23,6 @@
 #   benchmarks/gpu_x4_jobs.sh neighbours_smol  # #27: TokenSelect's runs of neighbours on the cells it loses and wins,
 #   benchmarks/gpu_x4_jobs.sh neighbours_qwen  # SmolLM2's and Qwen2.5's (each once its model is carried)
 #   benchmarks/gpu_x4_jobs.sh neighbours_smol_rest  # r = 16 on the SmolLM2 cells the eleventh session left
-#   benchmarks/gpu_x4_jobs.sh shortlist_smol   # #28: TokenSelect's two-stage selection on SmolLM2's needle cells (the
-#                                              # neighbours' prompts, smol.txz)
 #   benchmarks/gpu_x4_jobs.sh eleventh_timings # #28 on GPU TIMINGS_GPU (default 1): ReAttention's radix top-k and
 #                                              # TokenSelect's neighbours timed (below)
 #   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
@@ -191,11 +189,6 @@ neighbours_smol_rest() {  # what SmolLM2's table lacks before r = 16 could be th
   job smol_neighbours_rest "${common[@]}" TASKS=passkey,vt,kv_retrieval,niah_single_3 LENGTHS=4x,16x
   job smol_neighbours_2x8x "${common[@]}" TASKS=$eight LENGTHS=2x,8x
 }
-shortlist_smol() {  # the cells neighbours_smol ran (their prompts carried in smol.txz), with a shortlist of 4 and 8 x k
-  job smol_shortlist MODEL=$smol TASKS=number_string,niah_single_1,niah_single_2,niah_multikey_1 LENGTHS=4x,16x \
-    POLICIES="tokenselect:candidates=8192 tokenselect:candidates=16384" PER_TASK=1 KV=140000 \
-    LIMIT=${SHORTLIST_LIMIT:-480} GPUS=1 GPU_FIRST=${SHORTLIST_GPU:-0}
-}
 neighbours_qwen() {
   job qwen_neighbours MODEL=$qwen TASKS=${QWEN_NEIGHBOURS_TASKS:-$qwen_tasks} LENGTHS=${QWEN_NEIGHBOURS_LENGTHS:-4x,8x} \
     POLICIES="$neighbours_policies" PER_TASK=1 KV=280000 LIMIT=${NEIGHBOURS_LIMIT:-900} GPUS=1 \
@@ -235,7 +228,7 @@ smollm2_holes() {
 }
 
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings|shortlist_smol) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     copy_tree /tmp/repo_tests .carry

@@ -193,12 +193,28 @@ def test_quest_kept_bounds_follow_the_rule_step_after_step(dense_until):
         q = torch.randn(1, 4, d)
         plan = step(policy, slots[:t], decode=True, seq_id=0, q=q)
         if t + 1 <= dense_until:
-            assert token_order(plan, slots) == list(range(t)) and policy.bounds.pages.get(0, 0) == 0, t
+            assert token_order(plan, slots) == list(range(t)) and policy.pages.get(0, 0) == 0, t
             continue
         chosen = quest_expected(q, keys, range(n_init, t - n_local), ps, 1)
         assert token_order(plan, slots) == list(range(n_init)) + chosen + list(range(t - n_local, t)), t
         winners.append(chosen[0])
     assert winners[0] == n_init and winners[-1] == n_init + 5 * ps
+
+
+def test_quest_scores_only_the_live_pages_of_its_row():
+    """The bounds' page axis has spare capacity (it doubles as it grows): the page-score kernel is told the live
+    pages (the partial last one included), so it reads none of the rest, which score -inf. Rows come one a
+    sequence."""
+    torch.manual_seed(7)
+    n_init, n_local, ps = 4, 8, 16
+    cache, slots = cache_with_keys(torch.randn(300, 2, 8))
+    seen = []
+    kernels = dataclasses.replace(TORCH, page_scores=lambda *args: seen.append(args[-1]) or TORCH.page_scores(*args))
+    policy = Quest(cache, kernels, k=2 * ps, page_size=ps, n_init=n_init, n_local=n_local, dense_until=0)
+    step(policy, slots, decode=True, seq_id=0, q=torch.randn(1, 4, 8))
+    live_pages = -(-(300 - n_init - n_local) // ps)  # 18: 17 full, a partial one
+    assert policy.lo.shape[2] > live_pages and seen and all(int(n) == live_pages for n in seen)
+    assert policy.lo.shape[0] == 1  # one sequence, one row of bounds (they are large: no spare rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
@@ -217,10 +233,10 @@ def test_quest_bounds_of_every_layer_are_each_page_s_channel_minimum_and_maximum
     policy = Quest(cache, TORCH, k=ps, page_size=ps, n_init=n_init, n_local=n_local, dense_until=0)
     for t, pages in ((n_init + 14 * ps + n_local, 14), (n_init + 16 * ps + n_local + 1, 16)):
         row = policy.prepare(0, slots, t, n, True, (1, 4, 8), torch.float32)
-        assert policy.bounds.pages[0] == pages
+        assert policy.pages[0] == pages
         want = keys.float()[:, n_init:n_init + pages * ps].unflatten(1, (pages, ps))  # [layers, pages, ps, kv, d]
-        assert torch.equal(policy.bounds.lo[row, :, :pages], want.amin(dim=2))
-        assert torch.equal(policy.bounds.hi[row, :, :pages], want.amax(dim=2))
+        assert torch.equal(policy.lo[row, :, :pages], want.amin(dim=2))
+        assert torch.equal(policy.hi[row, :, :pages], want.amax(dim=2))
 
 
 def test_quest_original_positions_reach_the_policy():
@@ -263,9 +279,9 @@ def test_quest_bounds_are_kept_and_extended():
     later = step(kept, slots[:399], decode=True, seq_id=3, q=q)
     fresh = Quest(cache, TORCH, k=64, page_size=16, n_init=4, n_local=8)
     assert torch.equal(later.slots, step(fresh, slots[:399], decode=True, seq_id=3, q=q).slots)
-    assert kept.bounds.pages[3] == (399 - 8 - 4) // 16  # the full pages whose bounds are kept
+    assert kept.pages[3] == (399 - 8 - 4) // 16  # the full pages whose bounds are kept
     kept.release(3)
-    assert 3 not in kept.bounds.pages and 3 not in kept.rows
+    assert 3 not in kept.pages and 3 not in kept.rows
 
 
 # ---- InfLLM ------------------------------------------------------------------------------------------

@@ -52,20 +52,6 @@ def test_tokenselect_floor_scores_the_middle_unless_it_hits():
     assert fp8["scoring"] * 2 == miss["scoring"] and fp8["attention"] == miss["attention"]
 
 
-def test_a_shortlist_floor_reads_the_pages_bounds_and_the_shortlisted_keys():
-    """candidates C with pages of 16: each middle page's fp32 minimum and maximum (a partial page counts) and C
-    keys a layer, not the whole middle; a shortlist longer than the middle scores the middle; a hit reads none."""
-    length, fixed, row = 131072 + 5, 128 + 512, 8 * 128
-    short = {**TS, "candidates": 8192, "page_size": 16}
-    pages = (length - fixed + 15) // 16
-    floor = decode_floor(LLAMA, short, length, 1.0)
-    assert attention_tokens(short, length) == (fixed + 2048, 8192)
-    assert floor["scoring"] == 32 * (8192 * row * 2 + pages * row * 2 * 4)
-    assert floor["attention"] == decode_floor(LLAMA, TS, length, 1.0)["attention"]
-    assert decode_floor(LLAMA, short, length, 1.0, hit_rate=1.0)["scoring"] == 0
-    assert attention_tokens({**short, "candidates": 10 ** 6}, length)[1] == length - fixed
-
-
 def test_attention_tokens_at_the_thresholds():
     # dense_until (None: the window): attends everything up to it, selects one token past it
     assert attention_tokens(TS, 8192) == (8192, 0)

@@ -81,11 +81,11 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
     add_policy_args(parser)
     args = parser.parse_args(
         "--k 5 --n-init 1 --n-local 2 --theta 0.5 --selector topk --score-scale sqrt_d --span 3 --n-spans 4 "
-        "--block-size 8 --repr-keys 2 --page-size 4 --candidates 64 --positions original --kernels torch --rope-scaling dynamic:4 "
+        "--block-size 8 --repr-keys 2 --page-size 4 --positions original --kernels torch --rope-scaling dynamic:4 "
         "--chunk-size 48 --dtype float32 --device cpu --kv-cache-tokens 640 --kv-dtype fp8 --kv-offload values "
         "--select-dtype fp8 --no-cuda-graphs".split())
     want = {"k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d", "span": 3,
-            "n_spans": 4, "positions": "original", "block_size": 8, "repr_keys": 2, "page_size": 4, "candidates": 64,
+            "n_spans": 4, "positions": "original", "block_size": 8, "repr_keys": 2, "page_size": 4,
             "kernels": "torch", "rope_scaling": "dynamic:4", "chunk_size": 48, "dtype": "float32", "device": "cpu",
             "kv_cache_tokens": 640, "kv_dtype": "fp8", "kv_offload": "values", "select_dtype": "fp8",
             "cuda_graphs": False}
@@ -93,7 +93,7 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
     assert got == want and all(type(got[key]) is type(value) for key, value in want.items())
     assert policy_kwargs(args, "tokenselect", engine=False) == {
         "k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d",
-        "positions": "original", "candidates": 64, "page_size": 4}
+        "positions": "original"}
     for choice, values in (("--selector", ("soft_vote", "hard_vote", "topk")),
                            ("--positions", ("reindex", "original", "fixed")),
                            ("--kernels", ("triton", "torch")), ("--kv-dtype", ("auto", "fp8", "bf16", "fp16", "fp32")),
@@ -204,8 +204,7 @@ def test_check_names_the_settings_a_kind_takes_and_fitted_keeps_a_zero_default()
     from tokenselect.settings import PAPER_WINDOW, NoSettings, check, fitted, scaled
 
     with pytest.raises(ValueError, match=r"^attention 'x' takes no setting a, b \(it takes: k, n_init, n_local, theta, "
-                                         r"selector, neighbours, candidates, page_size, score_scale, positions, "
-                                         r"dense_until\)$"):
+                                         r"selector, neighbours, score_scale, positions, dense_until\)$"):
         check(TokenSelectSettings, {"b": 1, "a": 2, "k": 3}, "attention 'x'")
     with pytest.raises(ValueError, match=r"^attention 'full' takes no setting k \(it takes: none\)$"):
         check(NoSettings, {"k": 1}, "attention 'full'")

@@ -177,9 +177,9 @@ def test_quest_records_its_decode_graph_again_when_its_bounds_grow(tiny_llama, m
         llm.step()
     grown = recorded = replayed = 0
     while not seq.finished:
-        bounds, before, steps = llm.policy.bounds.lo.data_ptr(), len(records), llm.runner.graphs.whole_steps
+        bounds, before, steps = llm.policy.lo.data_ptr(), len(records), llm.runner.graphs.whole_steps
         llm.step()
-        new_tensor, new_graph = llm.policy.bounds.lo.data_ptr() != bounds, len(records) > before
+        new_tensor, new_graph = llm.policy.lo.data_ptr() != bounds, len(records) > before
         assert llm.runner.graphs.whole_steps == steps + 1  # every decode step through the whole-step graph
         assert not new_tensor or new_graph  # grown bounds: recorded again, never a replay of the old graph
         grown, recorded, replayed = grown + new_tensor, recorded + new_graph, replayed + (not new_graph)
@@ -343,7 +343,6 @@ def test_which_prefill_chunks_run_as_whole_graphs(tiny_llama, monkeypatch):
 @pytest.mark.parametrize("attention,settings", [("tokenselect", {"theta": 0.5}),
                                                 ("tokenselect", {"theta": None, "selector": "topk"}),
                                                 ("tokenselect", {"theta": 0.5, "neighbours": 2}),
-                                                ("tokenselect", {"theta": 0.5, "candidates": 24, "page_size": 4}),
                                                 ("streaming", {}), ("full", {}),
                                                 ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2}),
                                                 ("infllm", {"k": 16, "block_size": 4, "positions": "original"}),
@@ -416,13 +415,13 @@ def test_full_attention_through_whole_graphs_with_the_triton_kernels(tiny_llama,
     assert engines[1].runner.graphs.whole_steps - before == 4 + 4  # 4 full prefill chunks (of 150), 4 decode steps
 
 
-@pytest.mark.parametrize("settings", [{}, {"neighbours": 2}, {"candidates": 24, "page_size": 4}])
-def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama, settings):
-    """Decode graphs with the Triton kernels (the vote, its spread over neighbours, the two-stage shortlist's page
-    scores, the top-k gated by the Selection Cache's decision, its store-or-reuse kernel, the attention) decode the
-    plain path's tokens with the same hits and misses."""
+@pytest.mark.parametrize("neighbours", [0, 2])
+def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama, neighbours):
+    """Decode graphs with the Triton kernels (the vote, its spread over neighbours, the top-k gated by the Selection
+    Cache's decision, its store-or-reuse kernel, the attention) decode the plain path's tokens with the same hits and
+    misses."""
     engines = [LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=graphs, dtype="float32", kernels="triton",
-                   theta=0.0, **settings, **small_sizes("tokenselect")) for graphs in (False, True)]
+                   theta=0.0, neighbours=neighbours, **small_sizes("tokenselect")) for graphs in (False, True)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompt = distinct_tokens(100, 9)
     outs = [llm.generate([prompt], params)[0].token_ids for llm in engines]
@@ -439,7 +438,6 @@ def test_tokenselect_through_whole_graphs_with_the_triton_kernels(tiny_llama, se
     ("tokenselect", {"theta": -1.0}),
     ("tokenselect", {"theta": 0.5, "select_dtype": "fp8"}),
     ("tokenselect", {"theta": 0.5, "neighbours": 2}),
-    ("tokenselect", {"theta": 0.5, "candidates": 24, "page_size": 4}),
     ("streaming", {}),
     ("full", {}),
     ("infllm", {"k": 16, "block_size": 4, "repr_keys": 2}),

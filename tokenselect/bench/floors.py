@@ -6,9 +6,8 @@ over the device's copy bandwidth (measured in the same run, ``copy_bandwidth``).
 - the weights: every matrix of every layer and the output head (``weight_bytes``; the input embedding is one
   row a token and is left out unless the head shares it);
 - its attention, each layer (``attention_bytes``): the keys and values it attends, and for a step that
-  selects, the selection keys it scores (TokenSelect: every middle token's key, or with a shortlist each
-  middle page's fp32 key bounds and the shortlisted tokens' keys; InfLLM: each block's representative keys). A
-  Selection Cache hit scores nothing.
+  selects, the selection keys it scores (TokenSelect: every middle token's key; InfLLM: each block's
+  representative keys). A Selection Cache hit scores nothing.
 
 Scratch a kernel writes and reads back (the vote's per-head scores, say) is not in the floor: a fused kernel
 would not need it. The profile's device time is split into the same parts (``profile_parts``) so that each
@@ -86,7 +85,7 @@ def attention_tokens(settings: dict | None, length: int) -> tuple[int, int] | No
     if name == "tokenselect":
         if cached <= fixed + settings["k"]:
             return length, 0
-        return fixed + settings["k"], min(length - fixed, settings.get("candidates") or length)
+        return fixed + settings["k"], length - fixed
     if name == "infllm":
         if cached <= fixed + settings["k"]:
             return length, 0
@@ -108,12 +107,8 @@ def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: fl
     row = config["num_key_value_heads"] * (config.get("head_dim") or
                                            config["hidden_size"] // config["num_attention_heads"])
     layers = config["num_hidden_layers"]
-    bounds = 0  # a shortlist's pages: each one's fp32 key minimum and maximum
-    if scored and (settings or {}).get("candidates"):
-        fixed = settings.get("n_init", 0) + settings.get("n_local", 0)
-        bounds = -(-(length - fixed) // settings["page_size"]) * row * 2 * 4
     parts = {"weights": weight_bytes(config, weight_bytes_each),
-             "scoring": round(layers * (scored * row * (select_bytes or kv_bytes) + bounds) * (1 - (hit_rate or 0))),
+             "scoring": round(layers * scored * row * (select_bytes or kv_bytes) * (1 - (hit_rate or 0))),
              "attention": layers * attended * row * kv_bytes * 2}
     total = sum(parts.values())
     return {**parts, "total": total, "floor_ms": total / bandwidth * 1e3}

@@ -11,11 +11,6 @@ Selectors (paper eqs. 5-7), over scores s[h, t] = scale * <q_h, K[t, h // group]
     hard_vote  sum_h [t in top-k of head h]        (one vote per head, counted)
     soft_vote  sum_h softmax_t(s[h, :])[t]         (one normalised vote per head; default)
 
-With ``candidates`` C > 0 (two-stage selection; off by default) the vote reads only a shortlist: the middle's
-pages of ``page_size`` tokens are ranked first by QUEST's bound on q . k (the best head's, ``pages.PageBounds``),
-and only the tokens of the best C / page_size pages are scored, voted on and ranked. A selection then reads two
-fp32 vectors a page and C tokens' keys instead of every middle key.
-
 With ``neighbours`` r > 0 (not the paper's; off by default) a token's vote is the best vote within r tokens of it,
 so the top-k takes runs of tokens around the best-voted ones (a needle's whole sentence, as ReAttention's spans and
 InfLLM's blocks attend), still k distinct tokens, each run's tokens tied and taken first to last.
@@ -32,9 +27,8 @@ import torch.nn.functional as F
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import (SELECT, PolicyStats, SelectivePolicy, SeqStep, batch_lengths, batch_once, dense_until_setting,
+from .base import (PolicyStats, SelectivePolicy, SeqStep, batch_lengths, batch_once, dense_until_setting,
                    n_init_setting, n_local_setting, positions_setting, rows, selection_query)
-from .pages import PageBounds, page_size_setting
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -52,11 +46,6 @@ class TokenSelectSettings(Validated):
     neighbours: int = setting(0, "a token's vote is the best within this many tokens on either side, so runs of "
                                  "tokens around the best-voted are selected (0: each token on its own vote)",
                               unit="tokens", low=0)
-    candidates: int = setting(0, "two-stage selection: rank pages of page_size tokens by QUEST's bound on q.k "
-                                 "first, and vote only among the tokens of the best pages, this many tokens in all "
-                                 "(at least k + page_size); 0: vote among every middle token", unit="tokens", low=0,
-                              scales=True)
-    page_size: int = page_size_setting()
     score_scale: str = setting("raw", "per-head softmax scale for the vote: raw, sqrt_d or a number")
     positions: str = positions_setting()
     dense_until: int | None = dense_until_setting()
@@ -72,11 +61,6 @@ class TokenSelect(SelectivePolicy):
         super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions,
                          dense_until=s.dense_until)
         self.k, self.selector, self.neighbours = s.k, s.selector, s.neighbours
-        if s.candidates and s.candidates < s.k + s.page_size:
-            raise ValueError(f"candidates must be 0 or at least k + page_size ({s.k} + {s.page_size}), so that a "
-                             f"shortlist holds k live tokens, not {s.candidates}")
-        self.shortlist = s.candidates // s.page_size  # pages; 0: no shortlist
-        self.bounds = PageBounds(cache, kernels, s.page_size, s.n_init) if self.shortlist else None
         self.scale = resolve_score_scale(s.score_scale, cache.k.shape[-1])
         # an entry: a miss's choice, [k] indices into the middle
         self.selection_cache = SelectionCache(s.theta, cache.k.shape[0], s.k, kernels.selection_check,
@@ -96,8 +80,7 @@ class TokenSelect(SelectivePolicy):
         store-or-reuse each in one launch for the batch (the sequences' tables, lengths and rows read as strided
         views of the graph's inputs), not one a sequence. A prefill chunk, another selector, or a cache whose queries
         span tensor-parallel ranks chooses per sequence (None)."""
-        if (not steps[0].decode or self.selector != "soft_vote" or self.selection_cache.heads.spans_ranks
-                or self.shortlist):
+        if not steps[0].decode or self.selector != "soft_vote" or self.selection_cache.heads.spans_ranks:
             return None
         middles = rows([self.middle(step)[0] for step in steps])
         live = batch_once(steps, f"length - {self.n_init + self.n_local}",
@@ -112,33 +95,12 @@ class TokenSelect(SelectivePolicy):
         middle. A decode step goes through the Selection Cache."""
         sc = self.selection_cache
         miss, candidates = sc.decide(row, layer, query, live) if decode else (None, live)
-        if self.shortlist:
-            picks = self.top_of_shortlist(layer, row, query, middle, candidates)
-        else:
-            picks = self.top(query, self.cache.k_select[layer], middle, candidates)
+        picks = self.top(query, self.cache.k_select[layer], middle, candidates)
         return picks if miss is None else sc.update(row, layer, query, picks, miss)
-
-    def top_of_shortlist(self, layer: int, row: torch.Tensor, query: torch.Tensor, middle: torch.Tensor,
-                         live: torch.Tensor) -> torch.Tensor:
-        """Two-stage ``top`` of one sequence (query [n_heads, d], middle [M], live int64 []): the best pages by
-        their bound, then the ``k`` best-voted tokens among theirs -> [k] indices into the middle, ascending. The
-        shortlist is ascending (pages in order, tokens in order within a page) with its live tokens first, so
-        its top-k's ascending indices stay ascending in the middle. live 0 (a Selection Cache hit) reads nothing."""
-        ps = self.bounds.page_size
-        scores, n_pages = self.bounds.scores(layer, row, query, middle, live)
-        pages = self.kernels.topk(self.heads.max(scores), self.shortlist, n_pages)
-        shortlist = (pages[:, None] * ps + self.cache.arange(ps)).flatten()  # [C] indices into the middle
-        n_live = (shortlist < live).sum()
-        slots = middle.index_select(0, shortlist.clamp(max=middle.numel() - 1))
-        return shortlist.index_select(0, self.top(query, self.cache.k_select[layer], slots, n_live))
 
     def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
                 q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
-        """The sequence's row; with a shortlist, the bounds of the pages the step may rank."""
-        row = self.selection_cache.row(seq_id, q_shape[1] * q_shape[2], slots.device)
-        if self.bounds is not None and self.mode(t, q_shape[0]) == SELECT:
-            self.bounds.update(seq_id, row, slots, t - self.n_init - self.n_local)
-        return row
+        return self.selection_cache.row(seq_id, q_shape[1] * q_shape[2], slots.device)
 
     def across_ranks(self, heads) -> None:
         """The vote and the Selection Cache's cosine (over the query's every head) span the ranks' heads."""
@@ -148,9 +110,6 @@ class TokenSelect(SelectivePolicy):
     def graph_state(self) -> tuple[torch.Tensor, ...]:
         sc = self.selection_cache
         return () if sc.unit is None else (sc.unit, sc.selection, sc.valid, sc.device_counts)
-
-    def graph_reads(self) -> tuple[torch.Tensor, ...]:
-        return () if self.bounds is None else self.bounds.tensors()
 
     def votes(self, query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor,
               live: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,8 +149,6 @@ class TokenSelect(SelectivePolicy):
 
     def release(self, seq_id: int) -> None:
         self.selection_cache.release(seq_id)
-        if self.bounds is not None:
-            self.bounds.release(seq_id)
 
     def stats(self) -> PolicyStats:
         return PolicyStats(*self.selection_cache.counts())
