@@ -90,7 +90,7 @@ def main() -> None:
             "n": i32, "K": i32, "stride_row": i32},
             {"BLOCK_B": block_scores.BLOCK_B, "BLOCK_K": block_scores.BLOCK_K, "MASKED": masked})
     for q in ("*fp32", "*bf16"):  # QUEST hands its fp32 selection query; the kernel reads any float dtype
-        for has_n_valid in (False, True):  # QUEST's live pages, or TokenSelect's shortlist gated by a hit
+        for has_n_valid in (False, True):  # QUEST passes its live pages; without them every page is scored
             compile_one("page_bounds", "_page_scores_kernel", {
                 "q_ptr": q, "lo_ptr": "*fp32", "hi_ptr": "*fp32", "row_ptr": i64p, "tail_lo_ptr": "*fp32",
                 "tail_hi_ptr": "*fp32", "tail_at_ptr": i64p, "n_valid_ptr": i64p, "out_ptr": "*fp32", "P": i32,

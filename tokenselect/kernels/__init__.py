@@ -49,8 +49,7 @@ class Kernels:
     gather_into(src [S], index [n] int64, out [n]) -> out holding src[index] (the chosen slots into the attended
     list, ``row_copy.py``);
     page_scores(query [H, d], lo [rows, P, n_kv, d], hi, row, tail_lo [n_kv, d], tail_hi, tail_at, n_valid=None) ->
-    [P] fp32, the best head's upper bound on q . k a page (QUEST's selection and TokenSelect's shortlist,
-    ``page_bounds.py``).
+    [P] fp32, the best head's upper bound on q . k a page, -inf past n_valid (QUEST's selection, ``page_bounds.py``).
 
     A batch of sequences in one launch (a whole-step decode graph's: TokenSelect's selection): head_soft_vote with
     q [B, H, d], slots [B, N], n_valid [B] -> [B, N]; topk with scores [B, N], n_valid [B], values [B, N], out

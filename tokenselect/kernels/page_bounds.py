@@ -6,6 +6,8 @@
 ``lo`` and ``hi`` hold every sequence's pages' channel-wise key minima and maxima (one row per sequence, a
 layer's view of QUEST's bounds), query head h reading kv head h // group. The page at ``tail_at`` is the partial
 last page, whose bounds come from its live keys at each step (``tail_lo``, ``tail_hi``) in place of the row's.
+With ``n_valid`` only pages 0..n_valid-1 are scored; the others score -inf and are not read, so the row's spare
+capacity past the live pages costs nothing.
 
 In PyTorch this is a gather of the sequence's row of bounds (a copy of 2 x pages x n_kv x d fp32), the tail
 written into the copy, and the products for every query head materialised ([pages, n_kv, group, d], twice)
