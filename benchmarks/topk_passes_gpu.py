@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from tokenselect.bench.attention import graph_us
-this = importlib.import_module("tokenselect.kernels.topk")  # the module (the package exports a function)
 
+this = importlib.import_module("tokenselect.kernels.topk")  # the module (the package exports a function)
 K, CALLS, REPLAYS = 2048, 32, 20
 
 
@@ -44,7 +44,8 @@ def main(out: str, other_path: str) -> None:
     for n in (1 << 17, 1 << 20):
         gen = torch.Generator("cuda").manual_seed(n)
         scores = torch.exp(3 * torch.randn(n, device="cuda", generator=gen))  # spread over exponents, as votes are
-        for live_name, live in (("all live", torch.tensor(n, device="cuda")), ("none live", torch.tensor(0, device="cuda"))):
+        lives = (("all live", torch.tensor(n, device="cuda")), ("none live", torch.tensor(0, device="cuda")))
+        for live_name, live in lives:
             assert torch.equal(this.topk(scores, K, live), other.topk(scores, K, live))
             for name, fn in (("this tree", this.topk), ("other", other.topk)):
                 us = graph_us(lambda _, fn=fn: fn(scores, K, live), CALLS, REPLAYS)
