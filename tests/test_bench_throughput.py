@@ -81,8 +81,8 @@ def test_engine_full_attention_at_a_batch_gives_dense_tokens():
     dense = throughput.DenseBatch(DenseRunner(llm, 160 + max_tokens, 3), 64)
     dense.prefill(prompts)
     dense_rows = list(throughput.time_batches(dense, batches, steps, llm.device, "dense"))
-    # every sequence's first token, then (1 untimed + 3 timed) steps at each batch size it lived through
-    assert [len(out) for out in dense.outputs()] == [13, 9, 5]
+    # every sequence's first token, then (2 untimed + 3 timed) steps at each batch size it lived through
+    assert throughput.UNTIMED_STEPS == 2 and [len(out) for out in dense.outputs()] == [16, 11, 6]
     assert engine.outputs() == dense.outputs()
     for rows in (engine_rows, dense_rows):
         assert [(r["batch"], r["tokens"], "error" in r) for r in rows] == [(3, 9, False), (2, 6, False), (1, 3, False)]
@@ -112,7 +112,8 @@ def run_command(tmp_path, monkeypatch, *flags: str) -> dict:
 
 
 def test_bench_throughput_reports_what_fits_and_what_does_not(tmp_path, monkeypatch):
-    """A KV budget of 300 tokens holds 2 requests of 128 + 10 tokens: batch 3 is a row that says so for every method,
+    """A KV budget of 300 tokens holds 2 requests of 128 + 13 tokens (1 + 3 batch sizes x (2 untimed + 2 timed
+    steps)): batch 3 is a row that says so for every method,
     batch 2 (the largest that fits, not asked for) and 1 are measured, and each ratio is against the faster dense row
     of its batch size."""
     policies = "dense,full,tokenselect:theta=-1"
@@ -124,7 +125,7 @@ def test_bench_throughput_reports_what_fits_and_what_does_not(tmp_path, monkeypa
         (b, p, b == 3) for b in (1, 2, 3) for p in policies.split(","))
     assert all(r["fit_batch"] == 2 for r in rows)
     assert {r["error"] for r in rows if "error" in r} == {
-        "does not fit: a 300-token KV budget holds 2 requests of 138 tokens"}
+        "does not fit: a 300-token KV budget holds 2 requests of 141 tokens"}
     measured = [r for r in rows if "error" not in r]
     assert all(r["tokens"] == r["batch"] * 2 and r["tokens_s"] > 0 and r["ms_step"] > 0 for r in measured)
     assert all(r["prefill_s"] > 0 for r in measured)

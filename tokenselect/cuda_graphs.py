@@ -177,8 +177,8 @@ class GraphCache:
             return ch.length == self.chunk_size and long_prompt
         return all(ch.length == 1 and ch.decode for ch in chunks)
 
-    def run_whole(self, chunks, ids: list[int], new_slots: torch.Tensor) -> torch.Tensor:
-        """Decode tokens (one per chunk) or one prefill chunk: ids [B * w] (host list; w tokens per
+    def run_whole(self, chunks, ids: torch.Tensor, new_slots: torch.Tensor) -> torch.Tensor:
+        """Decode tokens (one per chunk) or one prefill chunk: ids [B * w] (on the device; w tokens per
         chunk), new_slots: [B * w] their cache slots -> the last layer's output [B * w, hidden] (a static
         buffer, valid until the next run)."""
         policy: AttentionPolicy = chunks[0].seq.policy
@@ -310,17 +310,17 @@ class _WholeStep:
         # a proxy: the owner keeps its steps, and a cycle would keep a dropped engine's KV pool until the next gc
         self.owner, self.policy, self.batch, self.width = weakref.proxy(owner), policy, batch, width
         self.decode, self.mode, self.buffers = decode, mode, buffers
-        self.inputs = torch.zeros((width + 2) * batch, dtype=torch.int64, device=dev)  # filled by one copy
-        self.ids = self.inputs[:batch * width]
-        self.meta = self.inputs[batch * width:].view(2, batch)  # lengths, state rows
+        self.ids = torch.zeros(batch * width, dtype=torch.int64, device=dev)
+        self.meta = torch.zeros(2, batch, dtype=torch.int64, device=dev)  # lengths, state rows
         self.table = torch.zeros(batch, capacity, dtype=torch.int64, device=dev)
         self.new_slots = torch.zeros(batch * width, dtype=torch.int64, device=dev)
         self.state = _pointers(_tensors(policy, buffers))
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
-    def feed(self, chunks, ids: list[int], rows: list[int], new_slots: torch.Tensor) -> None:
-        self.inputs.copy_(to_device(ids + [ch.past for ch in chunks] + rows, self.inputs.device))
+    def feed(self, chunks, ids: torch.Tensor, rows: list[int], new_slots: torch.Tensor) -> None:
+        self.ids.copy_(ids)
+        self.meta.copy_(to_device([[ch.past for ch in chunks], rows], self.meta.device))
         fill_tables(self.table, chunks)
         self.new_slots.copy_(new_slots)
 

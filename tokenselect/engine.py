@@ -16,6 +16,7 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -32,7 +33,7 @@ from .models.registry import resolve_model
 from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
 from .prefix_cache import PrefixCache, reuse_rule
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample_rows, token_logprobs
+from .sampling import SamplingParams, greedy, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .settings import EngineSettings, scaled
@@ -47,6 +48,18 @@ SELECT_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: selection re
 # the same settings; older idle ones are dropped, so a stream of distinct settings cannot grow memory for good.
 MAX_IDLE_POLICIES = 4
 log = logging.getLogger("tokenselect.engine")
+
+
+class Launched(NamedTuple):
+    """A greedy decode step queued on the device whose tokens the host has not read yet (``overlap_decode``).
+    seqs: its sequences, in its rows' order; tokens: [B] int64 on the device, the argmax of each row, which the
+    next step reads as its input; host: the same copied to (pinned) host memory once ``done`` has happened
+    (a CUDA event; None on a CPU, where the copy is done when it returns)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 class LLM:
@@ -174,6 +187,7 @@ class LLM:
         # rank's live sequences by id
         self._events: list[tuple] = []
         self._live: dict[int, Sequence] = {}
+        self._launched: Launched | None = None  # a decode step running ahead of the host (``overlap_decode``)
         if self.tp is not None and self.tp.rank == 0:
             atexit.register(self.close)
         elif self.tp is not None:  # the other ranks follow rank 0's steps until it closes, then their process ends
@@ -188,6 +202,7 @@ class LLM:
         requests: running sequences would lose their policy state."""
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
+        self._drain()
         self.attention, self.policy_settings = attention, policy_settings
         # every setting as the policy runs with it (defaults fitted to the window), for results files
         self.policy_config = {"attention": attention, "window": self.window,
@@ -304,6 +319,8 @@ class LLM:
             seq.finish_reason = "abort"
         self._release(seq)
         self._record("abort", seq.id)
+        if self._launched is not None and all(s.finished for s in self._launched.seqs):
+            self._drain()
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -336,9 +353,34 @@ class LLM:
         return self._step()
 
     def _step(self) -> list[Sequence]:
+        """With ``overlap_decode``, a greedy decode batch runs one step ahead of the host: this call queues the step
+        after the one queued before (its input tokens are that one's argmax, still on the device), and only then
+        reads that one's tokens; a step that cannot follow on the device (another batch, a sequence ending, a
+        request waiting) waits for the host as before."""
+        launched = self._launched
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            if self._overlaps(batch):
+                try:
+                    launched = self._launch(batch, None)
+                except Exception as error:  # the plain step below runs it again, and ends only what fails alone
+                    log.warning("a decode step failed to launch (%s); running it again one step at a time", error)
+            if launched is None:
+                return self._run(batch)
+        self._launched = None
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        if self._follows(launched, batch):
+            try:
+                self._launched = self._launch(batch, launched.tokens)
+            except Exception as error:  # the next call runs this batch one step at a time
+                log.warning("a decode step failed to launch (%s)", error)
+        return self._land(launched)
+
+    def _run(self, batch: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """One step of ``batch`` that the host waits for. If the batch's pass raises, its sequences run again one at
+        a time (``step``)."""
         try:
             return self._forward(batch)
         except Exception as error:
@@ -401,6 +443,78 @@ class LLM:
                     self._fail(seq, error)
                 stepped.append(seq)
         return stepped
+
+    def _overlaps(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """Whether ``batch`` may run ahead of the host: every sequence decoding its last generated token
+        (``_ahead``)."""
+        return self._ahead([seq for seq, _ in batch]) and all(
+            n == 1 and seq.output_ids and seq.n_cached == seq.n_tokens - 1 for seq, n in batch)
+
+    def _follows(self, launched: Launched, batch: list[tuple[Sequence, int]]) -> bool:
+        """Whether ``batch`` (scheduled before ``launched`` is read) is the next step of exactly the launched
+        sequences, each of which will still want a token after the launched one's."""
+        return len(batch) == len(launched.seqs) and self._ahead(launched.seqs) and all(
+            seq is launched_seq and n == 1 and not seq.finished and len(seq.output_ids) + 2 <= seq.params.max_tokens
+            for (seq, n), launched_seq in zip(batch, launched.seqs))
+
+    def _ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether steps of ``seqs`` may run ahead of the host: ``overlap_decode`` on, one process, every sequence
+        greedy and recording neither logprobs nor logits (those are read on the host)."""
+        return self.settings.overlap_decode and self.tp is None and all(
+            greedy(seq.params) and seq.logprobs is None and seq.logits is None for seq in seqs)
+
+    def _launch(self, batch: list[tuple[Sequence, int]], tokens: torch.Tensor | None) -> Launched:
+        """Queue a decode step of ``batch`` (one token each) and the argmax of its logits, without waiting for the
+        device. tokens: [B] the input tokens on the device (those of the step launched before), or None: each
+        sequence's last token. Each sequence's cached count moves past its input token; if queueing raises, the
+        slots it took go back to the pool and no sequence has changed."""
+        seqs = [seq for seq, _ in batch]
+        slots = self.scheduler.allocate(len(seqs))
+        try:
+            chunks = [Chunk(seq, b, 1, seq.n_cached) for b, seq in enumerate(seqs)]
+            for b, seq in enumerate(seqs):
+                seq.slots[seq.n_cached:seq.n_cached + 1] = slots[b:b + 1]
+            ids = tokens if tokens is not None else [seq.token_slice(seq.n_cached, 1)[0] for seq in seqs]
+            rows = self.cache.arange(len(seqs))
+            picks = self.runner.logits(chunks, ids, slots, rows).argmax(dim=-1)
+        except BaseException:
+            self.cache.free(slots)
+            raise
+        cuda = picks.is_cuda
+        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=cuda).copy_(picks, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        for seq in seqs:
+            seq.n_cached += 1
+        return Launched(seqs, picks, host, done)
+
+    def _land(self, launched: Launched) -> list[Sequence]:
+        """Wait for a launched step's tokens and append them to its sequences still running (one that ended since,
+        by its token landed before or by an abort, drops its token). If every sequence of the step launched after
+        it has ended, that step is waited for and forgotten too, so that no work of finished requests stays queued.
+        Returns the sequences that got a token."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        stepped = []
+        for seq, token in zip(launched.seqs, launched.host.tolist()):
+            if seq.finished:
+                continue
+            try:
+                self._append(seq, token)
+            except Exception as error:
+                self._fail(seq, error)
+            stepped.append(seq)
+        if self._launched is not None and all(seq.finished for seq in self._launched.seqs):
+            self._drain()
+        return stepped
+
+    def _drain(self) -> None:
+        """Wait for the launched step, if any, and drop its tokens (its sequences have ended, or are ending)."""
+        launched, self._launched = getattr(self, "_launched", None), None
+        if launched is not None and launched.done is not None:
+            launched.done.synchronize()
 
     def _sample(self, chunks: list[Chunk], logits: list[torch.Tensor]) -> dict[int, int | Exception]:
         """The next token of every sequence of the step that reached the end of what it knows, by sequence id (an
@@ -505,6 +619,7 @@ class LLM:
         between requests; turning it off frees every cached prompt's slots."""
         if self.scheduler.has_work():
             raise RuntimeError("set_prefix_cache while requests are running")
+        self._drain()
         self._record("set_prefix_cache", enabled)
         if self.scheduler.prefix is not None:
             self.scheduler.prefix.clear()

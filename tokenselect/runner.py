@@ -28,16 +28,21 @@ class ModelRunner:
         eagerly over the same buffers, which is how the tests exercise them)."""
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
         self.graphs = GraphCache(model, cache, kernels, rope, device, chunk_size) if cuda_graphs else None
+        self.passes = 0  # forward passes queued so far (a profile's steps: some may not have been read yet)
 
-    def logits(self, chunks, ids: list[int], new_slots: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """chunks: the step's ``attention.Chunk``s over the flat batch ids (host list), whose tokens are cached at
-        new_slots -> logits [len(logit_rows), vocab] (fp32) of the rows asked for."""
+    def logits(self, chunks, ids: list[int] | torch.Tensor, new_slots: torch.Tensor,
+               logit_rows: torch.Tensor) -> torch.Tensor:
+        """chunks: the step's ``attention.Chunk``s over the flat batch ids (a host list, or int64 [n] on the device:
+        a step launched before this one has not been read), whose tokens are cached at new_slots -> logits
+        [len(logit_rows), vocab] (fp32) of the rows asked for."""
+        ids = ids if isinstance(ids, torch.Tensor) else to_device(ids, self.device)
+        self.passes += 1
         if self.graphs is not None and self.graphs.whole(chunks):
             return self.model.logits(self.graphs.run_whole(chunks, ids, new_slots)[logit_rows])
         cfg = self.model.config
         ctx = BatchAttention(self.cache, self.kernels, self.rope, chunks, new_slots, (cfg.n_heads, cfg.head_dim),
                              self.model.model.embed_tokens.weight.dtype)
-        return self.model.logits(self.hidden(to_device(ids, self.device), ctx, logit_rows))
+        return self.model.logits(self.hidden(ids, ctx, logit_rows))
 
     def hidden(self, ids: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor) -> torch.Tensor:
         """The last layer's output at ``rows`` of the tokens ``ids: [n]``, attention through ``ctx``: through the

@@ -111,12 +111,13 @@ def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> st
     from torch.profiler import ProfilerActivity, profile
 
     cuda = llm.device.type == "cuda"
-    steps = 0
+    sync(llm.device)
+    passes = llm.runner.passes
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         while not done():
             llm.step()
-            steps += 1
         sync(llm.device)
+    steps = llm.runner.passes - passes  # queued in the window, which ends when they have run
     ops = prof.key_averages()
     tables = [ops.table(sort_by="self_cpu_time_total", row_limit=15)]
     if cuda:
@@ -149,7 +150,10 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     before = llm.policy.stats() or PolicyStats()
-    params = SamplingParams(max_tokens=decode_steps + 2 + profile_steps, temperature=0, ignore_eos=True)
+    # a token more than the steps read: the engine queues each decode step before it reads the one before
+    # (``overlap_decode``), so the timed window's last step queues one more, whose pass the window's end waits
+    # for; the window holds decode_steps passes either way (the profile counts the passes it queued)
+    params = SamplingParams(max_tokens=decode_steps + 3 + profile_steps, temperature=0, ignore_eos=True)
     seq = llm.add_request(ids, params)
     chunks_whole = whole_steps(llm)
     sync(dev)
@@ -188,6 +192,8 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
                 profile_parts(events, steps, floor, bandwidth) + "\n"
 
         profile["decode"] = profiled(llm, lambda: seq.finished, parts if bandwidth else None)
+    if not seq.finished:
+        llm.abort(seq)  # the token it may still want, and the step queued for it
     hits, misses = counted.selection_cache_hits, counted.selection_cache_misses
     row = {
         "prefill_s": prefill,

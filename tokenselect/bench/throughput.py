@@ -7,9 +7,10 @@ seconds) for each batch size and method, with the ratio against the fastest dens
 
 Prefilling B long prompts for every batch size would cost most of a device call, so each method prefills the
 largest batch it is asked for once, times its decode, then drops sequences (the engine aborts them, the dense
-baseline decodes fewer of its sequences) and times each smaller batch size, largest first. The first step at a
-batch size is untimed: it records that size's CUDA graph. Before anything is timed each method runs an untimed
-warm-up (kernel compiles), as ``bench e2e`` does.
+baseline decodes fewer of its sequences) and times each smaller batch size, largest first. The first two steps
+at a batch size are untimed: they record that size's CUDA graph and fill the engine's pipeline (its next step
+queued before the previous one is read, ``overlap_decode``), so that a timed step is one pass. Before anything is
+timed each method runs an untimed warm-up (kernel compiles), as ``bench e2e`` does.
 
 How many requests fit: every method gets the KV budget the engine's pool gets by default (``LLM``'s
 ``_default_pool_tokens``: a share of the GPU memory free after the weights; ``--kv-cache-tokens`` sets it). The
@@ -43,6 +44,7 @@ from . import e2e
 from .dense import DenseRunner
 
 DEFAULT_POLICIES = "dense,full,tokenselect,tokenselect:theta=-1"
+UNTIMED_STEPS = 2  # at each batch size, before the timed steps
 
 
 def is_dense(policy: str) -> bool:
@@ -57,9 +59,9 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def new_tokens(batches: list[int], steps: int) -> int:
-    """Tokens a request may generate: its first (the prefill's) and, at every batch size it may live through, one
-    untimed and ``steps`` timed steps."""
-    return 1 + (len(batches) + 1) * (steps + 1)  # (the largest that fits may be a batch size of its own)
+    """Tokens a request may generate: its first (the prefill's) and, at every batch size it may live through,
+    UNTIMED_STEPS untimed and ``steps`` timed steps."""
+    return 1 + (len(batches) + 1) * (steps + UNTIMED_STEPS)  # (the largest that fits may be a batch size of its own)
 
 
 def measured_sizes(batches: list[int], fit: int) -> list[int]:
@@ -160,12 +162,14 @@ def prefill_held(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
 
 def time_batches(method, batches: list[int], steps: int, device: torch.device, label: str,
                  graph_steps=None) -> Iterator[dict]:
-    """Decode at each batch size of ``batches`` (largest first; the method holds the largest): one untimed step
-    (it records the size's CUDA graph), then ``steps`` timed ones -> a row for each. ``graph_steps()``: steps run
-    as one graph so far (None: not counted)."""
+    """Decode at each batch size of ``batches`` (largest first; the method holds the largest): UNTIMED_STEPS
+    untimed steps (they record the size's CUDA graph, and leave the engine's next step queued, as every timed step
+    does: ``overlap_decode``), then ``steps`` timed ones -> a row for each. ``graph_steps()``: steps run as one
+    graph so far (None: not counted)."""
     for batch in batches:
         method.shrink(batch)
-        method.step()
+        for _ in range(UNTIMED_STEPS):
+            method.step()
         e2e.sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
