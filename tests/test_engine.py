@@ -97,9 +97,10 @@ def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(tiny_llama):
 
 
 def test_a_steps_greedy_tokens_come_from_one_argmax_and_a_failed_sample_ends_only_its_own(monkeypatch):
-    """sample_rows: greedy rows (temperature 0, or under GREEDY_BELOW) take their argmax in one launch and one read;
-    a sampled row gets what ``sample`` alone gives it (same seed); a row whose sampling raises (NaN logits) gets the
-    exception, and the rows beside it their tokens."""
+    """sample_rows: greedy rows (temperature 0, or under GREEDY_BELOW) and unseeded sampled rows are drawn together
+    on the device (one argmax over them all, one more over the sampled rows' draws, one read); a seeded row gets what
+    ``sample`` alone gives it (same seed); a row of NaN logits gets an exception, and the rows beside it their
+    tokens."""
     from tokenselect import sampling
 
     gen = torch.Generator().manual_seed(3)
@@ -114,9 +115,9 @@ def test_a_steps_greedy_tokens_come_from_one_argmax_and_a_failed_sample_ends_onl
     monkeypatch.setattr(torch.Tensor, "argmax", lambda t, *a, **k: argmaxes.append(t.shape) or real_argmax(t, *a, **k))
     tokens = sampling.sample_rows(rows, params, [None, None, torch.Generator().manual_seed(1),
                                                  torch.Generator().manual_seed(5), None])
-    assert argmaxes == [(3, 50)]  # the three greedy rows at once
+    assert argmaxes == [(4, 50), (1, 50)]  # the three greedy rows and the unseeded one, then its draw
     assert tokens[0] == int(torch.argmax(rows[0])) and tokens[1] == 17 and tokens[4] == 3
-    assert isinstance(tokens[2], RuntimeError)
+    assert isinstance(tokens[2], RuntimeError) and "NaN" in str(tokens[2])
     assert tokens[3] == sampling.sample(rows[3], params[3], torch.Generator().manual_seed(5))
 
 

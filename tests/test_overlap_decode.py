@@ -128,12 +128,116 @@ def test_a_request_arriving_mid_decode_gets_what_it_gets_one_step_at_a_time(tiny
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True),
                                     greedy(8, logprobs=2)])
-def test_sampled_and_logprob_requests_wait_for_the_host(tiny_llama, params):
-    """A sampled token (the host's generator) and logprobs are read on the host: those steps never run ahead."""
+def test_seeded_and_logprob_requests_wait_for_the_host(tiny_llama, params):
+    """A seeded request draws from its own host generator (so that its tokens repeat), and logprobs are read on the
+    host: those steps never run ahead."""
     llm = LLM(tiny_llama, chunk_size=32)
     seen = passes(llm)
     out = llm.generate([prompt(20, 2)], params)[0]
     assert len(out.token_ids) == 8 and not any(seen)
+
+
+def test_unseeded_sampled_requests_run_ahead_with_tokens_drawn_on_the_device(tiny_llama):
+    """Sampled without a seed, a request's steps run ahead like greedy ones. top_k 1 leaves one token to draw: the
+    greedy tokens, through the device sampler; at temperature 1 the draws differ from greedy but stay in range."""
+    llm = LLM(tiny_llama, chunk_size=32)
+    want = llm.generate([prompt(20, 3)], greedy(10))[0].token_ids
+    seen = passes(llm)
+    top1 = llm.generate([prompt(20, 3)], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True))[0]
+    assert top1.token_ids == want and sum(seen) == 8  # 9 decode passes, the first from host tokens
+    torch.manual_seed(0)
+    free = llm.generate([prompt(20, 3)], SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True))[0]
+    assert free.token_ids != want and all(0 <= t < llm.config.vocab_size for t in free.token_ids)
+
+
+def frequencies(logits: torch.Tensor, params, draws: int = 20000) -> torch.Tensor:
+    """How often ``sample_on_device`` picks each token of one row of logits, over ``draws`` rows drawn at once."""
+    from tokenselect.sampling import sample_on_device
+
+    torch.manual_seed(1)
+    picks, failed = sample_on_device(logits.expand(draws, -1).contiguous(), [params] * draws)
+    assert not failed.any()
+    return torch.bincount(picks, minlength=logits.numel()).double() / draws
+
+
+LOGITS = torch.tensor([2.0, 1.2, 0.9, 0.1, -0.5, -3.0])
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,support", [(0.7, 0, 1.0, 6), (1.3, 3, 1.0, 3), (1.0, 0, 0.7, 2),
+                                                              (1.0, 4, 0.9, 3)])
+def test_the_device_sampler_draws_from_the_host_samplers_distribution(temperature, top_k, top_p, support):
+    """Temperature, then top-k, then top-p, as ``sampling.sample`` applies them: the draws' frequencies match the
+    distribution written out here from those definitions (within 5 standard deviations of 20,000 draws), and no
+    token outside the kept ones is ever drawn. (softmax(LOGITS) puts 0.52, 0.23, 0.17, ... on the first tokens: top_p
+    0.7 keeps two, 0.9 three.)"""
+    probs = torch.softmax(LOGITS.double() / temperature, dim=0)
+    if top_k:
+        probs[top_k:] = 0
+    kept = (probs / probs.sum()).cumsum(0) - probs / probs.sum() < top_p
+    probs = torch.where(kept, probs, 0)
+    probs /= probs.sum()
+    assert int((probs > 0).sum()) == support
+    got = frequencies(LOGITS, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert torch.all(got[probs == 0] == 0)
+    assert torch.all((got - probs).abs() <= 5 * (probs * (1 - probs) / 20000).sqrt() + 1e-9)
+
+
+def test_the_device_sampler_gives_each_row_its_own_settings():
+    """One call, rows of several requests: greedy rows and a near-zero temperature take their argmax, top_k 1 and a
+    tiny top_p leave only the largest, and a sampled row draws within its own top_k."""
+    from tokenselect.sampling import GREEDY_BELOW, sample_on_device
+
+    rows = torch.randn(6, 50, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=GREEDY_BELOW / 2),
+              SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=2.0, top_p=1e-6),
+              SamplingParams(temperature=5.0, top_k=2), SamplingParams(temperature=0)]
+    for seed in range(20):
+        torch.manual_seed(seed)
+        picks, failed = sample_on_device(rows, params)
+        assert not failed.any() and picks.dtype == torch.int64 and picks.shape == (6,)
+        assert picks[[0, 1, 2, 3, 5]].tolist() == rows.argmax(dim=-1)[[0, 1, 2, 3, 5]].tolist()
+        assert int(picks[4]) in rows[4].topk(2).indices.tolist()
+
+
+def test_rows_of_nan_logits_fail_and_get_a_token_that_is_safe_to_feed():
+    """A NaN anywhere in a row (greedy or sampled), or a sampled row with nothing left to draw (every logit -inf),
+    fails: its token is 0, which a step queued on it can embed; the rows beside it draw as usual."""
+    from tokenselect.sampling import sample_on_device
+
+    rows = torch.randn(5, 40, generator=torch.Generator().manual_seed(6))
+    rows[0, 7] = rows[2, 3] = float("nan")
+    rows[3] = float("-inf")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=0.9),
+              SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_k=1)]
+    picks, failed = sample_on_device(rows, params)
+    assert failed.tolist() == [True, False, True, True, False]
+    assert picks.tolist() == [0, int(rows[1].argmax()), 0, 0, int(rows[4].argmax())]
+
+
+def test_a_sequence_whose_queued_step_gives_nan_logits_ends_alone(tiny_llama, batch_invariant_matmuls):
+    """Two requests decode ahead of the host; one pass gives the first NaN logits. That request ends with an error
+    when the pass is read (the step queued on its token 0 is dropped); the other gets the tokens it gets alone, and
+    every slot comes back."""
+    a, b = prompt(30, 11), prompt(45, 12)
+    alone = LLM(tiny_llama, chunk_size=32).generate([b], greedy(10))[0].token_ids
+    llm = LLM(tiny_llama, chunk_size=32, prefix_cache=False)
+    seen, real = [], llm.runner.logits
+
+    def logits(chunks, ids, *rest):
+        seen.append(isinstance(ids, torch.Tensor))
+        out = real(chunks, ids, *rest)
+        if sum(seen) == 3 and seen[-1]:  # the third pass queued ahead
+            out = out.clone()
+            out[0, 5] = float("nan")
+        return out
+
+    llm.runner.logits = logits
+    seq_a, seq_b = llm.add_request(a, greedy(10)), llm.add_request(b, greedy(10))
+    while not (seq_a.finished and seq_b.finished):
+        llm.step()
+    assert seq_a.finish_reason == "error" and "NaN" in str(seq_a.error) and len(seq_a.output_ids) < 10
+    assert seq_b.output_ids == alone and seq_b.finish_reason == "length"
+    assert llm.cache.num_free == llm.cache.n_slots
 
 
 def test_a_queued_step_that_fails_to_launch_falls_back_to_host_steps(tiny_llama):

@@ -33,7 +33,7 @@ from .models.registry import resolve_model
 from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
 from .prefix_cache import PrefixCache, reuse_rule
 from .runner import ModelRunner
-from .sampling import SamplingParams, greedy, sample_rows, token_logprobs
+from .sampling import NAN_LOGITS, SamplingParams, on_device, sample_on_device, sample_rows, token_logprobs
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .settings import EngineSettings, scaled
@@ -51,10 +51,11 @@ log = logging.getLogger("tokenselect.engine")
 
 
 class Launched(NamedTuple):
-    """A greedy decode step queued on the device whose tokens the host has not read yet (``overlap_decode``).
-    seqs: its sequences, in its rows' order; tokens: [B] int64 on the device, the argmax of each row, which the
-    next step reads as its input; host: the same copied to (pinned) host memory once ``done`` has happened
-    (a CUDA event; None on a CPU, where the copy is done when it returns)."""
+    """A decode step queued on the device whose tokens the host has not read yet (``overlap_decode``).
+    seqs: its sequences, in its rows' order; tokens: [B] int64 on the device, each row's next token (drawn there,
+    ``sampling.sample_on_device``), which the next step reads as its input; host: [2, B], the tokens and whether
+    each failed (NaN logits), in (pinned) host memory once ``done`` has happened (a CUDA event; None on a CPU, where
+    the copy is done when it returns)."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor
@@ -353,8 +354,8 @@ class LLM:
         return self._step()
 
     def _step(self) -> list[Sequence]:
-        """With ``overlap_decode``, a greedy decode batch runs one step ahead of the host: this call queues the step
-        after the one queued before (its input tokens are that one's argmax, still on the device), and only then
+        """With ``overlap_decode``, a decode batch runs one step ahead of the host: this call queues the step
+        after the one queued before (its input tokens are that one's, still on the device), and only then
         reads that one's tokens; a step that cannot follow on the device (another batch, a sequence ending, a
         request waiting) waits for the host as before."""
         launched = self._launched
@@ -458,13 +459,14 @@ class LLM:
             for (seq, n), launched_seq in zip(batch, launched.seqs))
 
     def _ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether steps of ``seqs`` may run ahead of the host: ``overlap_decode`` on, one process, every sequence
-        greedy and recording neither logprobs nor logits (those are read on the host)."""
+        """Whether steps of ``seqs`` may run ahead of the host: ``overlap_decode`` on, one process, every sequence's
+        tokens drawn on the device (greedy, or sampled without a seed: ``sampling.on_device``) and recording neither
+        logprobs nor logits (those are read on the host)."""
         return self.settings.overlap_decode and self.tp is None and all(
-            greedy(seq.params) and seq.logprobs is None and seq.logits is None for seq in seqs)
+            on_device(seq.params) and seq.logprobs is None and seq.logits is None for seq in seqs)
 
     def _launch(self, batch: list[tuple[Sequence, int]], tokens: torch.Tensor | None) -> Launched:
-        """Queue a decode step of ``batch`` (one token each) and the argmax of its logits, without waiting for the
+        """Queue a decode step of ``batch`` (one token each) and the drawing of its tokens, without waiting for the
         device. tokens: [B] the input tokens on the device (those of the step launched before), or None: each
         sequence's last token. Each sequence's cached count moves past its input token; if queueing raises, the
         slots it took go back to the pool and no sequence has changed."""
@@ -476,12 +478,14 @@ class LLM:
                 seq.slots[seq.n_cached:seq.n_cached + 1] = slots[b:b + 1]
             ids = tokens if tokens is not None else [seq.token_slice(seq.n_cached, 1)[0] for seq in seqs]
             rows = self.cache.arange(len(seqs))
-            picks = self.runner.logits(chunks, ids, slots, rows).argmax(dim=-1)
+            picks, failed = sample_on_device(self.runner.logits(chunks, ids, slots, rows),
+                                             [seq.params for seq in seqs])
+            both = torch.stack([picks, failed.long()])
         except BaseException:
             self.cache.free(slots)
             raise
-        cuda = picks.is_cuda
-        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=cuda).copy_(picks, non_blocking=cuda)
+        cuda = both.is_cuda
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=cuda).copy_(both, non_blocking=cuda)
         done = None
         if cuda:
             done = torch.cuda.Event()
@@ -498,10 +502,12 @@ class LLM:
         if launched.done is not None:
             launched.done.synchronize()
         stepped = []
-        for seq, token in zip(launched.seqs, launched.host.tolist()):
+        for seq, token, failed in zip(launched.seqs, *launched.host.tolist()):
             if seq.finished:
                 continue
             try:
+                if failed:
+                    raise RuntimeError(NAN_LOGITS)
                 self._append(seq, token)
             except Exception as error:
                 self._fail(seq, error)

@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .transfer import to_device
+
 # Below this a temperature divides logits into infinities (NaN probabilities): it samples as greedy, which
 # is what such a temperature means anyway.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's top_logprobs limit)
+NAN_LOGITS = "the model's logits for this sequence hold a NaN: no token can be drawn"
 
 
 @dataclass
@@ -55,21 +58,61 @@ def greedy(params: SamplingParams) -> bool:
 
 def sample_rows(rows: list[torch.Tensor], params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> list[int | Exception]:
-    """rows: [vocab] fp32 logits of several sequences -> each one's next token (``sample``), or the exception its
-    sampling raised. The greedy rows' tokens come from one argmax over them all and one read to the host (a step
-    of B greedy sequences waits for the device once, not B times)."""
+    """rows: [vocab] fp32 logits of several sequences -> each one's next token, or the exception its sampling raised
+    (NaN logits). The greedy rows and those sampled without a seed are drawn together on the logits' device
+    (``sample_on_device``) with one read to the host (a step of B such sequences waits for the device once, not B
+    times); a seeded row draws from its own host generator (``sample``), so that its tokens repeat."""
     tokens: list[int | Exception] = [0] * len(rows)
-    picked = [i for i, p in enumerate(params) if greedy(p)]
+    picked = [i for i, p in enumerate(params) if on_device(p)]
     if picked:
-        for i, token in zip(picked, torch.stack([rows[i] for i in picked]).argmax(dim=-1).tolist()):
-            tokens[i] = token
+        drawn, failed = sample_on_device(torch.stack([rows[i] for i in picked]), [params[i] for i in picked])
+        for i, token, bad in zip(picked, drawn.tolist(), failed.tolist()):
+            tokens[i] = RuntimeError(NAN_LOGITS) if bad else token
     for i, (row, p, generator) in enumerate(zip(rows, params, generators)):
-        if not greedy(p):
+        if not on_device(p):
             try:
                 tokens[i] = sample(row, p, generator)
             except Exception as error:
                 tokens[i] = error
     return tokens
+
+
+def on_device(params: SamplingParams) -> bool:
+    """Whether ``sample_on_device`` draws this request's tokens: greedy, or sampled without a seed (a seeded request
+    draws from its own host generator, ``sample``, so that its tokens repeat)."""
+    return greedy(params) or params.seed is None
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [B, vocab] fp32 -> (tokens [B] int64, failed [B] bool), each row's next token where the logits are,
+    with no read to the host (a step queued before the previous one is read takes these as its input). Greedy rows
+    take their argmax; the others draw from ``sample``'s distribution (temperature, then top-k, then top-p) with the
+    device's generator, as the argmax of probs / q for q drawn from Exp(1), which picks token i with probability
+    probs[i]. failed: the row's logits hold a NaN (or a sampled row has no token left to draw); its token is 0, a
+    valid input for a step queued on it, whose result the caller drops."""
+    picks = logits.argmax(dim=-1)
+    failed = logits.isnan().any(dim=-1)
+    drawn = [b for b, p in enumerate(params) if not greedy(p)]
+    if drawn:
+        dev, chosen = logits.device, [params[b] for b in drawn]
+        rows = to_device(drawn, dev)
+        x = logits[rows] / to_device([p.temperature for p in chosen], dev, torch.float32)[:, None]
+        if any(p.top_k > 0 for p in chosen):
+            top_k = to_device([min(p.top_k, x.shape[1]) for p in chosen], dev)[:, None]  # 0: no cut
+            kth = x.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(min=0))
+            x = x.masked_fill((top_k > 0) & (x < kth), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if any(p.top_p < 1 for p in chosen):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least the first token)
+            top_p = to_device([p.top_p for p in chosen], dev, torch.float32)[:, None]
+            sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        # q > 0: a q of 0 would make 0 / 0 a NaN, which argmax takes for the largest
+        q = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
+        picks = picks.index_copy(0, rows, (probs / q).argmax(dim=-1))
+        failed = failed.index_copy(0, rows, probs.isnan().any(dim=-1) | failed[rows])  # all -inf: softmax is NaN
+    return picks.masked_fill(failed, 0), failed
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

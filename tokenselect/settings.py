@@ -202,11 +202,12 @@ class EngineSettings(Validated):
                                        "starting with the same tokens (another question about the same document, a "
                                        "chat's next turn) starts its prefill after them; --no-prefix-cache computes "
                                        "every prompt in full", kind=bool)
-    overlap_decode: bool = setting(True, "launch a greedy decode step before reading the previous step's tokens back, "
-                                         "so that the GPU does not wait while the host reads tokens, checks stops and "
-                                         "prepares the next step; after a sequence's end-of-sequence token or stop "
-                                         "string one step of it is computed and dropped; --no-overlap-decode runs "
-                                         "one step at a time", kind=bool)
+    overlap_decode: bool = setting(True, "launch a decode step (greedy, or sampled without a seed: its tokens drawn on "
+                                         "the GPU) before reading the previous step's tokens back, so that the GPU "
+                                         "does not wait while the host reads tokens, checks stops and prepares the "
+                                         "next step; after a sequence's end-of-sequence token or stop string one step "
+                                         "of it is computed and dropped; --no-overlap-decode runs one step at a time",
+                                   kind=bool)
     tensor_parallel_size: int = setting(1, "GPUs (processes) the model is split across, by heads: one process per "
                                            "rank, started by the engine (or by torchrun across hosts, "
                                            "docs/tensor_parallel.md); NCCL on CUDA, gloo on a CPU", low=1)
