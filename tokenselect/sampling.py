@@ -86,28 +86,16 @@ def on_device(params: SamplingParams) -> bool:
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [B, vocab] fp32 -> (tokens [B] int64, failed [B] bool), each row's next token where the logits are,
     with no read to the host (a step queued before the previous one is read takes these as its input). Greedy rows
-    take their argmax; the others draw from ``sample``'s distribution (temperature, then top-k, then top-p) with the
-    device's generator, as the argmax of probs / q for q drawn from Exp(1), which picks token i with probability
-    probs[i]. failed: the row's logits hold a NaN (or a sampled row has no token left to draw); its token is 0, a
-    valid input for a step queued on it, whose result the caller drops."""
+    take their argmax; the others draw from ``distribution``, as the argmax of probs / q for q drawn from Exp(1) on
+    the device, which picks token i with probability probs[i]. failed: the row's logits hold a NaN (or a sampled row
+    has no token left to draw); its token is 0, a valid input for a step queued on it, whose result the caller
+    drops."""
     picks = logits.argmax(dim=-1)
     failed = logits.isnan().any(dim=-1)
     drawn = [b for b, p in enumerate(params) if not greedy(p)]
     if drawn:
-        dev, chosen = logits.device, [params[b] for b in drawn]
-        rows = to_device(drawn, dev)
-        x = logits[rows] / to_device([p.temperature for p in chosen], dev, torch.float32)[:, None]
-        if any(p.top_k > 0 for p in chosen):
-            top_k = to_device([min(p.top_k, x.shape[1]) for p in chosen], dev)[:, None]  # 0: no cut
-            kth = x.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(min=0))
-            x = x.masked_fill((top_k > 0) & (x < kth), float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if any(p.top_p < 1 for p in chosen):
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least the first token)
-            top_p = to_device([p.top_p for p in chosen], dev, torch.float32)[:, None]
-            sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        rows = to_device(drawn, logits.device)
+        probs = distribution(logits[rows], [params[b] for b in drawn])
         # q > 0: a q of 0 would make 0 / 0 a NaN, which argmax takes for the largest
         q = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
         picks = picks.index_copy(0, rows, (probs / q).argmax(dim=-1))
@@ -115,21 +103,29 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams]) -> tupl
     return picks.masked_fill(failed, 0), failed
 
 
+def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [B, vocab] fp32 of sampled (not greedy) rows -> the probabilities each row's token is drawn with:
+    softmax(logits / temperature) over the top_k largest (0: all), then over the smallest prefix of those, likeliest
+    first, whose mass reaches top_p (always at least the likeliest token). No read to the host."""
+    dev = logits.device
+    x = logits / to_device([p.temperature for p in params], dev, torch.float32)[:, None]
+    if any(p.top_k > 0 for p in params):
+        top_k = to_device([min(p.top_k, x.shape[1]) for p in params], dev)[:, None]  # 0: no cut
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).clamp(min=0))
+        x = x.masked_fill((top_k > 0) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.top_p < 1 for p in params):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        top_p = to_device([p.top_p for p in params], dev, torch.float32)[:, None]
+        sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return probs
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] fp32 -> the next token id."""
-    if greedy(params):
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least the first token)
-        drop = torch.cumsum(sorted_probs, dim=0) - sorted_probs >= params.top_p
-        sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    """logits: [vocab] fp32 of a sampled (not greedy) request -> the next token id, drawn from ``distribution`` with
+    ``generator`` (a seeded request's own, on the host)."""
+    probs = distribution(logits[None], [params])[0]
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
