@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list[int] | list[list[int]], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def to_device(values: list | list[list], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A tensor of ``values`` (int64, or ``dtype``) on ``device``.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable host memory and then waits until the
