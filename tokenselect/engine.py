@@ -50,6 +50,11 @@ MAX_IDLE_POLICIES = 4
 log = logging.getLogger("tokenselect.engine")
 
 
+def token_ids(chunks: list[Chunk]) -> list[int]:
+    """The token ids a step's chunks run, flat (host list)."""
+    return [t for ch in chunks for t in ch.seq.token_slice(ch.past, ch.length)]
+
+
 class Launched(NamedTuple):
     """A decode step queued on the device whose tokens the host has not read yet (``overlap_decode``).
     seqs: its sequences, in its rows' order; tokens: [B] int64 on the device, each row's next token (drawn there,
@@ -401,18 +406,13 @@ class LLM:
     def _forward(self, batch: list[tuple[Sequence, int]]) -> list[Sequence]:
         """One forward pass over ``batch`` [(sequence, tokens to run)], then sampling. If the pass
         raises, the slots it took go back to the pool and no sequence has changed."""
-        chunks, ids, new_slots, row = [], [], [], 0
+        new_slots = []
         now = time.perf_counter()
         try:
-            for seq, n in batch:
+            for seq, _ in batch:
                 if seq.started_at is None:
                     seq.started_at = now
-                slots = self.scheduler.allocate(n)  # evicting unused cached prefixes if the pool is short
-                new_slots.append(slots)
-                seq.slots[seq.n_cached:seq.n_cached + n] = slots
-                ids.extend(seq.token_slice(seq.n_cached, n))
-                chunks.append(Chunk(seq, row, n, seq.n_cached))
-                row += n
+            chunks = self._place(batch, new_slots)
             step_slots = torch.cat(new_slots)
             # Rows that need logits: every row of a sequence recording them, else the last row of a
             # sequence that reached the end of its known tokens (it samples next).
@@ -420,7 +420,8 @@ class LLM:
                       else [ch.start + ch.length - 1] if ch.past + ch.length == ch.seq.n_tokens else []
                       for ch in chunks]
             logit_rows = to_device(sum(wanted, []), self.device)
-            logits = self.runner.logits(chunks, ids, step_slots, logit_rows).split([len(w) for w in wanted])
+            logits = self.runner.logits(chunks, token_ids(chunks), step_slots, logit_rows).split(
+                [len(w) for w in wanted])
         except BaseException:
             for slots in new_slots:  # the sequences' n_cached did not move: these slots are nobody's
                 self.cache.free(slots)
@@ -444,6 +445,19 @@ class LLM:
                     self._fail(seq, error)
                 stepped.append(seq)
         return stepped
+
+    def _place(self, batch: list[tuple[Sequence, int]], new_slots: list[torch.Tensor]) -> list[Chunk]:
+        """Take KV slots for each sequence's tokens of ``batch`` [(sequence, tokens to run)] (evicting unused cached
+        prefixes if the pool is short) and write them into its slot table -> the step's chunks over the flat batch.
+        Each sequence's slots are appended to ``new_slots`` as they are taken, so that the caller gives back what
+        was taken if the step fails, in this call (the pool full) or after it."""
+        chunks, row = [], 0
+        for seq, n in batch:
+            new_slots.append(self.scheduler.allocate(n))
+            seq.slots[seq.n_cached:seq.n_cached + n] = new_slots[-1]
+            chunks.append(Chunk(seq, row, n, seq.n_cached))
+            row += n
+        return chunks
 
     def _overlaps(self, batch: list[tuple[Sequence, int]]) -> bool:
         """Whether ``batch`` may run ahead of the host: every sequence decoding its last generated token
@@ -470,19 +484,16 @@ class LLM:
         device. tokens: [B] the input tokens on the device (those of the step launched before), or None: each
         sequence's last token. Each sequence's cached count moves past its input token; if queueing raises, the
         slots it took go back to the pool and no sequence has changed."""
-        seqs = [seq for seq, _ in batch]
-        slots = self.scheduler.allocate(len(seqs))
+        seqs, new_slots = [seq for seq, _ in batch], []
         try:
-            chunks = [Chunk(seq, b, 1, seq.n_cached) for b, seq in enumerate(seqs)]
-            for b, seq in enumerate(seqs):
-                seq.slots[seq.n_cached:seq.n_cached + 1] = slots[b:b + 1]
-            ids = tokens if tokens is not None else [seq.token_slice(seq.n_cached, 1)[0] for seq in seqs]
-            rows = self.cache.arange(len(seqs))
-            picks, failed = sample_on_device(self.runner.logits(chunks, ids, slots, rows),
-                                             [seq.params for seq in seqs])
+            chunks = self._place(batch, new_slots)
+            ids = tokens if tokens is not None else token_ids(chunks)
+            logits = self.runner.logits(chunks, ids, torch.cat(new_slots), self.cache.arange(len(seqs)))
+            picks, failed = sample_on_device(logits, [seq.params for seq in seqs])
             both = torch.stack([picks, failed.long()])
         except BaseException:
-            self.cache.free(slots)
+            for slots in new_slots:  # the sequences' n_cached did not move: these slots are nobody's
+                self.cache.free(slots)
             raise
         cuda = both.is_cuda
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=cuda).copy_(both, non_blocking=cuda)

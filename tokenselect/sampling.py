@@ -66,7 +66,7 @@ def sample_rows(rows: list[torch.Tensor], params: list[SamplingParams],
     picked = [i for i, p in enumerate(params) if on_device(p)]
     if picked:
         drawn, failed = sample_on_device(torch.stack([rows[i] for i in picked]), [params[i] for i in picked])
-        for i, token, bad in zip(picked, drawn.tolist(), failed.tolist()):
+        for i, token, bad in zip(picked, *torch.stack([drawn, failed.long()]).tolist()):  # one read
             tokens[i] = RuntimeError(NAN_LOGITS) if bad else token
     for i, (row, p, generator) in enumerate(zip(rows, params, generators)):
         if not on_device(p):
