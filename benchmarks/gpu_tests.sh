@@ -16,7 +16,8 @@
 #            (test_engine.py), the CLI settings (test_cli_settings.py), the models against transformers and over a
 #            scrambled pool (test_models.py, test_precision.py), InfLLM and the baselines (test_baselines.py), prefix
 #            reuse with CUDA graphs (test_prefix_cache.py), a toy policy recorded into whole-step graphs
-#            (test_toy_policy.py)
+#            (test_toy_policy.py), each policy's choice on hand-built caches with the compiled kernels
+#            (test_policies.py), decode steps queued ahead of the host (test_overlap_decode.py)
 #   kernels-i  tests/test_kernels.py dealt round-robin into SHARDS parts: every kernel compiled by Triton for the
 #            GPU against its reference on random ragged inputs, which on CUDA takes the paths that the CPU
 #            interpreter never runs: the fast-math RoPE (angles reduced by fma, then the hardware's sin/cos, at
@@ -57,7 +58,7 @@ select=(); [[ -n ${GPU_TESTS_SELECT:-} ]] && select=(-k "$GPU_TESTS_SELECT")
 graphs=(tests/test_whole_graphs.py tests/test_step_graphs.py tests/test_bench_dense.py tests/test_offload.py
         tests/test_selection_cache.py tests/test_boundaries.py tests/test_engine.py tests/test_cli_settings.py
         tests/test_models.py tests/test_precision.py tests/test_baselines.py tests/test_prefix_cache.py
-        tests/test_toy_policy.py)
+        tests/test_toy_policy.py tests/test_policies.py tests/test_overlap_decode.py)
 python3 -m pytest -q --collect-only tests/test_kernels.py 2>/dev/null | grep '::' > "$out/kernel_ids.txt"
 # GPU_TESTS_GPUS="0 1": run on these GPUs only (the others left to other work); default every GPU the machine has
 read -r -a gpu_ids <<< "${GPU_TESTS_GPUS:-$(seq -s ' ' 0 $(($(nvidia-smi -L 2>/dev/null | wc -l) - 1)))}"

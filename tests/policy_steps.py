@@ -14,10 +14,11 @@ OWN = 128  # slots kept free for the step's own tokens
 
 
 def cache_with_keys(keys: torch.Tensor, select_dtype=None) -> tuple[KVCache, torch.Tensor]:
-    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T]). The first
-    OWN slots are taken too (so slots and token indices differ), and a step's own tokens use them."""
+    """A one-layer cache holding ``keys: [T, n_kv, d]`` at shuffled slots -> (cache, slot table [T]), on the keys'
+    device. The first OWN slots are taken too (so slots and token indices differ), and a step's own tokens use
+    them."""
     t, n_kv, d = keys.shape
-    cache = KVCache(1, t + OWN, n_kv, d, torch.float32, torch.device("cpu"), select_dtype=select_dtype)
+    cache = KVCache(1, t + OWN, n_kv, d, torch.float32, keys.device, select_dtype=select_dtype)
     cache.allocate(OWN)
     slots = cache.allocate(t)[torch.randperm(t)]
     cache.write(0, slots, keys, torch.randn_like(keys))

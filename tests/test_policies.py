@@ -188,8 +188,9 @@ def test_original_positions_are_cache_positions():
 
 
 def test_positions_never_exceed_the_window_during_generation(tiny_llama):
-    """A prompt 4x the model window (256): every list of every layer stays inside the window."""
-    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=64, n_init=4, n_local=32)
+    """A prompt 4x the model window (256): every list of every layer stays inside the window. Eager steps: a
+    whole-step graph calls ``attend`` only while it records, with lists of the graph's fixed length."""
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, k=64, n_init=4, n_local=32, cuda_graphs=False)
     seen = []
     attend = llm.policy.attend
     llm.policy.attend = lambda *a: seen.append(attend(*a)) or seen[-1]
@@ -476,6 +477,8 @@ def test_reattention_scores_in_blocks_of_queries_as_in_one(monkeypatch, per_bloc
         q[i, :, i] = 1.0
         keys[20 + 16 * i, :, i], keys[21 + 16 * i, :, i] = 5.0, 4.0
     voted = [20 + 16 * i + j for i in range(w) for j in range(top)]  # 4 votes each
+    if kernels == "triton" and torch.cuda.is_available():  # compiled Triton kernels read GPU memory only
+        keys, q = keys.cuda(), q.cuda()
     cache, slots = cache_with_keys(keys)
     # the earliest 14 of the voted tokens win (a query counted twice would win over them)
     policy = ReAttention(cache, get_kernels(kernels), window=4096, n_init=4, n_local=16, span=4, n_spans=w - 2,
