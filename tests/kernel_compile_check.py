@@ -34,7 +34,7 @@ def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **o
 
 def main() -> None:
     i32, f32, i64p = "i32", "fp32", "*i64"
-    for kv, dot, ieee in (("bf16", tl.bfloat16, False), ("fp8e4nv", tl.bfloat16, False), ("fp32", tl.float32, True)):
+    for kv, dot, ieee in (("bf16", tl.bfloat16, False), ("fp8e4nv", tl.float16, False), ("fp32", tl.float32, True)):
         q = "fp32" if ieee else "bf16"
         for stats, masked in ((True, True), (True, False), (False, False)):
             compile_one("paged_dot", "_scores_kernel", {

@@ -127,7 +127,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def test_every_fp8_value_is_exact_in_both_16_bit_types():
-    """The premise of ``exact_dot_type``: a 16-bit query multiplies fp8 keys in its own type with no rounding."""
+    """The premise of ``exact_dot_type``: fp8 keys convert into fp16 (the type they are multiplied in) and bf16 with
+    no rounding."""
     for fp8 in FP8:
         values = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(fp8).float()
         values = values[values.isfinite()]
@@ -136,12 +137,12 @@ def test_every_fp8_value_is_exact_in_both_16_bit_types():
 
 
 def test_exact_dot_type():
-    """The query's 16-bit type where the keys convert into it exactly; tf32 for mixed 16-bit types; IEEE fp32 with
+    """The query's 16-bit type for keys of that type; fp16 for fp8 keys; tf32 for mixed 16-bit types; IEEE fp32 with
     fp32 on either side. ``query_dot_type``: the query's type whatever the keys', IEEE fp32 with fp32."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert exact_dot_type(bf16, bf16) == (tl.bfloat16, False) and exact_dot_type(fp16, fp16) == (tl.float16, False)
     for fp8 in FP8:
-        assert exact_dot_type(bf16, fp8) == (tl.bfloat16, False) and exact_dot_type(fp16, fp8) == (tl.float16, False)
+        assert exact_dot_type(bf16, fp8) == (tl.float16, False) and exact_dot_type(fp16, fp8) == (tl.float16, False)
     assert exact_dot_type(bf16, fp16) == (tl.float32, False) and exact_dot_type(fp16, bf16) == (tl.float32, False)
     for other in (bf16, fp16, FP8[0], fp32):
         assert exact_dot_type(fp32, other) == (tl.float32, True) and exact_dot_type(other, fp32) == (tl.float32, True)
@@ -163,6 +164,25 @@ def test_paged_dot_and_argmax_with_every_pair_of_operand_types(q_dtype, k_dtype)
                                atol=1e-3, rtol=1e-4)
     best = TRITON.paged_argmax(q, k_pool, slots)
     scores = TORCH.paged_dot(q, k_pool, slots)
+    torch.testing.assert_close(scores.gather(1, best[:, None]).flatten(), scores.max(dim=1).values,
+                               atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_a_bf16_query_against_fp8_keys_is_clamped_to_fp16s_range(fp8):
+    """fp8 keys are multiplied in fp16: a bf16 query's entries beyond 65504 count as 65504 (scores stay finite, the
+    reference's of the clamped query), those within fp16's normal range exactly; the argmax of ReAttention too."""
+    gen = torch.Generator().manual_seed(23)
+    q, k_pool = query((N_KV * 4, 128), torch.bfloat16, gen), pool(1500, 128, torch.float32, gen).to(fp8)
+    q[0, 3], q[5, 0], q[6, 7] = 3e5, -1e6, 2e4  # two beyond fp16's range, one within
+    slots = slot_list(1200, 1500, gen)
+    clamped = q.float().clamp(-65504, 65504)
+    got = TRITON.paged_dot(q, k_pool, slots)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, TORCH.paged_dot(clamped, k_pool, slots), atol=1e-3, rtol=1e-4)
+    assert not torch.allclose(got, TORCH.paged_dot(q, k_pool, slots), atol=1e-3, rtol=1e-4)
+    scores = TORCH.paged_dot(clamped, k_pool, slots)
+    best = TRITON.paged_argmax(q, k_pool, slots)
     torch.testing.assert_close(scores.gather(1, best[:, None]).flatten(), scores.max(dim=1).values,
                                atol=1e-3, rtol=1e-4)
 

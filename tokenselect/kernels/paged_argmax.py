@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dot import exact_dot_type, mma
+from .dot import as_dot_type, exact_dot_type, mma
 from .paged_dot import paged_dot_ref
 from .sparse_attention import TARGET_PROGRAMS
 from .splits import key_splits, live_keys_per_split
@@ -68,8 +68,8 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, best_ptr, where_ptr, n_valid_ptr, N, 
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < per_kv, dims < D
     q_rows = (kvh * per_kv + rows).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                other=0.0).to(DOT_TY)
+    q = as_dot_type(tl.load(q_ptr + q_rows[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                            other=0.0), DOT_TY)
     best = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     where = tl.zeros((BLOCK_R,), tl.int32)
     for start in range(lo, hi, BLOCK_N):

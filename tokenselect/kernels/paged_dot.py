@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dot import exact_dot_type, mma
+from .dot import as_dot_type, exact_dot_type, mma
 from .operands import rows_in_place
 
 
@@ -65,8 +65,8 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
     if group_id * BLOCKS < last:  # (a program past the live blocks reads nothing, not even the query)
-        q = tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                    other=0.0).to(DOT_TY)
+        q = as_dot_type(tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                                other=0.0), DOT_TY)
         for b in range(group_id * BLOCKS, tl.minimum(group_id * BLOCKS + BLOCKS, last)):
             cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok, live = cols < N, cols < n_live

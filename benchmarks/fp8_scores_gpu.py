@@ -1,0 +1,89 @@
+"""Why fp8 selection keys do not pay on an H200: the scores kernel (TokenSelect's key pass) over bf16 and fp8 keys,
+its tiles, and the type the fp8 keys are multiplied in, on a GPU.
+
+    python benchmarks/fp8_scores_gpu.py OUTDIR
+
+The kernel runs as a decode step's soft vote runs it (``scores_with_stats``: 32 query heads, 8 kv heads, d 128, the
+per-block softmax statistics, the live length read on the device) over N = 128K and 1M keys, at the slots a prefill
+gives a sequence (consecutive, as in the engine) and at random ones. fp8 keys are multiplied in bf16 (shipped: the
+query's own type) and in fp16 (every e4m3 value is an fp16 too; on sm_90 e4m3 converts to fp16 in one instruction a
+pair, to bf16 through fp32). Each variant's scores are first checked against ``paged_dot_ref``; times are medians of
+``triton.testing.do_bench`` (L2 flushed before each run), beside the floor of reading the keys once at the copy
+bandwidth measured here. Writes OUTDIR/fp8_scores.{json,md}.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.language as tl
+import triton.testing
+
+paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")  # the module (the package exports a function)
+SHIPPED_TILE, SHIPPED_DOT = paged_dot.SCORES_TILE, paged_dot.exact_dot_type
+TILES = [SHIPPED_TILE, (128, 4, 8, 3), (128, 4, 4, 4), (256, 4, 4, 3), (256, 8, 4, 3), (128, 8, 8, 3), (64, 4, 8, 4)]
+LENGTHS = {"128K": 1 << 17, "1M": 1 << 20}
+N_HEADS, N_KV, D = 32, 8, 128
+
+
+def fp16_products(q_dtype, k_dtype):
+    """The dot type rule with fp8 keys multiplied in fp16."""
+    if k_dtype == torch.float8_e4m3fn:
+        return tl.float16, False
+    return SHIPPED_DOT(q_dtype, k_dtype)
+
+
+def main(out: str) -> None:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    bandwidth = 2 * a.numel() / (triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3)
+    del a, b
+    rows = []
+    for name, n in LENGTHS.items():
+        q = torch.randn(N_HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
+        keys = torch.randn(n + 1024, N_KV, D, device=dev, generator=gen).to(torch.bfloat16)
+        live = torch.tensor(n, device=dev)
+        for order, slots in (("consecutive", torch.arange(512, 512 + n, device=dev)),
+                             ("random", torch.randperm(n + 1024, device=dev, generator=gen)[:n])):
+            for keys_name, dtype, rule in (("bf16", torch.bfloat16, SHIPPED_DOT),
+                                           ("fp8, bf16 products", torch.float8_e4m3fn, SHIPPED_DOT),
+                                           ("fp8, fp16 products", torch.float8_e4m3fn, fp16_products)):
+                pool = keys.to(dtype)
+                want = paged_dot.paged_dot_ref(q, pool, slots[:4096])
+                floor_ms = n * N_KV * D * dtype.itemsize / bandwidth * 1e3
+                paged_dot.exact_dot_type = rule
+                for tile in TILES if dtype != torch.bfloat16 else TILES[:1]:
+                    paged_dot.SCORES_TILE = tile
+                    row = {"length": name, "slots": order, "keys": keys_name, "tile": list(tile), "floor_ms": floor_ms}
+                    try:
+                        call = lambda: paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live)
+                        torch.testing.assert_close(call()[0][:, :4096], want, rtol=1e-3, atol=1e-3)
+                        row["ms"] = triton.testing.do_bench(call, return_mode="median")
+                    except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
+                        row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                paged_dot.SCORES_TILE, paged_dot.exact_dot_type = SHIPPED_TILE, SHIPPED_DOT
+    lines = [f"# Scores kernel, bf16 and fp8 keys, {torch.cuda.get_device_name()} (copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s)", "",
+             "Tile = (keys per block, warps, blocks per program, stages); the shipped one is "
+             f"{tuple(SHIPPED_TILE)}.", "",
+             "| length | slots | keys | tile | ms | of floor |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        took = f"{r['error']} | " if "error" in r else f"{r['ms']:.4f} | {r['floor_ms'] / r['ms']:.0%}"
+        lines.append(f"| {r['length']} | {r['slots']} | {r['keys']} | {tuple(r['tile'])} | {took} |")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "fp8_scores.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                            "bandwidth": bandwidth, "rows": rows}, indent=1))
+    (Path(out) / "fp8_scores.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
