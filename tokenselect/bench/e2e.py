@@ -54,7 +54,7 @@ from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, policy_spec
 from ..sampling import SamplingParams
 from .dense import DenseRunner
-from .floors import copy_bandwidth, decode_floor, profile_parts
+from .floors import copy_bandwidth, decode_floor, profile_parts, sync
 from .hf_dense import measure_transformers, transformers_model
 
 LLAMA3_8B = {
@@ -99,9 +99,11 @@ def text_prompt(n: int, vocab: int | None) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def free_memory() -> None:
+    """Collect what was dropped and hand the GPU's cached blocks back, before the next thing is measured."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> str:
@@ -219,9 +221,7 @@ def real_text_hit_rate(settings: dict, ids: list[int], decode_steps: int, args) 
     llm.generate([ids], SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
     stats = llm.stats()
     del llm  # its pool and graphs, before the next row is timed
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     looked_up = stats["selection_cache_hits"] + stats["selection_cache_misses"]
     return stats["selection_cache_hits"] / looked_up if looked_up else None
 
@@ -316,9 +316,7 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
     size = KV_DTYPES[row["kv"]].itemsize
     row = with_floor(row, config, bandwidth, size, size)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     print(json.dumps(row), flush=True)
     return row
 
@@ -383,8 +381,7 @@ def run_length(config: dict, length: int, policies: list[str], args, bandwidth: 
         yield row
     llm.close()  # a tensor-parallel engine's ranks, before the next length's start
     del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
 
 
 def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:
