@@ -175,9 +175,10 @@ def time_batches(method, batches: list[int], steps: int, device: torch.device, l
         yield row
 
 
-def not_fitting(policy: str, batches: list[int], fit: int, per_request: int, budget: int) -> list[dict]:
+def not_fitting(base: dict, batches: list[int], fit: int, per_request: int, budget: int) -> list[dict]:
+    """A method's rows (``base``: its policy, KV and fit) of the batch sizes past the ``fit`` requests it holds."""
     why = f"does not fit: a {budget}-token KV budget holds {fit} requests of {per_request} tokens"
-    return [{"batch": b, "policy": policy, "fit": False, "error": why} for b in batches if b > fit]
+    return [{**base, "batch": b, "fit": False, "error": why} for b in batches if b > fit]
 
 
 def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
@@ -195,7 +196,7 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
             e2e.free_memory()
             n, fit = n - 1, n - 1
     base = {"policy": "dense", "kv": e2e.kv_label(llm.dtype, "none"), "fit_batch": fit}
-    yield from ({**base, **row} for row in not_fitting("dense", batches, fit, per_request, budget))
+    yield from not_fitting(base, batches, fit, per_request, budget)
     if runner is None:
         return
     print(f"dense: {n} requests of {per_request} tokens ({fit} fit a {budget}-token budget), prefilling", flush=True)
@@ -233,7 +234,7 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
     fit = budget // per_request
     base = {"policy": policy, "kv": e2e.kv_label(llm.kv_dtype, "none", llm.select_dtype),
             "settings": llm.policy_config, "fit_batch": fit}
-    yield from ({**base, **row} for row in not_fitting(policy, batches, fit, per_request, budget))
+    yield from not_fitting(base, batches, fit, per_request, budget)
     n = min(fit, max(batches))
     if n == 0:
         return
