@@ -54,7 +54,7 @@ from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, policy_spec
 from ..sampling import SamplingParams
 from .dense import DenseRunner
-from .floors import copy_bandwidth, decode_floor, profile_parts, sync
+from .floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
 from .hf_dense import measure_transformers, transformers_model
 
 LLAMA3_8B = {
@@ -260,11 +260,7 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int) -> dict:
     runner = DenseRunner(llm, len(ids) + args.decode_steps + 2)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    sync(dev)
-    start = time.perf_counter()
-    token = runner.prefill(ids, chunk).argmax()
-    sync(dev)
-    prefill = time.perf_counter() - start
+    token, prefill = timed(dev, lambda: runner.prefill(ids, chunk).argmax())
     token = runner.forward(token.reshape(1)).argmax()  # untimed, as the policies' first decode step
     sync(dev)
     start = time.perf_counter()

@@ -41,6 +41,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(device: torch.device, fn):
+    """fn() -> (its result, the seconds it took, the device's work included)."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Bytes a second a device-to-device copy moves, counting bytes read and written (the issue's 2.96 TB/s
     on an H100). On a CPU a 64 MiB copy."""

@@ -158,14 +158,10 @@ def time_batches(method, batches: list[int], steps: int, device: torch.device, l
         method.shrink(batch)
         for _ in range(UNTIMED_STEPS):
             method.step()
-        e2e.sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         graphs = graph_steps() if graph_steps else None
-        start = time.perf_counter()
-        tokens = sum(method.step() for _ in range(steps))
-        e2e.sync(device)
-        seconds = time.perf_counter() - start
+        tokens, seconds = e2e.timed(device, lambda: sum(method.step() for _ in range(steps)))
         row = {"batch": batch, "ms_step": seconds / steps * 1e3, "tokens_s": tokens / seconds, "tokens": tokens,
                "steps": steps, "whole_graph_steps": graph_steps() - graphs if graph_steps else None,
                "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
@@ -216,11 +212,7 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
 
 def timed_prefill(method, batch: list[list[int]], device: torch.device, label: str) -> float:
     """Seconds ``method`` takes to prefill every prompt of ``batch``."""
-    e2e.sync(device)
-    start = time.perf_counter()
-    method.prefill(batch)
-    e2e.sync(device)
-    seconds = time.perf_counter() - start
+    _, seconds = e2e.timed(device, lambda: method.prefill(batch))
     print(f"{label}: prefilled {len(batch)} x {len(batch[0])} tokens in {seconds:.1f} s", flush=True)
     return seconds
 
