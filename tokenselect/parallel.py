@@ -55,9 +55,7 @@ JOIN_SECONDS = 30  # a rank's process gets this long to exit after the stop mess
 # ---- the model's shards ---------------------------------------------------------------------------
 
 def check_shape(cfg, world: int) -> None:
-    """ValueError where the model cannot be split ``world`` ways."""
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"tensor_parallel_size must be a whole number >= 1, not {world!r}")
+    """ValueError where the model cannot be split ``world`` ways (an int > 1, as ``EngineSettings`` checks)."""
     for what, n in (("attention heads", cfg.n_heads), ("kv heads", cfg.n_kv_heads),
                     ("intermediate size", cfg.intermediate_size)):
         if n % world:
@@ -207,9 +205,7 @@ class TensorParallel:
             threading.Thread(target=self._watch, args=(child,), name="tokenselect-tp-watch", daemon=True).start()
 
     def reduce(self, selection: str) -> HeadReduce:
-        """The policies' reduction over heads for ``tp_selection``."""
-        if selection not in SELECTIONS:
-            raise ValueError(f"tp_selection must be one of {', '.join(SELECTIONS)}, not {selection!r}")
+        """The policies' reduction over heads for ``tp_selection`` (``SELECTIONS``; ``EngineSettings`` checks it)."""
         return HeadReduce(self.group, self.world) if selection == "global" else NO_REDUCE
 
     def broadcast(self, obj=None):
@@ -289,13 +285,15 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
     return torch.device(device_type)
 
 
-def _init(rank: int, world: int, device_type: str, init_method: str | None) -> None:
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    kwargs = dict(backend=backend, timeout=STARTUP_TIMEOUT)
+def _init(rank: int, world: int, device_type: str, init_method: str | None, local_rank: int) -> torch.device:
+    """Join the tensor group as ``rank``, on the host's device ``local_rank``; returns that device."""
+    device = rank_device(device_type, local_rank)
+    kwargs = dict(backend="nccl" if device_type == "cuda" else "gloo", timeout=STARTUP_TIMEOUT)
     if init_method is None:
         dist.init_process_group(**kwargs)  # env://: torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
     else:
         dist.init_process_group(**kwargs, init_method=init_method, rank=rank, world_size=world)
+    return device
 
 
 def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
@@ -306,7 +304,7 @@ def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
         return None
     if _spawned:  # a spawned rank: ``worker_main`` joined before building its engine
         rank = dist.get_rank()
-        return TensorParallel(rank, world, rank_device(device_type, _local_rank(rank)))
+        return TensorParallel(rank, world, rank_device(device_type, int(os.environ.get("LOCAL_RANK", rank))))
     if device_type == "cuda" and world > torch.cuda.device_count() and not under_torchrun(world):
         raise ValueError(f"tensor_parallel_size {world} exceeds the {torch.cuda.device_count()} GPU(s) of this host "
                          "(several hosts: start every rank with torchrun, docs/tensor_parallel.md)")
@@ -315,9 +313,7 @@ def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
                            "still open?): one at a time per process; close the other first (LLM.close())")
     if under_torchrun(world):
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-        device = rank_device(device_type, local)
-        _init(rank, world, device_type, None)
-        return TensorParallel(rank, world, device)
+        return TensorParallel(rank, world, _init(rank, world, device_type, None, local))
     if device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -333,8 +329,7 @@ def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
         child.stdin.close()
         children.append(child)
     try:
-        device = rank_device(device_type, 0)
-        _init(0, world, device_type, address)
+        device = _init(0, world, device_type, address, 0)
     except BaseException:
         for child in children:
             child.kill()
@@ -342,10 +337,6 @@ def start(world: int, device_type: str, build: tuple) -> TensorParallel | None:
     tp = TensorParallel(0, world, device, children)
     atexit.register(tp.close)
     return tp
-
-
-def _local_rank(rank: int) -> int:
-    return int(os.environ.get("LOCAL_RANK", rank))
 
 
 _spawned = False  # whether this process is a rank that ``start`` spawned (``worker_main``)
@@ -374,7 +365,6 @@ def worker_main(rank: int, world: int, device_type: str, address: str, build: tu
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    rank_device(device_type, rank)
-    _init(rank, world, device_type, address)
+    _init(rank, world, device_type, address, rank)
     make, args, kwargs = build
     make(*args, **kwargs)  # serves rank 0 until it stops, then raises SystemExit (``LLM._start``)

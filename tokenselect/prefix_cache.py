@@ -60,11 +60,10 @@ class Reuse:
 def reuse_rule(attention: str, settings: dict, rope_kind: str, chunk: int) -> Reuse | None:
     """The ``Reuse`` of a sequence run by policy ``attention`` with ``settings`` (the engine's and the
     request's own), or None where its prompt's KV may not be shared (the policy's ``prefix_reuse``)."""
-    reuse = POLICIES[attention].prefix_reuse
-    if reuse is None:
-        return None
-    grain = 1 if reuse == "token" and rope_kind != "dynamic" else chunk  # dynamic NTK follows each chunk's end
     policy = POLICIES[attention]
+    if policy.prefix_reuse is None:
+        return None
+    grain = 1 if policy.prefix_reuse == "token" and rope_kind != "dynamic" else chunk  # dynamic NTK: each chunk's end
     return Reuse((attention, repr(sorted(settings.items()))), grain, policy.prefix_state,
                  policy.generated_reuse and grain == 1)
 
@@ -261,8 +260,7 @@ class PrefixCache:
             self.cache.free(torch.cat(freed))
             self.cached_tokens -= count
             self.evicted_tokens += count
-        for namespace in [ns for ns, root in self._roots.items() if not root.children]:
-            del self._roots[namespace]
+        self._roots = {namespace: root for namespace, root in self._roots.items() if root.children}
         return count
 
     def _leaves(self):

@@ -144,8 +144,7 @@ class DenseRunner:
         finally:
             self._plan = []
         self._positions[:n] += 1
-        for seq in range(n):
-            self.lengths[seq] += 1
+        self.lengths[:n] = [t + 1 for t in self.lengths[:n]]
         return logits
 
     @torch.inference_mode()

@@ -54,7 +54,7 @@ from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, policy_spec
 from ..sampling import SamplingParams
 from .dense import DenseRunner
-from .floors import copy_bandwidth, decode_floor, profile_parts
+from .floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
 from .hf_dense import measure_transformers, transformers_model
 
 LLAMA3_8B = {
@@ -99,9 +99,11 @@ def text_prompt(n: int, vocab: int | None) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def free_memory() -> None:
+    """Collect what was dropped and hand the GPU's cached blocks back, before the next thing is measured."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> str:
@@ -180,12 +182,11 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
     whole = whole_steps(llm, since=whole)
-    counted = (llm.policy.stats() or PolicyStats()) - before
+    after = llm.policy.stats() or PolicyStats()
+    counted = after - before
     if profile_steps:
-        stats = llm.policy.stats() or PolicyStats()
-
         def parts(events, steps: int) -> str:
-            hits = (llm.policy.stats() or PolicyStats()) - stats
+            hits = (llm.policy.stats() or PolicyStats()) - after
             looked_up = hits.selection_cache_hits + hits.selection_cache_misses
             floor = floor_at(hits.selection_cache_hits / looked_up if looked_up else None) if floor_at else None
             return f"Device time a step by part, against the floor at {bandwidth / 1e9:,.0f} GB/s:\n\n" + \
@@ -219,9 +220,7 @@ def real_text_hit_rate(settings: dict, ids: list[int], decode_steps: int, args) 
     llm.generate([ids], SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
     stats = llm.stats()
     del llm  # its pool and graphs, before the next row is timed
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     looked_up = stats["selection_cache_hits"] + stats["selection_cache_misses"]
     return stats["selection_cache_hits"] / looked_up if looked_up else None
 
@@ -241,8 +240,7 @@ def dense_chunk(spec: str, length: int, default: int) -> int:
     """The prefill chunk of a dense row: ``dense`` (the run's --chunk-size), ``dense:chunk=8192`` or
     ``dense:chunk=all`` (the whole prompt in one pass)."""
     name, settings = policy_spec(spec)
-    unknown = set(settings) - {"chunk"}
-    if name != "dense" or unknown:
+    if name != "dense" or set(settings) - {"chunk"}:
         raise ValueError(f"{spec!r}: dense takes one setting, chunk=N or chunk=all")
     chunk = settings.get("chunk", default)
     if chunk == "all":
@@ -262,11 +260,7 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int) -> dict:
     runner = DenseRunner(llm, len(ids) + args.decode_steps + 2)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    sync(dev)
-    start = time.perf_counter()
-    token = runner.prefill(ids, chunk).argmax()
-    sync(dev)
-    prefill = time.perf_counter() - start
+    token, prefill = timed(dev, lambda: runner.prefill(ids, chunk).argmax())
     token = runner.forward(token.reshape(1)).argmax()  # untimed, as the policies' first decode step
     sync(dev)
     start = time.perf_counter()
@@ -316,9 +310,7 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
     size = KV_DTYPES[row["kv"]].itemsize
     row = with_floor(row, config, bandwidth, size, size)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     print(json.dumps(row), flush=True)
     return row
 
@@ -351,8 +343,7 @@ def run_length(config: dict, length: int, policies: list[str], args, bandwidth: 
           f"{time.perf_counter() - start:.1f} s", flush=True)
     ids = text_prompt(length, config["vocab_size"])
     kv = kv_label(llm.kv_dtype, args.kv_offload, llm.select_dtype)
-    kv_bytes = llm.kv_dtype.itemsize
-    select_bytes = llm.select_dtype.itemsize
+    sizes = llm.dtype.itemsize, llm.kv_dtype.itemsize, llm.select_dtype.itemsize  # with_floor's element bytes
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
@@ -366,12 +357,11 @@ def run_length(config: dict, length: int, policies: list[str], args, bandwidth: 
                 warm_up(llm, ids)
 
                 def floor_at(hit_rate: float | None, row=row) -> dict | None:
-                    return with_floor({**row, "hit_rate": hit_rate}, config, bandwidth, llm.dtype.itemsize, kv_bytes,
-                                      select_bytes).get("floor")
+                    return with_floor({**row, "hit_rate": hit_rate}, config, bandwidth, *sizes).get("floor")
 
                 row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}", floor_at,
                                    bandwidth))
-                row = with_floor(row, config, bandwidth, llm.dtype.itemsize, kv_bytes, select_bytes)
+                row = with_floor(row, config, bandwidth, *sizes)
                 if row["hit_rate"] is not None:
                     row["real_hit_rate"] = real_text_hit_rate(settings, text_prompt(length, None), args.decode_steps,
                                                               args)
@@ -383,8 +373,7 @@ def run_length(config: dict, length: int, policies: list[str], args, bandwidth: 
         yield row
     llm.close()  # a tensor-parallel engine's ranks, before the next length's start
     del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
 
 
 def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:
@@ -447,8 +436,7 @@ def table(rows: list[dict]) -> str:
         px = f"{b['prefill']['prefill_s'] / r['prefill_s']:.2f}x" if b else "dense n/a"
         dx = f"{b['decode']['decode_ms'] / r['decode_ms']:.2f}x" if b else "dense n/a"
         floor = r.get("floor_ms")
-        fl = f"{floor:.2f}" if floor is not None else "-"
-        of = f"{floor / r['decode_ms']:.0%}" if floor is not None else "-"
+        fl, of = ("-", "-") if floor is None else (f"{floor:.2f}", f"{floor / r['decode_ms']:.0%}")
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
         if r.get("real_hit_rate") is not None:
             hit += f" ({r['real_hit_rate']:.0%})"

@@ -35,6 +35,21 @@ PARTS = (
 OTHER = "other (elementwise, indexing, copies)"
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA), so that a host clock times it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn):
+    """fn() -> (its result, the seconds it took, the device's work included)."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Bytes a second a device-to-device copy moves, counting bytes read and written (the issue's 2.96 TB/s
     on an H100). On a CPU a 64 MiB copy."""
@@ -43,13 +58,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
@@ -82,13 +95,11 @@ def attention_tokens(settings: dict | None, length: int) -> tuple[int, int] | No
             return length, 0
     if name == "streaming":
         return min(length, fixed), 0
+    if name in ("tokenselect", "infllm") and cached <= fixed + settings["k"]:
+        return length, 0
     if name == "tokenselect":
-        if cached <= fixed + settings["k"]:
-            return length, 0
         return fixed + settings["k"], length - fixed
     if name == "infllm":
-        if cached <= fixed + settings["k"]:
-            return length, 0
         return fixed + settings["k"], (length - fixed) // settings["block_size"] * settings["repr_keys"]
     return None
 
@@ -121,19 +132,15 @@ def profile_parts(events, steps: int, floor: dict | None, bandwidth: float) -> s
     for e in events:
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or e.key.startswith(("aten::", "cuda")):
             continue
-        part = next((name for name, pattern in PARTS if pattern.search(e.key)), OTHER)
-        if e.key.startswith("Memcpy") or e.key.startswith("Memset"):
-            part = OTHER
+        part = (OTHER if e.key.startswith(("Memcpy", "Memset"))
+                else next((name for name, pattern in PARTS if pattern.search(e.key)), OTHER))
         times[part] = times.get(part, 0.0) + e.self_device_time_total / 1e3 / steps  # ms a step
+    # (part, device ms a step, floor ms or None)
+    rows = [(name, times[name], floor[name] / bandwidth * 1e3 if floor and floor.get(name) else None)
+            for name in [p for p, _ in PARTS] + [OTHER] if name in times]
+    rows.append(("all kernels", sum(times.values()), floor["floor_ms"] if floor else None))
     lines = ["| part | device ms a step | floor ms | of floor |", "|---|---|---|---|"]
-    for name in [p for p, _ in PARTS] + [OTHER]:
-        if name not in times:
-            continue
-        floor_ms = floor[name] / bandwidth * 1e3 if floor and floor.get(name) else None
-        lines.append(f"| {name} | {times[name]:.3f} | {'-' if floor_ms is None else f'{floor_ms:.3f}'} | "
-                     f"{'-' if floor_ms is None else f'{floor_ms / times[name]:.0%}'} |")
-    total = sum(times.values())
-    floor_ms = floor["floor_ms"] if floor else None
-    lines.append(f"| all kernels | {total:.3f} | {'-' if floor_ms is None else f'{floor_ms:.3f}'} | "
-                 f"{'-' if floor_ms is None else f'{floor_ms / total:.0%}'} |")
+    for name, ms, floor_ms in rows:
+        of = ("-", "-") if floor_ms is None else (f"{floor_ms:.3f}", f"{floor_ms / ms:.0%}")
+        lines.append(f"| {name} | {ms:.3f} | {of[0]} | {of[1]} |")
     return "\n".join(lines)

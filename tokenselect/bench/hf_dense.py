@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from .floors import sync
+
 
 def transformers_model(llm, config: dict):
     """A transformers model of ``config`` (a Hugging Face config dict with "architectures") whose weights are the
@@ -46,11 +48,6 @@ def transformers_model(llm, config: dict):
     return model.to(llm.device).eval()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def measure_transformers(model, ids: list[int], decode_steps: int) -> dict:
     """Prefill ``ids`` in one forward pass, then ``decode_steps`` greedy tokens (after one untimed step) ->
@@ -58,21 +55,21 @@ def measure_transformers(model, ids: list[int], decode_steps: int) -> dict:
     device = next(model.parameters()).device
     model.set_attn_implementation("sdpa")
     x = torch.tensor([ids], device=device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     out = model(x, use_cache=True, logits_to_keep=1)
     token = out.logits[0, -1].argmax().view(1, 1)
-    _sync(device)
+    sync(device)
     prefill = time.perf_counter() - start
     cache, tokens = out.past_key_values, [int(token)]
     out = model(token, past_key_values=cache, use_cache=True)  # untimed, as the engine's first decode step
     token = out.logits[0, -1].argmax().view(1, 1)
     tokens.append(int(token))
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(decode_steps):
         out = model(token, past_key_values=out.past_key_values, use_cache=True)
         token = out.logits[0, -1].argmax().view(1, 1)
         tokens.append(int(token))
-    _sync(device)
+    sync(device)
     return {"prefill_s": prefill, "decode_ms": (time.perf_counter() - start) / decode_steps * 1e3, "tokens": tokens}

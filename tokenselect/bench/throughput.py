@@ -27,7 +27,6 @@ every sequence starts decoding at the prompt's length, as dense's do).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
@@ -47,11 +46,6 @@ DEFAULT_POLICIES = "dense,full,tokenselect,tokenselect:theta=-1"
 UNTIMED_STEPS = 2  # at each batch size, before the timed steps
 
 
-def is_dense(policy: str) -> bool:
-    """A dense-family row, the ratios' reference: the dense baseline or the engine's full attention."""
-    return policy == "dense" or policy_spec(policy)[0] == "full"
-
-
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     """``n`` prompts of ``length`` token ids of real prose, each the next stretch of the corpus (so they differ)."""
     text = e2e.text_prompt(n * length, vocab)
@@ -68,12 +62,6 @@ def measured_sizes(batches: list[int], fit: int) -> list[int]:
     """The batch sizes that fit, largest first, with the largest that fits when some asked for do not."""
     sizes = {b for b in batches if b <= fit} | ({fit} if 0 < fit < max(batches) else set())
     return sorted(sizes, reverse=True)
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class DenseBatch:
@@ -170,14 +158,10 @@ def time_batches(method, batches: list[int], steps: int, device: torch.device, l
         method.shrink(batch)
         for _ in range(UNTIMED_STEPS):
             method.step()
-        e2e.sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         graphs = graph_steps() if graph_steps else None
-        start = time.perf_counter()
-        tokens = sum(method.step() for _ in range(steps))
-        e2e.sync(device)
-        seconds = time.perf_counter() - start
+        tokens, seconds = e2e.timed(device, lambda: sum(method.step() for _ in range(steps)))
         row = {"batch": batch, "ms_step": seconds / steps * 1e3, "tokens_s": tokens / seconds, "tokens": tokens,
                "steps": steps, "whole_graph_steps": graph_steps() - graphs if graph_steps else None,
                "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
@@ -187,9 +171,10 @@ def time_batches(method, batches: list[int], steps: int, device: torch.device, l
         yield row
 
 
-def not_fitting(policy: str, batches: list[int], fit: int, per_request: int, budget: int) -> list[dict]:
+def not_fitting(base: dict, batches: list[int], fit: int, per_request: int, budget: int) -> list[dict]:
+    """A method's rows (``base``: its policy, KV and fit) of the batch sizes past the ``fit`` requests it holds."""
     why = f"does not fit: a {budget}-token KV budget holds {fit} requests of {per_request} tokens"
-    return [{"batch": b, "policy": policy, "fit": False, "error": why} for b in batches if b > fit]
+    return [{**base, "batch": b, "fit": False, "error": why} for b in batches if b > fit]
 
 
 def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
@@ -204,10 +189,10 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
         try:
             runner = DenseRunner(llm, per_request, n)
         except torch.OutOfMemoryError:  # the budget did not hold after all: one request fewer
-            free_memory(llm.device)
+            e2e.free_memory()
             n, fit = n - 1, n - 1
     base = {"policy": "dense", "kv": e2e.kv_label(llm.dtype, "none"), "fit_batch": fit}
-    yield from ({**base, **row} for row in not_fitting("dense", batches, fit, per_request, budget))
+    yield from not_fitting(base, batches, fit, per_request, budget)
     if runner is None:
         return
     print(f"dense: {n} requests of {per_request} tokens ({fit} fit a {budget}-token budget), prefilling", flush=True)
@@ -221,27 +206,15 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
     for row in time_batches(method, measured_sizes(batches, n), args.decode_steps, llm.device, "dense"):
         # with flash decode every step is one graph (``DenseRunner.decode``)
         yield {**base, **row, "whole_graph_steps": row["steps"] if runner.flash_decode else None}
-    device = llm.device
     del method, runner, llm
-    free_memory(device)
+    e2e.free_memory()
 
 
 def timed_prefill(method, batch: list[list[int]], device: torch.device, label: str) -> float:
     """Seconds ``method`` takes to prefill every prompt of ``batch``."""
-    e2e.sync(device)
-    start = time.perf_counter()
-    method.prefill(batch)
-    e2e.sync(device)
-    seconds = time.perf_counter() - start
+    _, seconds = e2e.timed(device, lambda: method.prefill(batch))
     print(f"{label}: prefilled {len(batch)} x {len(batch[0])} tokens in {seconds:.1f} s", flush=True)
     return seconds
-
-
-def build_engine(config: dict, args) -> LLM:
-    return LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, select_dtype=args.select_dtype,
-                      kv_cache_tokens=args.kv_cache_tokens, chunk_size=args.chunk_size, kernels=args.kernels,
-                      cuda_graphs=args.cuda_graphs,
-                      prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
 
 
 def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) -> Iterator[dict]:
@@ -253,7 +226,7 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
     fit = budget // per_request
     base = {"policy": policy, "kv": e2e.kv_label(llm.kv_dtype, "none", llm.select_dtype),
             "settings": llm.policy_config, "fit_batch": fit}
-    yield from ({**base, **row} for row in not_fitting(policy, batches, fit, per_request, budget))
+    yield from not_fitting(base, batches, fit, per_request, budget)
     n = min(fit, max(batches))
     if n == 0:
         return
@@ -282,22 +255,25 @@ def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iter
     if not engine_policies:
         return
     start = time.perf_counter()
-    llm = build_engine(config, args)
+    llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, select_dtype=args.select_dtype,
+                     kv_cache_tokens=args.kv_cache_tokens, chunk_size=args.chunk_size, kernels=args.kernels,
+                     cuda_graphs=args.cuda_graphs,
+                     prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
     print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s", flush=True)
     for policy in engine_policies:
         yield from run_policy(llm, config, policy, batches, args)
-    device = llm.device
     del llm
-    free_memory(device)
+    e2e.free_memory()
 
 
 # ---- the report -----------------------------------------------------------------------------------------------
 
 def best_dense(rows: list[dict]) -> dict[int, dict]:
-    """Batch size -> the fastest dense-family row measured at it."""
+    """Batch size -> the fastest dense-family row measured at it (the ratios' reference: the dense baseline or the
+    engine's full attention)."""
     best: dict[int, dict] = {}
     for r in rows:
-        if "error" not in r and is_dense(r["policy"]):
+        if "error" not in r and (r["policy"] == "dense" or policy_spec(r["policy"])[0] == "full"):
             if r["batch"] not in best or r["tokens_s"] > best[r["batch"]]["tokens_s"]:
                 best[r["batch"]] = r
     return best
@@ -326,15 +302,11 @@ def table(rows: list[dict], policies: list[str]) -> str:
 def fits(rows: list[dict], policies: list[str]) -> str:
     """The largest batch each method fits, how many requests it held (prefilled once, then dropped) and how long
     their prefill took."""
-    seen = {}
-    for r in rows:
-        seen.setdefault(r["policy"], r)
-        if "held" in r:
-            seen[r["policy"]] = r
     parts = []
     for policy in policies:
-        if policy in seen:
-            r = seen[policy]
+        mine = [r for r in rows if r["policy"] == policy]
+        if mine:  # its last row that held requests, else its first
+            r = next((r for r in reversed(mine) if "held" in r), mine[0])
             held = (f", held {r['held']} (prefill {r['prefill_s']:.1f} s, one request at a time)" if "held" in r
                     else "")
             parts.append(f"- {policy}: {r['fit_batch']} requests{held}")

@@ -86,12 +86,10 @@ class PolicyStats:
     selection_cache_misses: int = 0
 
     def __add__(self, other: "PolicyStats") -> "PolicyStats":
-        return PolicyStats(self.selection_cache_hits + other.selection_cache_hits,
-                           self.selection_cache_misses + other.selection_cache_misses)
+        return PolicyStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     def __sub__(self, other: "PolicyStats") -> "PolicyStats":
-        return PolicyStats(self.selection_cache_hits - other.selection_cache_hits,
-                           self.selection_cache_misses - other.selection_cache_misses)
+        return PolicyStats(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     @property
     def selection_cache_hit_rate(self) -> float:
@@ -303,9 +301,7 @@ class SelectivePolicy(AttentionPolicy):
         """With ``choose_batch``: the batch's choices in one launch of each kernel, gathered into the rows of one
         [B, n] list a step (one more launch a layer) whose frames are built once a step, at re-indexed positions;
         else each sequence's ``attend``."""
-        chosen = None
-        if steps[0].mode == SELECT and self.positions == "reindex":
-            chosen = self.choose_batch(layer, steps, q)
+        chosen = self.choose_batch(layer, steps, q) if steps[0].mode == SELECT and self.positions == "reindex" else None
         if chosen is None:
             return super().attend_batch(layer, steps, q, own)
         n_init, b, w = self.n_init, chosen.shape[1], own.shape[1]

@@ -116,9 +116,8 @@ class InfLLMState:
     def nbytes(self) -> int:
         """The device memory the state holds: its scores, and its blocks' representatives (shared with the other
         states and sequences that hold them: counted in full by each)."""
-        reprs = self.owner.reprs
-        per_block = reprs[:, :1].numel() * reprs.element_size()
-        return (self.ring.numel() * self.ring.element_size() if self.ring is not None else 0) + len(self.blocks) * per_block
+        ring = self.ring.nbytes if self.ring is not None else 0
+        return ring + len(self.blocks) * self.owner.reprs[:, :1].nbytes
 
     def release(self) -> None:
         """Drop the state (its block references go back to the owner). Once only."""
@@ -200,7 +199,6 @@ class InfLLM(SelectivePolicy):
 
     def _reserve_blocks(self, seq: SequenceMemory, n: int) -> None:
         """Give the sequence pool blocks for its first ``n`` blocks."""
-        self._reserve_table(n)
         new = n - len(seq.blocks)
         if new <= 0:
             return
@@ -209,10 +207,15 @@ class InfLLM(SelectivePolicy):
             size = max(have + new - len(self.free), int(have * POOL_GROWTH), 256)
             self.reprs = grown(self.reprs, 1, size)
             self.free.extend(range(size - 1, have - 1, -1))
-        taken = [self.free.pop() for _ in range(new)]
-        self.refs.update(dict.fromkeys(taken, 1))
-        self.table[seq.row, len(seq.blocks):n] = to_device(taken, self.table.device)
-        seq.blocks.extend(taken)
+        self._hold(seq, [self.free.pop() for _ in range(new)])
+
+    def _hold(self, seq: SequenceMemory, blocks: list[int]) -> None:
+        """Append pool ``blocks`` (one holder more each) to the sequence's, in its row of the block table too."""
+        self.refs.update({block: self.refs.get(block, 0) + 1 for block in blocks})
+        have, n = len(seq.blocks), len(seq.blocks) + len(blocks)
+        self._reserve_table(n)
+        self.table[seq.row, have:n] = to_device(blocks, self.table.device)
+        seq.blocks.extend(blocks)
 
     def ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
         """Tokens start..stop-1 in the ring: (ring entries, the same tokens' offsets from start) pieces, at
@@ -254,16 +257,11 @@ class InfLLM(SelectivePolicy):
         w, n_heads, _ = q_shape
         memory = self.memory(seq_id, n_heads, slots.device)
         mode = self.mode(t, w)
-        for layer, mem in enumerate(memory.layers):
-            if mem.pending is not None:
-                self.count_attention(layer, slots, mem)
-            self.track(mem, t)
-            if mode == SELECT:
-                self.close_blocks(layer, memory, slots, mem, self.closed_before(t))
-            if decode:
-                mem.tracked = t + 1
+        self.catch_up(memory, slots, t, mode == SELECT)
         self._reserve_table(capacity // self.block_size)
         if decode:
+            for mem in memory.layers:
+                mem.tracked = t + 1
             self._give_back(memory)
             return memory.row
         # from the first chunk on (inside the threshold too), so that neither the pool nor the block table grows under
@@ -284,10 +282,19 @@ class InfLLM(SelectivePolicy):
             mem.pending = (saved[0][layer], saved[1][layer, :context], t)
         return memory.row
 
+    def catch_up(self, memory: SequenceMemory, slots: torch.Tensor, t: int, select: bool) -> None:
+        """Bring each layer's memory up to ``t`` cached tokens (slots: the sequence's table): its pending chunk's
+        attention counted, tokens up to t tracked, and (``select``) the blocks a step after t finds closed closed."""
+        for layer, mem in enumerate(memory.layers):
+            if mem.pending is not None:
+                self.count_attention(layer, slots, mem)
+            self.track(mem, t)
+            if select:
+                self.close_blocks(layer, memory, slots, mem, self.closed_before(t))
+
     def step_buffers(self, seq_id: int) -> tuple[torch.Tensor, ...]:
         """A prefill chunk's buffers for its queries and lists (``SequenceMemory.saved``)."""
-        saved = self._memory[seq_id].saved
-        return () if saved is None else saved
+        return self._memory[seq_id].saved or ()
 
     def count_attention(self, layer: int, slots: torch.Tensor, mem: Memory) -> None:
         """Add the pending chunk's local-window attention weights to the ring (slots: the sequence's table)."""
@@ -359,19 +366,13 @@ class InfLLM(SelectivePolicy):
         prefill chunk ending at t): the chunk's attention is counted and the blocks a step after t closes are closed
         now, as the sequence's next ``prepare`` would (it then finds nothing left to do)."""
         memory = self._memory[seq_id]
-        for layer, mem in enumerate(memory.layers):
-            if mem.pending is not None:
-                self.count_attention(layer, slots, mem)
-            self.track(mem, t)
-            if self.mode(t, 1) == SELECT:
-                self.close_blocks(layer, memory, slots, mem, self.closed_before(t))
+        self.catch_up(memory, slots, t, self.mode(t, 1) == SELECT)
         closed = memory.layers[0].closed
         spans = self.ring_spans(self.tracked_from(memory.layers[0]), t)
         ring = torch.cat([self.mass[memory.row, :, entries] for entries, _ in spans], dim=1) if spans else \
             self.mass.new_zeros(self.n_layers, 0, self.mass.shape[-1])
         blocks = tuple(memory.blocks[:closed])
-        for block in blocks:
-            self.refs[block] += 1
+        self.refs.update({block: self.refs[block] + 1 for block in blocks})
         return InfLLMState(self, t, closed, blocks, ring)  # (torch.cat copies)
 
     def restore(self, seq_id: int, state: InfLLMState) -> None:
@@ -381,12 +382,7 @@ class InfLLM(SelectivePolicy):
         self.release(seq_id)
         n_layers, _, n_heads = state.ring.shape
         memory = self.memory(seq_id, n_heads, state.ring.device)
-        memory.blocks = list(state.blocks)
-        for block in state.blocks:
-            self.refs[block] += 1
-        self._reserve_table(len(state.blocks))
-        if state.blocks:
-            self.table[memory.row, :len(state.blocks)] = to_device(list(state.blocks), self.table.device)
+        self._hold(memory, list(state.blocks))
         for mem in memory.layers:
             mem.closed, mem.tracked = state.closed, max(state.t, self.n_init)
         for entries, part in self.ring_spans(self.tracked_from(memory.layers[0]), state.t):

@@ -67,18 +67,17 @@ class ReAttention(SelectivePolicy):
         n_heads = q.shape[1]
         votes = torch.zeros(m, device=dev)  # counts, exact in fp32: a token gets at most one vote a (query, head) pair
         # head-major rows: row h*b + i is head h, so the GQA mapping row -> kv head stays h // group (q: in its own
-        # dtype; an fp8 pool's keys are upcast)
-        if self.top == 1:  # each row's best key in one pass: the scores are never written
-            picks = self.kernels.paged_argmax(q.transpose(0, 1).reshape(-1, q.shape[2]), k_pool, middle, live)
-            votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
-        else:  # the scores of a block of queries at a time, and their top picks
-            block = max(1, SCORE_ELEMENTS // (n_heads * m))
-            for start in range(0, q.shape[0], block):
-                part = q[start:start + block]  # [b, n_heads, d]
-                rows = part.transpose(0, 1).reshape(n_heads * part.shape[0], -1)
+        # dtype; an fp8 pool's keys are upcast); with top 1 every query at once, else a block of queries at a time
+        block = q.shape[0] if self.top == 1 else max(1, SCORE_ELEMENTS // (n_heads * m))
+        for start in range(0, q.shape[0], block):
+            part = q[start:start + block]  # [b, n_heads, d]
+            rows = part.transpose(0, 1).reshape(n_heads * part.shape[0], -1)
+            if self.top == 1:  # each row's best key in one pass: the scores are never written
+                picks = self.kernels.paged_argmax(rows, k_pool, middle, live)
+            else:  # the block's scores, and their top picks
                 scores = self.kernels.paged_dot(rows, k_pool, middle).masked_fill_(dead, float("-inf"))  # [rows, M]
                 picks = torch.topk(scores, min(self.top, m), dim=1).indices.flatten()
-                votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
+            votes.scatter_add_(0, picks, torch.ones(picks.numel(), dtype=votes.dtype, device=dev))
         self.heads.sum(votes)  # every rank's heads' votes (``parallel.HeadReduce``)
         # the n_spans most-voted tokens among those with a vote, of equal votes the earliest (so that the choice
         # does not depend on the table's padding): the kernels' top-k takes the first of scores tied at the k-th
