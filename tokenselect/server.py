@@ -128,10 +128,6 @@ class _Request(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def logprob_alternatives(self) -> int | None:
-        """None: no logprobs; n: each token's logprob and the n likeliest alternatives'."""
-        return None
-
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or DEFAULT_MAX_TOKENS, temperature=float(self.temperature),
                               top_p=float(self.top_p), top_k=self.top_k, stop=self.stops, seed=self.seed,
@@ -143,6 +139,7 @@ class CompletionRequest(_Request):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def logprob_alternatives(self) -> int | None:
+        """None: no logprobs; n: each token's logprob and the n likeliest alternatives'."""
         return self.logprobs
 
 
@@ -220,9 +217,6 @@ class EngineWorker:
         self._lock = threading.Lock()  # orders ``submit`` against the thread's closing
         self._closed: str | None = None  # why the thread takes no more requests
 
-    def start(self) -> None:
-        self.thread.start()
-
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current step (waiting ``timeout`` seconds at most); live requests get a 503."""
         self._stop.set()
@@ -232,11 +226,9 @@ class EngineWorker:
 
     def unavailable(self) -> str | None:
         """Why no request can be served now, or None."""
-        if self._closed is not None:
-            return self._closed
-        if not self.thread.is_alive():
+        if self._closed is None and not self.thread.is_alive():
             return "the engine thread is not running"
-        return None
+        return self._closed
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -561,7 +553,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
 
     @asynccontextmanager
     async def lifespan(app):
-        worker.start()
+        worker.thread.start()
         yield
         worker.stop(timeout=options.shutdown_timeout)
         tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -578,14 +570,12 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError):
         first = e.errors()[0]
-        loc = []
-        for part in first["loc"][1:]:  # after "body"; a union member's tag ("str", "list[int]") ends the path
-            if isinstance(part, str) and UNION_TAG.fullmatch(part):
-                break
-            loc.append(str(part))
         if first["type"] == "json_invalid":
             return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json").response()
-        param = ".".join(loc) or None
+        # the path after "body"; a union member's tag ("str", "list[int]") ends it
+        loc = itertools.takewhile(lambda part: not (isinstance(part, str) and UNION_TAG.fullmatch(part)),
+                                  first["loc"][1:])
+        param = ".".join(map(str, loc)) or None
         return APIError(400, f"{param or 'body'}: {first['msg']}", param=param).response()
 
     @app.exception_handler(HTTPException)
@@ -597,15 +587,12 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
         log.error("%s %s failed", request.method, request.url.path, exc_info=e)
         return internal_error().response()
 
-    def check(body: _Request) -> None:
+    async def run(request: Request, body: _Request, prompt, kind: str):
         if body.model is not None and body.model != name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
         check_fields(body, options)
         check_policy_settings(llm.attention, body.policy or {}, options.max_model_len)
-
-    async def run(request: Request, body: _Request, prompt, kind: str):
-        check(body)
         if waiting.full:
             raise APIError(429, f"{waiting.count} requests are waiting already (--max-queued-requests); retry later",
                            type="rate_limit_error", code="queue_full",
