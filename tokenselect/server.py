@@ -527,19 +527,6 @@ def resolve_options(options: ServerOptions, llm) -> ServerOptions:
 # ---- the app ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Waiting:
-    """Requests that have not yet got their first token (being tokenized, queued, or prefilling);
-    counted on the event loop only. At ``limit`` newcomers are turned away."""
-
-    limit: int
-    count: int = 0
-
-    @property
-    def full(self) -> bool:
-        return self.count >= self.limit
-
-
 def create_app(llm, served_model_name: str | None = None, options: ServerOptions | None = None):
     """The FastAPI app serving ``llm``. The engine thread, and the tokenizer's, run while the app is
     up (lifespan)."""
@@ -549,7 +536,9 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     worker = EngineWorker(llm)
     tokenizer = copy.deepcopy(llm.tokenizer)  # the tokenizer thread's own
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenselect-tokenizer")
-    waiting = Waiting(options.max_queued_requests)
+    # requests that have not yet got their first token (being tokenized, queued, or prefilling), counted on the
+    # event loop only; at --max-queued-requests newcomers are turned away
+    waiting = 0
 
     @asynccontextmanager
     async def lifespan(app):
@@ -593,8 +582,8 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                            param="model", code="model_not_found")
         check_fields(body, options)
         check_policy_settings(llm.attention, body.policy or {}, options.max_model_len)
-        if waiting.full:
-            raise APIError(429, f"{waiting.count} requests are waiting already (--max-queued-requests); retry later",
+        if waiting >= options.max_queued_requests:
+            raise APIError(429, f"{waiting} requests are waiting already (--max-queued-requests); retry later",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(options.retry_after)})
         job = Job(body.sampling(), asyncio.get_running_loop(), policy=body.policy,
@@ -608,7 +597,8 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
             job.gone = None
 
     async def answer(job: Job, body: _Request, prompt, kind: str):
-        waiting.count += 1
+        nonlocal waiting
+        waiting += 1
         try:
             job.ids = await job.loop.run_in_executor(tokenizing, prompt_ids, llm, tokenizer, prompt,
                                                      job.params.max_tokens, options)
@@ -622,7 +612,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                 await events.aclose()
                 raise
         finally:
-            waiting.count -= 1
+            waiting -= 1
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(sse(rid, kind, first, events, job.params), media_type="text/event-stream")
@@ -721,9 +711,10 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     @app.get("/health")
     async def health():
         """200 while the server can take requests; 503, with the reason, while it cannot."""
-        reason = worker.unavailable() or (waiting.full and f"{waiting.count} requests are waiting: the queue is full")
+        reason = worker.unavailable() or (waiting >= options.max_queued_requests
+                                          and f"{waiting} requests are waiting: the queue is full")
         body = {"status": "unavailable" if reason else "ok", "model": name, "running": len(worker.jobs),
-                "waiting": waiting.count, **llm.stats()}
+                "waiting": waiting, **llm.stats()}
         if reason:
             body["reason"] = reason
         return JSONResponse(body, status_code=503 if reason else 200)
