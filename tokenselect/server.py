@@ -128,10 +128,6 @@ class _Request(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def logprob_alternatives(self) -> int | None:
-        """None: no logprobs; n: each token's logprob and the n likeliest alternatives'."""
-        return None
-
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or DEFAULT_MAX_TOKENS, temperature=float(self.temperature),
                               top_p=float(self.top_p), top_k=self.top_k, stop=self.stops, seed=self.seed,
@@ -143,6 +139,7 @@ class CompletionRequest(_Request):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def logprob_alternatives(self) -> int | None:
+        """None: no logprobs; n: each token's logprob and the n likeliest alternatives'."""
         return self.logprobs
 
 
@@ -220,9 +217,6 @@ class EngineWorker:
         self._lock = threading.Lock()  # orders ``submit`` against the thread's closing
         self._closed: str | None = None  # why the thread takes no more requests
 
-    def start(self) -> None:
-        self.thread.start()
-
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current step (waiting ``timeout`` seconds at most); live requests get a 503."""
         self._stop.set()
@@ -232,11 +226,9 @@ class EngineWorker:
 
     def unavailable(self) -> str | None:
         """Why no request can be served now, or None."""
-        if self._closed is not None:
-            return self._closed
-        if not self.thread.is_alive():
+        if self._closed is None and not self.thread.is_alive():
             return "the engine thread is not running"
-        return None
+        return self._closed
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -535,19 +527,6 @@ def resolve_options(options: ServerOptions, llm) -> ServerOptions:
 # ---- the app ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Waiting:
-    """Requests that have not yet got their first token (being tokenized, queued, or prefilling);
-    counted on the event loop only. At ``limit`` newcomers are turned away."""
-
-    limit: int
-    count: int = 0
-
-    @property
-    def full(self) -> bool:
-        return self.count >= self.limit
-
-
 def create_app(llm, served_model_name: str | None = None, options: ServerOptions | None = None):
     """The FastAPI app serving ``llm``. The engine thread, and the tokenizer's, run while the app is
     up (lifespan)."""
@@ -557,11 +536,13 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     worker = EngineWorker(llm)
     tokenizer = copy.deepcopy(llm.tokenizer)  # the tokenizer thread's own
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenselect-tokenizer")
-    waiting = Waiting(options.max_queued_requests)
+    # requests that have not yet got their first token (being tokenized, queued, or prefilling), counted on the
+    # event loop only; at --max-queued-requests newcomers are turned away
+    waiting = 0
 
     @asynccontextmanager
     async def lifespan(app):
-        worker.start()
+        worker.thread.start()
         yield
         worker.stop(timeout=options.shutdown_timeout)
         tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -578,14 +559,12 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError):
         first = e.errors()[0]
-        loc = []
-        for part in first["loc"][1:]:  # after "body"; a union member's tag ("str", "list[int]") ends the path
-            if isinstance(part, str) and UNION_TAG.fullmatch(part):
-                break
-            loc.append(str(part))
         if first["type"] == "json_invalid":
             return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json").response()
-        param = ".".join(loc) or None
+        # the path after "body"; a union member's tag ("str", "list[int]") ends it
+        loc = itertools.takewhile(lambda part: not (isinstance(part, str) and UNION_TAG.fullmatch(part)),
+                                  first["loc"][1:])
+        param = ".".join(map(str, loc)) or None
         return APIError(400, f"{param or 'body'}: {first['msg']}", param=param).response()
 
     @app.exception_handler(HTTPException)
@@ -597,17 +576,14 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
         log.error("%s %s failed", request.method, request.url.path, exc_info=e)
         return internal_error().response()
 
-    def check(body: _Request) -> None:
+    async def run(request: Request, body: _Request, prompt, kind: str):
         if body.model is not None and body.model != name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
         check_fields(body, options)
         check_policy_settings(llm.attention, body.policy or {}, options.max_model_len)
-
-    async def run(request: Request, body: _Request, prompt, kind: str):
-        check(body)
-        if waiting.full:
-            raise APIError(429, f"{waiting.count} requests are waiting already (--max-queued-requests); retry later",
+        if waiting >= options.max_queued_requests:
+            raise APIError(429, f"{waiting} requests are waiting already (--max-queued-requests); retry later",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(options.retry_after)})
         job = Job(body.sampling(), asyncio.get_running_loop(), policy=body.policy,
@@ -621,7 +597,8 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
             job.gone = None
 
     async def answer(job: Job, body: _Request, prompt, kind: str):
-        waiting.count += 1
+        nonlocal waiting
+        waiting += 1
         try:
             job.ids = await job.loop.run_in_executor(tokenizing, prompt_ids, llm, tokenizer, prompt,
                                                      job.params.max_tokens, options)
@@ -635,7 +612,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
                 await events.aclose()
                 raise
         finally:
-            waiting.count -= 1
+            waiting -= 1
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(sse(rid, kind, first, events, job.params), media_type="text/event-stream")
@@ -734,9 +711,10 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     @app.get("/health")
     async def health():
         """200 while the server can take requests; 503, with the reason, while it cannot."""
-        reason = worker.unavailable() or (waiting.full and f"{waiting.count} requests are waiting: the queue is full")
+        reason = worker.unavailable() or (waiting >= options.max_queued_requests
+                                          and f"{waiting} requests are waiting: the queue is full")
         body = {"status": "unavailable" if reason else "ok", "model": name, "running": len(worker.jobs),
-                "waiting": waiting.count, **llm.stats()}
+                "waiting": waiting, **llm.stats()}
         if reason:
             body["reason"] = reason
         return JSONResponse(body, status_code=503 if reason else 200)

@@ -22,32 +22,28 @@ from typing import Any
 PAPER_WINDOW = 8192  # the window the papers' defaults were set for (Llama-3-8B)
 
 
-def setting(default: Any, help: str, *, unit: str = "", low: float | None = None, high: float | None = None,
-            choices: tuple | None = None, scales: bool = False, per_request: bool = False, kind: type | None = None,
-            none: str = ""):
-    """A dataclass field with its description. kind: the value's type on the command line (default: the
-    default's type); none: what None means, where None is allowed."""
+def setting(default: Any, help: str, *, kind: type | None = None, **description):
+    """A dataclass field with its description: ``help``, and ``Spec``'s keywords (unit, low, high, choices, scales,
+    per_request, none). kind: the value's type on the command line (default: the default's type)."""
     kind = kind or (type(default) if default is not None else str)
-    return dataclasses.field(default=default, metadata=dict(
-        help=help, unit=unit, low=low, high=high, choices=choices, scales=scales, per_request=per_request,
-        kind=kind, none=none))
+    return dataclasses.field(default=default, metadata=dict(help=help, kind=kind, **description))
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One setting as declared (``setting``)."""
+    """One setting as declared (``setting``). none: what None means, where None is allowed."""
 
     name: str
     default: Any
     help: str
-    unit: str
-    low: float | None
-    high: float | None
-    choices: tuple | None
-    scales: bool
-    per_request: bool
     kind: type
-    none: str
+    unit: str = ""
+    low: float | None = None
+    high: float | None = None
+    choices: tuple | None = None
+    scales: bool = False
+    per_request: bool = False
+    none: str = ""
 
     @property
     def flag(self) -> str:

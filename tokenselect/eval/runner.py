@@ -4,12 +4,8 @@ The model is loaded once per RoPE setting and the policies are switched on it wi
 ``LLM.set_attention``. A policy written ``NAME@SCALING`` (e.g. ``full@dynamic:4``) runs on its own
 engine with that RoPE scaling, so "full + dynamic NTK" sits in the same table as the others.
 
-Outputs in ``--output``: ``predictions.jsonl`` and ``predictions.csv`` (one row per sample and
-policy), ``summary.json`` (mean score x 100 per policy, task and length) and the plots. A run stopped by
-SIGTERM or Ctrl-C ends at the next engine step and writes them from the samples it finished (the config's
-``interrupted`` in ``summary.json`` says how many of how many); ``predictions.jsonl`` grows a line per finished sample as it goes, so
-even a killed run leaves its answers, and ``--resume`` goes on from them (``run.json`` holds the settings they were
-made with).
+The outputs, and how a run stops and resumes: ``eval/cli.py``'s DESCRIPTION (``tokenselect eval --help``). A
+stopped run's ``summary.json`` says how many samples of how many it finished (its config's ``interrupted``).
 """
 
 from __future__ import annotations
@@ -95,8 +91,8 @@ def build_cell(tokenizer, chat: bool, seed: int, cell: dict) -> dict:
     overhead = len(format_prompt(tokenizer, Sample("", []), chat)) - len(tokenizer("")["input_ids"])
     count = lambda text: len(tokenizer(text)["input_ids"]) + overhead  # noqa: E731
     task, tokens, i = cell["task"], cell["target_tokens"], cell["sample"]
-    sample = make_sample(task, tokens - MAX_NEW_TOKENS[task], cell["depth"], random.Random(f"{seed}/{task}/{tokens}/{i}"),
-                         count)
+    sample = make_sample(task, tokens - MAX_NEW_TOKENS[task], cell["depth"],
+                         random.Random(f"{seed}/{task}/{tokens}/{i}"), count)
     return {**cell, "prompt": format_prompt(tokenizer, sample, chat), "answers": sample.answers}
 
 
@@ -316,13 +312,13 @@ def evaluate(args: argparse.Namespace, results: Results | None = None, stop: thr
                     args.policy_settings[spec]["fitted_to_window"] = f"{'/'.join(fitted)} (window {llm.window})"
                 progress.set_postfix_str(spec)
 
-                def done(i, out, spec=spec):
+                def done(j, out, spec=spec):  # j: the place among the cells this policy has to answer
+                    i = todo[spec][j]
                     results.add(record(spec, cells[i], out.text, len(out.prompt_token_ids), out.prefill_s,
                                        out.decode_s), (specs.index(spec), i))
 
                 try:
-                    generate_all(llm, [cells[i] for i in todo[spec]], progress,
-                                 lambda j, out, spec=spec: done(todo[spec][j], out), stop)
+                    generate_all(llm, [cells[i] for i in todo[spec]], progress, done, stop)
                 finally:  # the policy's own counters (set_attention started them afresh), an interrupted run's too
                     stats = llm.stats()
                     if "selection_cache_hits" in stats:
@@ -360,9 +356,9 @@ def run_settings(args: argparse.Namespace) -> dict:
 def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
     """``--resume``: the records of ``out``'s earlier run, after checking that it ran with this run's settings
     (``run.json``). ValueError naming the flags that differ, or where no settings were kept."""
-    saved = out / "run.json"
+    saved, stream = out / "run.json", out / "predictions.jsonl"
     if not saved.is_file():
-        if not (out / "predictions.jsonl").is_file():
+        if not stream.is_file():
             return []  # nothing to go on from: a first run
         raise ValueError(f"--resume: {out} holds answers but no run.json, so their settings are unknown; "
                          "run without --resume into another folder")
@@ -371,7 +367,6 @@ def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
     if changed:
         raise ValueError("--resume: the earlier run in " + str(out) + " had other settings: " + "; ".join(
             f"{key} {before.get(key)!r} then, {now.get(key)!r} now" for key in changed))
-    stream = out / "predictions.jsonl"
     return [json.loads(line) for line in stream.read_text().splitlines() if line.strip()] if stream.is_file() else []
 
 
@@ -382,15 +377,18 @@ def selection_cache_lines(selection_cache: dict) -> str:
                    for policy, c in selection_cache.items())
 
 
+def per_cell(records: list[dict], stat: Callable[[list[float]], object]) -> dict:
+    """``stat`` of each cell's scores, ``{policy: {task: {length: stat(scores)}}}``, in the order first seen."""
+    cells: dict = {}
+    for r in records:
+        cells.setdefault(r["policy"], {}).setdefault(r["task"], {}).setdefault(r["length"], []).append(r["score"])
+    return {p: {t: {n: stat(v) for n, v in by_len.items()} for t, by_len in by_task.items()}
+            for p, by_task in cells.items()}
+
+
 def summarize(records: list[dict]) -> dict:
     """Mean score x 100 as ``{policy: {task: {length: score}}}``, in the order first seen."""
-    sums: dict = {}
-    for r in records:
-        cell = sums.setdefault(r["policy"], {}).setdefault(r["task"], {}).setdefault(r["length"], [0.0, 0])
-        cell[0] += r["score"]
-        cell[1] += 1
-    return {p: {t: {n: round(100 * s / c, 2) for n, (s, c) in by_len.items()} for t, by_len in by_task.items()}
-            for p, by_task in sums.items()}
+    return per_cell(records, lambda v: round(100 * sum(v) / len(v), 2))
 
 
 def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -403,19 +401,15 @@ def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def intervals(records: list[dict]) -> dict:
     """The 95% interval (x 100) of each cell's mean score, ``{policy: {task: {length: [low, high]}}}``."""
-    cells: dict = {}
-    for r in records:
-        cells.setdefault(r["policy"], {}).setdefault(r["task"], {}).setdefault(r["length"], []).append(r["score"])
-    return {p: {t: {n: [round(100 * x, 1) for x in wilson(sum(v) / len(v), len(v))] for n, v in by_len.items()}
-                for t, by_len in by_task.items()} for p, by_task in cells.items()}
+    return per_cell(records, lambda v: [round(100 * x, 1) for x in wilson(sum(v) / len(v), len(v))])
 
 
 def timings(records: list[dict]) -> dict:
     """Mean prefill seconds and decode seconds per sample, ``{policy: {length: {"prefill_s", "decode_s"}}}``."""
     cells: dict = {}
     for r in records:
-        cells.setdefault(r["policy"], {}).setdefault(r["length"], []).append((r["prefill_s"], r["decode_s"]))
-    return {p: {n: {"prefill_s": round(sum(a for a, _ in v) / len(v), 3), "decode_s": round(sum(b for _, b in v) / len(v), 3)}
+        cells.setdefault(r["policy"], {}).setdefault(r["length"], []).append(r)
+    return {p: {n: {key: round(sum(r[key] for r in v) / len(v), 3) for key in ("prefill_s", "decode_s")}
                 for n, v in by_len.items()} for p, by_len in cells.items()}
 
 

@@ -4,8 +4,8 @@
   ``noise`` haystack (both benchmarks use the same line).
 - ``prose_words``: RULER's ``essay`` haystack. RULER uses Paul Graham's essays; we use the
   public-domain prose corpus shipped in :mod:`tokenselect.data` (never repeated filler).
-- ``WORDS``: RULER's needle keys are wonderwords ``adjective-noun`` pairs; cwe draws from
-  wonderwords' nouns, adjectives and verbs (the ``wonderwords`` package, MIT licence).
+- ``random_key_word``, ``plain_words``: RULER's needle keys are wonderwords ``adjective-noun`` pairs;
+  cwe draws from wonderwords' nouns, adjectives and verbs (the ``wonderwords`` package, MIT licence).
 """
 
 from __future__ import annotations
@@ -72,10 +72,7 @@ def random_uuid(rng: random.Random) -> str:
 
 def random_value(kind: str, rng: random.Random) -> str:
     """A RULER needle key or value: ``numbers``, ``words`` or ``uuids``."""
-    if kind == "numbers":
-        return random_number(rng)
-    if kind == "words":
-        return random_key_word(rng)
-    if kind == "uuids":
-        return random_uuid(rng)
-    raise ValueError(f"unknown needle type {kind!r}")
+    draw = {"numbers": random_number, "words": random_key_word, "uuids": random_uuid}.get(kind)
+    if draw is None:
+        raise ValueError(f"unknown needle type {kind!r}")
+    return draw(rng)

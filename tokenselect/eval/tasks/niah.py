@@ -51,8 +51,7 @@ def prompt_template(cfg: NiahConfig) -> tuple[str, str, str]:
     """(template, answer prefix, needle type word), singular when one value is asked, as RULER edits it."""
     template, prefix, type_v = TEMPLATE, ANSWER_PREFIX, cfg.type_v
     if cfg.num_q * cfg.num_v == 1:
-        edits = [("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")]
-        for old, new in edits:
+        for old, new in [("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")]:
             template, prefix = template.replace(old, new), prefix.replace(old, new)
         type_v = type_v[:-1]
     return template, prefix, type_v
