@@ -17,11 +17,12 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from pathlib import Path
 
 import torch
 import triton.language as tl
 import triton.testing
+
+from scores_tile_gpu import copy_bandwidth, save  # (benchmarks/, this script's folder, is on the path)
 
 paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")  # the module (the package exports a function)
 SHIPPED_TILE, SHIPPED_DOT = paged_dot.SCORES_TILE, paged_dot.exact_dot_type
@@ -40,10 +41,7 @@ def fp16_products(q_dtype, k_dtype):
 def main(out: str) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    bandwidth = 2 * a.numel() / (triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3)
-    del a, b
+    bandwidth = copy_bandwidth(dev)
     rows = []
     for name, n in LENGTHS.items():
         q = torch.randn(N_HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
@@ -78,11 +76,7 @@ def main(out: str) -> None:
     for r in rows:
         took = f"{r['error']} | " if "error" in r else f"{r['ms']:.4f} | {r['floor_ms'] / r['ms']:.0%}"
         lines.append(f"| {r['length']} | {r['slots']} | {r['keys']} | {tuple(r['tile'])} | {took} |")
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "fp8_scores.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                            "bandwidth": bandwidth, "rows": rows}, indent=1))
-    (Path(out) / "fp8_scores.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(out, "fp8_scores", bandwidth, rows, lines)
 
 
 if __name__ == "__main__":

@@ -75,10 +75,15 @@ def main(out: str) -> None:
             continue
         lines.append(f"| {r['length']} | {r['keys']} | {tuple(r['tile'])} | {r['ms']:.4f} | "
                      f"{r['ms'] / r['floor_ms']:.2f}x | {r['ms'] / base['ms']:.3f} |")
+    save(out, "scores_tile", bandwidth, rows, lines)
+
+
+def save(out: str, stem: str, bandwidth: float, rows: list[dict], lines: list[str]) -> None:
+    """OUT/stem.json (the device, the copy bandwidth, the rows) and OUT/stem.md (the table's lines), printed too."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "scores_tile.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                             "bandwidth": bandwidth, "rows": rows}, indent=1))
-    (Path(out) / "scores_tile.md").write_text("\n".join(lines) + "\n")
+    (Path(out) / f"{stem}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                         "bandwidth": bandwidth, "rows": rows}, indent=1))
+    (Path(out) / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
