@@ -22,13 +22,12 @@ import torch
 import triton.language as tl
 import triton.testing
 
-from scores_tile_gpu import copy_bandwidth, save  # (benchmarks/, this script's folder, is on the path)
+from scores_tile_gpu import D, N_KV, copy_bandwidth, operands, save  # (benchmarks/: this script's folder)
 
 paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")  # the module (the package exports a function)
 SHIPPED_TILE, SHIPPED_DOT = paged_dot.SCORES_TILE, paged_dot.exact_dot_type
 TILES = [SHIPPED_TILE, (128, 4, 8, 3), (128, 4, 4, 4), (256, 4, 4, 3), (256, 8, 4, 3), (128, 8, 8, 3), (64, 4, 8, 4)]
 LENGTHS = {"128K": 1 << 17, "1M": 1 << 20}
-N_HEADS, N_KV, D = 32, 8, 128
 
 
 def fp16_products(q_dtype, k_dtype):
@@ -44,8 +43,7 @@ def main(out: str) -> None:
     bandwidth = copy_bandwidth(dev)
     rows = []
     for name, n in LENGTHS.items():
-        q = torch.randn(N_HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
-        keys = torch.randn(n + 1024, N_KV, D, device=dev, generator=gen).to(torch.bfloat16)
+        q, keys = operands(n, gen)
         live = torch.tensor(n, device=dev)
         for order, slots in (("consecutive", torch.arange(512, 512 + n, device=dev)),
                              ("random", torch.randperm(n + 1024, device=dev, generator=gen)[:n])):

@@ -36,14 +36,19 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
+def operands(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 query [N_HEADS, D] and a pool of n + 1024 bf16 keys [n + 1024, N_KV, D], random, on gen's device."""
+    q = torch.randn(N_HEADS, D, device=gen.device, generator=gen).to(torch.bfloat16)
+    return q, torch.randn(n + 1024, N_KV, D, device=gen.device, generator=gen).to(torch.bfloat16)
+
+
 def main(out: str) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     bandwidth = copy_bandwidth(dev)
     rows = []
     for name, n in LENGTHS.items():
-        q = torch.randn(N_HEADS, D, device=dev, generator=gen).to(torch.bfloat16)
-        keys = torch.randn(n + 1024, N_KV, D, device=dev, generator=gen).to(torch.bfloat16)
+        q, keys = operands(n, gen)
         slots = torch.randperm(n + 1024, device=dev, generator=gen)[:n]
         live = torch.tensor(n, device=dev)
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
