@@ -178,6 +178,7 @@ class LLM:
         self.cache = KVCache(cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim, self.kv_dtype, self.device,
                              s.kv_offload, self.select_dtype)
         self.max_model_len = min(s.max_model_len or n_slots, n_slots)
+        self._launched: Launched | None = None  # a decode step running ahead of the host (``overlap_decode``)
         self.set_attention(attention, **policy_settings)
         self.scheduler = Scheduler(self.cache, self.chunk_size, s.max_num_seqs,
                                    PrefixCache(self.cache) if s.prefix_cache else None, s.tail_chunk)
@@ -193,7 +194,6 @@ class LLM:
         # rank's live sequences by id
         self._events: list[tuple] = []
         self._live: dict[int, Sequence] = {}
-        self._launched: Launched | None = None  # a decode step running ahead of the host (``overlap_decode``)
         if self.tp is not None and self.tp.rank == 0:
             atexit.register(self.close)
         elif self.tp is not None:  # the other ranks follow rank 0's steps until it closes, then their process ends
@@ -529,7 +529,7 @@ class LLM:
 
     def _drain(self) -> None:
         """Wait for the launched step, if any, and drop its tokens (its sequences have ended, or are ending)."""
-        launched, self._launched = getattr(self, "_launched", None), None
+        launched, self._launched = self._launched, None
         if launched is not None and launched.done is not None:
             launched.done.synchronize()
 

@@ -41,6 +41,7 @@ from ..sampling import SamplingParams
 from ..sequence import Sequence
 from . import e2e
 from .dense import DenseRunner
+from .floors import timed
 
 DEFAULT_POLICIES = "dense,full,tokenselect,tokenselect:theta=-1"
 UNTIMED_STEPS = 2  # at each batch size, before the timed steps
@@ -161,7 +162,7 @@ def time_batches(method, batches: list[int], steps: int, device: torch.device, l
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         graphs = graph_steps() if graph_steps else None
-        tokens, seconds = e2e.timed(device, lambda: sum(method.step() for _ in range(steps)))
+        tokens, seconds = timed(device, lambda: sum(method.step() for _ in range(steps)))
         row = {"batch": batch, "ms_step": seconds / steps * 1e3, "tokens_s": tokens / seconds, "tokens": tokens,
                "steps": steps, "whole_graph_steps": graph_steps() - graphs if graph_steps else None,
                "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
@@ -212,7 +213,7 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
 
 def timed_prefill(method, batch: list[list[int]], device: torch.device, label: str) -> float:
     """Seconds ``method`` takes to prefill every prompt of ``batch``."""
-    _, seconds = e2e.timed(device, lambda: method.prefill(batch))
+    _, seconds = timed(device, lambda: method.prefill(batch))
     print(f"{label}: prefilled {len(batch)} x {len(batch[0])} tokens in {seconds:.1f} s", flush=True)
     return seconds
 
