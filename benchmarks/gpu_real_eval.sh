@@ -24,6 +24,7 @@ export OMP_NUM_THREADS=2 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPA
 model=${MODEL:-smollm2-135m-instruct}
 tasks=${TASKS:-passkey,number_string,kv_retrieval,niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt}
 read -r -a policies <<< "${POLICIES:-full full@dynamic:4 full@yarn:4 streaming infllm quest tokenselect reattention}"
+read -r -a flags <<< "${FLAGS:-}"
 common=(--model "$model" --task "$tasks" --lengths "${LENGTHS:-1x,2x,4x,8x}" --samples "${SAMPLES:-20}"
         --chat "${CHAT:-off}" --kv-cache-tokens "${KV:-300000}" --max-num-seqs "${SEQS:-1}")
 mkdir -p "$out/runs"
@@ -40,7 +41,7 @@ for part in $parts; do
         for t in "${groups[@]}"; do
           name=${p//[:;=@]/_}; [ ${#groups[@]} -gt 1 ] && name="${name}_$t"
           names+=("$name")
-          run=("${common[@]}" --task "$t" --attention "$p" --output "$out/runs/$name")
+          run=("${common[@]}" "${flags[@]}" --task "$t" --attention "$p" --output "$out/runs/$name")
           if [ -n "${RESUME_FROM:-}" ]; then
             python3 benchmarks/seed_resume.py "$RESUME_FROM" -- "${run[@]}" && run+=(--resume)
           fi

@@ -25,6 +25,8 @@
 #   benchmarks/gpu_x4_jobs.sh neighbours_smol_rest  # r = 16 on the SmolLM2 cells the eleventh session left
 #   benchmarks/gpu_x4_jobs.sh eleventh_timings # #28 on GPU TIMINGS_GPU (default 1): ReAttention's radix top-k and
 #                                              # TokenSelect's neighbours timed (below)
+#   benchmarks/gpu_x4_jobs.sh fp8_keys_smol    # #28: TokenSelect with fp8 selection keys on SmolLM2's and Qwen2.5's
+#   benchmarks/gpu_x4_jobs.sh fp8_keys_qwen    # tables' cells past the window (each once its model is carried)
 #   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
 #   benchmarks/gpu_x4_jobs.sh vote             # #27/#28 on GPU 2: ReAttention's vote kernel's tiles, a profiled prefill
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
@@ -227,8 +229,25 @@ smollm2_holes() {
   job smol_holes_few "${common[@]}" POLICIES="full full@yarn:4 infllm streaming tokenselect"
 }
 
+# fp8 selection keys (--select-dtype fp8) may become TokenSelect's default only where the real models lose nothing
+# (#28): TokenSelect's cells past the window, compared answer by answer (benchmarks/paired_answers.py) with the same
+# cells run with bf16 keys on the same machine (KEYS=bf16: the control, job names *_bf16_keys). SmolLM2: the five
+# tasks it scores above zero, 2x-16x; Qwen2.5: its four tasks at 2x and 4x (8x takes about 30 s a sample). One
+# process a task, on GPU FP8_GPU (default 0).
+keys=${KEYS:-fp8}
+keys_flags=$([ "$keys" = fp8 ] && echo "--select-dtype fp8" || true)
+fp8_keys_smol() {
+  job smol_${keys}_keys MODEL=$smol TASKS=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1 \
+    LENGTHS=2x,4x,8x,16x POLICIES=tokenselect FLAGS="$keys_flags" PER_TASK=1 KV=140000 \
+    LIMIT=${FP8_LIMIT:-600} GPUS=1 GPU_FIRST=${FP8_GPU:-0}
+}
+fp8_keys_qwen() {
+  job qwen_${keys}_keys MODEL=$qwen TASKS=$qwen_tasks LENGTHS=2x,4x POLICIES=tokenselect FLAGS="$keys_flags" \
+    PER_TASK=1 KV=140000 LIMIT=${FP8_LIMIT:-600} GPUS=1 GPU_FIRST=${FP8_GPU:-0}
+}
+
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings|fp8_keys_smol|fp8_keys_qwen) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     copy_tree /tmp/repo_tests .carry

@@ -175,20 +175,35 @@ def test_bench_e2e_frees_each_length_engine_before_the_next(tmp_path, monkeypatc
     from tokenselect.bench import e2e
     from tokenselect.engine import LLM
 
-    pools, alive_at_build = [], []
+    pools, alive_at_build, started_with = [], [], []
     build = LLM.random.__func__
 
-    def recording(cls, *args, **kwargs):
+    def recording(cls, config, attention, *args, **kwargs):
         alive_at_build.append([ref() is not None for ref in pools])
-        llm = build(cls, *args, **kwargs)
+        started_with.append(attention)
+        llm = build(cls, config, attention, *args, **kwargs)
         pools.append(weakref.ref(llm.cache.k))
         return llm
 
     monkeypatch.setattr(LLM, "random", classmethod(recording))
     parser = argparse.ArgumentParser()
     e2e.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "1k,2k", "--policies", "tokenselect",
+    args = parser.parse_args(["e2e", "--config", "tiny", "--lengths", "1k,2k", "--policies", "full,tokenselect",
                               "--decode-steps", "2", "--chunk-size", "256", "--kernels", "torch", "--device", "cpu",
                               "--output", str(tmp_path), "--cuda-graphs"])
     assert args.func(args) == 0
-    assert alive_at_build == [[], [False]]
+    # per length an engine for full attention and one started with TokenSelect (whose own selection keys it holds)
+    assert started_with == ["full", "tokenselect"] * 2
+    assert alive_at_build == [[False] * n for n in range(4)]
+
+
+def test_engine_groups_give_tokenselect_its_own_engine_only_where_auto_gives_it_fp8_keys():
+    """With select_dtype auto an engine started with TokenSelect makes an fp8 copy of the keys (on a GPU), one
+    started with another policy does not: the bench's rows take an engine each kind, in their order. With fp8 or kv
+    every row gets the same keys, so one engine serves them all."""
+    from tokenselect.bench.e2e import engine_groups
+
+    rows = ["full", "tokenselect", "infllm", "tokenselect:theta=-1"]
+    assert engine_groups(rows, "auto") == [["full", "infllm"], ["tokenselect", "tokenselect:theta=-1"]]
+    assert engine_groups(rows, "fp8") == engine_groups(rows, "kv") == [rows]
+    assert engine_groups(["tokenselect"], "auto") == [["tokenselect"]]

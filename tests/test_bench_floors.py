@@ -120,6 +120,18 @@ def test_ratios_are_against_the_fastest_baseline_of_each_phase():
     assert "x at 128K: prefill against dense:chunk=all (6.00 s), decode against dense (5.00 ms)" in table
 
 
+def test_the_engines_full_attention_is_a_dense_row_the_ratios_take_where_fastest():
+    """Full attention in the engine attends every token, as the baselines do: where its whole-step graphs decode
+    faster than the dense baseline it is the decode reference (a tie keeps the first row); a selective policy or an
+    estimate never is."""
+    rows = [_row("dense", 10.0, 5.0), _row("full", 12.0, 4.0), _row("dense:chunk=all", 11.0, 4.0),
+            _row("streaming", 1.0, 1.0), _row("tokenselect", 2.0, 2.0, hit_rate=0.0),
+            _row("tokenselect at 27% hits (estimate)", 0.5, 0.5, estimated=True, hit_rate=0.27)]
+    best = e2e.best_dense(rows)[131072]
+    assert best["prefill"]["policy"] == "dense" and best["decode"]["policy"] == "full"
+    assert "| 128K | tokenselect | bf16 | 2.00 | 5.00x | 2.00 | 2.00x |" in e2e.table(rows)
+
+
 def test_estimate_at_a_hit_rate_mixes_the_selecting_and_hit_rows():
     rows = [_row("tokenselect", 2.0, 10.0, hit_rate=0.0, floor_ms=8.0),
             _row("tokenselect:theta=-1", 2.1, 6.0, hit_rate=1.0, floor_ms=5.0),

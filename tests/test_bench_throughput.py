@@ -140,6 +140,19 @@ def test_bench_throughput_reports_what_fits_and_what_does_not(tmp_path, monkeypa
     assert (tmp_path / "throughput_t.png").stat().st_size > 0
 
 
+def test_bench_throughput_pays_a_selection_keys_copy_in_tokens(tmp_path, monkeypatch):
+    """With an fp8 copy of the keys (--select-dtype fp8) the engine's methods get the bytes of the 300-token budget:
+    fp32 K and V (8 bytes an element pair) plus the copy's 1 make 300 * 8 // 9 = 266 tokens, 1 request of 141
+    tokens; dense keeps its 2."""
+    rows = run_command(tmp_path, monkeypatch, "--batch-sizes", "1,2", "--policies", "dense,tokenselect:theta=-1",
+                       "--kv-cache-tokens", "300", "--select-dtype", "fp8")["rows"]
+    assert {(r["policy"], r["fit_batch"]) for r in rows} == {("dense", 2), ("tokenselect:theta=-1", 1)}
+    (refused,) = [r for r in rows if "error" in r]
+    assert refused["batch"] == 2 and refused["policy"] == "tokenselect:theta=-1"
+    assert refused["error"] == "does not fit: a 266-token KV budget holds 1 requests of 141 tokens"
+    assert refused["kv"] == "fp32, fp8 selection keys"
+
+
 def test_bench_throughput_engine_pool_bounds_the_policies_batch(tmp_path, monkeypatch):
     """Without a budget the engine's own pool (here its CPU default) decides what fits: 3 requests of 128 tokens
     do; a policy alone (no dense in the run) has no ratio."""

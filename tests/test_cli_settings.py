@@ -53,15 +53,17 @@ def test_flags_override_the_config_file_and_engine_settings_come_from_it(tiny_ll
     assert llm.cache.n_slots == 640 and llm.chunk_size == 48
 
 
-@pytest.mark.parametrize("select_dtype, want", [("auto", None), ("fp8", torch.float8_e4m3fn)])
+@pytest.mark.parametrize("select_dtype, want", [("auto", None), ("kv", None), ("fp8", torch.float8_e4m3fn)])
 def test_select_dtype_reaches_the_cache_the_policy_scores(tiny_llama, built, select_dtype, want):
     assert generate(tiny_llama, "--attention", "tokenselect", "--k", "8", "--n-init", "2", "--n-local", "4",
                     "--select-dtype", select_dtype) == 0
     (llm,) = built
-    want = want or llm.dtype  # auto: the keys of the KV pool itself, in the model's dtype (fp32 on a CPU)
+    if select_dtype == "auto" and llm.device.type == "cuda":  # TokenSelect's default on a GPU: an fp8 copy
+        want = torch.float8_e4m3fn
+    want = want or llm.dtype  # auto on a CPU, kv: the keys of the KV pool itself, in the model's dtype
     assert llm.select_dtype == want and llm.cache.k_select.dtype == want
     assert llm.policy.cache is llm.cache
-    assert (llm.cache.k_select is llm.cache.k) is (select_dtype == "auto")
+    assert (llm.cache.k_select is llm.cache.k) is (want == llm.dtype)
 
 
 def test_defaults_fit_the_window_when_nothing_is_set(tiny_llama, built):
@@ -97,7 +99,7 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
     for choice, values in (("--selector", ("soft_vote", "hard_vote", "topk")),
                            ("--positions", ("reindex", "original", "fixed")),
                            ("--kernels", ("triton", "torch")), ("--kv-dtype", ("auto", "fp8", "bf16", "fp16", "fp32")),
-                           ("--kv-offload", ("none", "values")), ("--select-dtype", ("auto", "fp8"))):
+                           ("--kv-offload", ("none", "values")), ("--select-dtype", ("auto", "fp8", "kv"))):
         for value in values:
             assert getattr(parser.parse_args([choice, value]), choice[2:].replace("-", "_")) == value
         with pytest.raises(SystemExit):

@@ -219,6 +219,26 @@ def test_fp8_kv_storage_halves_the_pool_and_stays_close(tiny_llama):
     # (tests/test_precision.py: exactly the fp32 engine over fp8-rounded keys and values)
 
 
+@pytest.mark.parametrize("setting, attention, kv_dtype, device, offload, copy", [
+    ("auto", "tokenselect", torch.bfloat16, "cuda", "none", True),  # the default where it was measured
+    ("auto", "tokenselect", torch.float16, "cuda", "none", True),
+    ("auto", "reattention", torch.bfloat16, "cuda", "none", False),  # not measured on the real models
+    ("auto", "full", torch.bfloat16, "cuda", "none", False),
+    ("auto", "tokenselect", torch.bfloat16, "cpu", "none", False),
+    ("auto", "tokenselect", torch.float32, "cuda", "none", False),
+    ("auto", "tokenselect", torch.float8_e4m3fn, "cuda", "none", False),  # an fp8 pool is its own copy
+    ("auto", "tokenselect", torch.bfloat16, "cuda", "values", False),  # offload saves memory the copy would spend
+    ("auto", "tokenselekt", torch.bfloat16, "cuda", "none", False),  # make_policy refuses the name afterwards
+    ("kv", "tokenselect", torch.bfloat16, "cuda", "none", False),
+    ("fp8", "full", torch.float32, "cpu", "values", True),  # asked for: always
+])
+def test_auto_selection_keys_are_fp8_only_where_measured(setting, attention, kv_dtype, device, offload, copy):
+    from tokenselect.engine import selection_keys_dtype
+
+    got = selection_keys_dtype(setting, attention, kv_dtype, torch.device(device), offload)
+    assert got == (torch.float8_e4m3fn if copy else kv_dtype)
+
+
 def test_fp8_selection_keys_are_a_copy_written_beside_the_keys(tiny_llama, monkeypatch):
     """select_dtype="fp8": every key is written to an e4m3 copy as well (one byte an element, counted when the
     pool is sized); attention reads the model-dtype pool, so with the budget covering the context the logits
@@ -260,9 +280,11 @@ def test_set_attention_switches_policy_on_a_loaded_model(tiny_llama):
     llm.set_attention("full")
     assert llm.generate([ids], GREEDY)[0].token_ids == full
     assert len(sparse) == len(full)
-    # the tokens, against an engine started with those settings (ignore_eos makes the lengths equal anyway)
-    assert sparse == LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=2, n_local=8).generate(
-        [ids], GREEDY)[0].token_ids
+    # the tokens, against an engine started with those settings (ignore_eos makes the lengths equal anyway) and the
+    # same selection keys: an engine keeps those of the policy it started with (full: the pool's, where
+    # TokenSelect's own on a GPU would be an fp8 copy, ``selection_keys_dtype``)
+    assert sparse == LLM(tiny_llama, "tokenselect", chunk_size=32, k=16, n_init=2, n_local=8,
+                         select_dtype="kv").generate([ids], GREEDY)[0].token_ids
     assert sparse != full  # 26 attended of 400: the selection shows in the tokens
 
 

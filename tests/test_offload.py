@@ -48,9 +48,10 @@ def count_stages(monkeypatch, cache: KVCache) -> list[int]:
 @pytest.mark.parametrize("attention", ["full", "tokenselect", "streaming", "infllm"])
 def test_offloaded_values_give_the_same_tokens_and_logits(tiny_llama, monkeypatch, attention):
     """400 tokens are past the point where every sparse policy of this window-256 model selects. Every step runs
-    eagerly (a replayed whole-step graph stages without calling ``stage``; the test below covers the graphs)."""
+    eagerly (a replayed whole-step graph stages without calling ``stage``; the test below covers the graphs). The
+    plain engine scores the pool's keys, as an offloading one does by default (``selection_keys_dtype``)."""
     ids = prompt(400, 1)
-    plain = LLM(tiny_llama, attention, chunk_size=32)
+    plain = LLM(tiny_llama, attention, chunk_size=32, select_dtype="kv")
     offload = LLM(tiny_llama, attention, chunk_size=32, kv_offload="values", cuda_graphs=False)
     staged = count_stages(monkeypatch, offload.cache)
     assert offload.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids
@@ -86,7 +87,7 @@ def test_a_bad_setting_is_a_clear_value_error(tiny_llama):
 
 def test_freeing_and_aborting_return_every_slot(tiny_llama):
     ids = prompt(300, 3)
-    expected = LLM(tiny_llama, "tokenselect", chunk_size=32).generate([ids], GREEDY)[0].token_ids
+    expected = LLM(tiny_llama, "tokenselect", chunk_size=32, select_dtype="kv").generate([ids], GREEDY)[0].token_ids
     llm = LLM(tiny_llama, "tokenselect", chunk_size=32, kv_offload="values")
     seq = llm.add_request(prompt(250, 4), GREEDY)
     for _ in range(3):
@@ -151,7 +152,7 @@ def test_offloaded_steps_run_as_whole_graphs_with_the_plain_paths_tokens(tiny_ll
     monkeypatch.setattr(cuda_graphs, "PREFILL_MIN_CHUNKS", 4)
     ids = distinct_tokens(300, 5)  # the graph's padded span must not break ties another way
     sizes = small_sizes(attention)
-    plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, **sizes)
+    plain = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=False, select_dtype="kv", **sizes)  # offload's keys
     graphed = LLM(tiny_llama, attention, chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
     assert graphed.generate([ids], GREEDY)[0].token_ids == plain.generate([ids], GREEDY)[0].token_ids
     assert graphed.runner.graphs.failure is None
@@ -164,7 +165,7 @@ def test_an_offloaded_batch_decodes_through_one_graph_with_the_plain_paths_token
     (``attention.attend_batch``) reads the rows staged for all three lists at once, in their order."""
     sizes = small_sizes("tokenselect")
     prompts = [distinct_tokens(120 + 10 * i, 20 + i) for i in range(3)]
-    plain = LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=False, **sizes)
+    plain = LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=False, select_dtype="kv", **sizes)
     graphed = LLM(tiny_llama, "tokenselect", chunk_size=32, cuda_graphs=True, kv_offload="values", **sizes)
     want = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in graphed.generate(prompts, GREEDY, use_tqdm=False)] == want

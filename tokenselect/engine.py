@@ -43,11 +43,24 @@ CPU_POOL_BYTES = 8 << 30  # the KV pool on CPU, when not set
 GPU_MEMORY_FRACTION = 0.85  # of the free memory after the weights, for the pool
 HOST_MEMORY_FRACTION = 0.8  # of the available host memory, for an offloaded V pool
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SELECT_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: selection reads the K pool itself
 # Policy instances of per-request settings that no live request uses, kept for the next request that asks for
 # the same settings; older idle ones are dropped, so a stream of distinct settings cannot grow memory for good.
 MAX_IDLE_POLICIES = 4
 log = logging.getLogger("tokenselect.engine")
+
+
+def selection_keys_dtype(setting: str, attention: str, kv_dtype: torch.dtype, device: torch.device,
+                         kv_offload: str) -> torch.dtype:
+    """The dtype of the keys that selection scores (``KVCache.k_select``); the KV pool's own ``kv_dtype`` means no
+    copy. setting (``select_dtype``): "kv", the pool's keys; "fp8", an fp8 copy; "auto", the copy where it was
+    measured to lose nothing and to pay: the engine starts with a policy that declares it
+    (``AttentionPolicy.fp8_selection_keys``), on a GPU, over a 16-bit pool whose values stay on the GPU (value
+    offload and an fp8 pool are chosen to save memory, which the copy would spend)."""
+    declares = attention in POLICIES and POLICIES[attention].fp8_selection_keys  # (an unknown name: make_policy)
+    if setting == "fp8" or (setting == "auto" and declares and device.type == "cuda" and kv_dtype.itemsize == 2
+                            and kv_offload == "none"):
+        return torch.float8_e4m3fn
+    return kv_dtype
 
 
 def token_ids(chunks: list[Chunk]) -> list[int]:
@@ -81,14 +94,15 @@ class LLM:
     def __init__(self, model: str | Path | Checkpoint | None = None, attention: str = "full", *,
                  dtype: str = "auto", device: str | None = None, **settings):
         """settings: kernels, chunk_size, kv_cache_tokens, kv_dtype, kv_offload ("none" | "values": the
-        V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8": an fp8 copy of the keys
-        that TokenSelect and ReAttention score, ``KVCache``), max_model_len, max_num_seqs, rope_scaling,
-        cuda_graphs (run steps through CUDA graphs, ``runner.ModelRunner``: decode steps and a long prompt's
-        full prefill chunks as one graph each where the policy is graph-ready, other steps' layers as graphs around
-        attention; default on CUDA; on a CPU the same code runs eagerly), prefix_cache (default True: keep the KV
-        of computed prompts and start a request that shares a prefix with one after it, ``prefix_cache.py``)
-        (engine) and the policy's own settings; tensor_parallel_size N > 1 splits the model across N processes
-        (``parallel.py``: this one is rank 0), tp_selection how their policies vote over heads."""
+        V pool in pinned host memory, K on the GPU), select_dtype ("auto" | "fp8" | "kv": an fp8 copy of
+        the keys that TokenSelect and ReAttention score, ``KVCache``, or the pool's keys; ``selection_keys_dtype``),
+        max_model_len, max_num_seqs, rope_scaling, cuda_graphs (run steps through CUDA graphs,
+        ``runner.ModelRunner``: decode steps and a long prompt's full prefill chunks as one graph each where the
+        policy is graph-ready, other steps' layers as graphs around attention; default on CUDA; on a CPU the same
+        code runs eagerly), prefix_cache (default True: keep the KV of computed prompts and start a request that
+        shares a prefix with one after it, ``prefix_cache.py``) (engine) and the policy's own settings;
+        tensor_parallel_size N > 1 splits the model across N processes (``parallel.py``: this one is rank 0),
+        tp_selection how their policies vote over heads."""
         checkpoint = model if isinstance(model, Checkpoint) else Checkpoint(
             resolve_model(model if model is not None else default_model_path()))
         self.path = checkpoint.path
@@ -169,7 +183,7 @@ class LLM:
         if s.tail_chunk > self.chunk_size:
             raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
         self.kv_dtype = KV_DTYPES[s.kv_dtype] if s.kv_dtype != "auto" else self.dtype
-        self.select_dtype = SELECT_DTYPES[s.select_dtype] or self.kv_dtype  # the keys a selection reads
+        self.select_dtype = selection_keys_dtype(s.select_dtype, attention, self.kv_dtype, self.device, s.kv_offload)
         n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload, cfg)
         if self.tp is not None:  # every rank schedules alike, so every rank's pool has the smallest one's slots
             n_slots = self.tp.min(n_slots)
@@ -205,7 +219,8 @@ class LLM:
 
     def set_attention(self, attention: str, **policy_settings) -> None:
         """Switch the attention policy (e.g. to compare methods on one loaded model). Only between
-        requests: running sequences would lose their policy state."""
+        requests: running sequences would lose their policy state. The KV pool stays as it was built, with the
+        selection keys of the policy the engine started with (``selection_keys_dtype``)."""
         if getattr(self, "scheduler", None) is not None and self.scheduler.has_work():
             raise RuntimeError("set_attention while requests are running")
         self._drain()

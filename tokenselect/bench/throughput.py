@@ -13,8 +13,9 @@ queued before the previous one is read, ``overlap_decode``), so that a timed ste
 timed each method runs an untimed warm-up (kernel compiles), as ``bench e2e`` does.
 
 How many requests fit: every method gets the KV budget the engine's pool gets by default (``LLM``'s
-``_default_pool_tokens``: a share of the GPU memory free after the weights; ``--kv-cache-tokens`` sets it). The
-engine admits as many requests as its pool holds (prompt + every token they may generate); the dense baseline
+``_default_pool_tokens``: a share of the GPU memory free after the weights; ``--kv-cache-tokens`` sets it). A
+method whose engine keeps a copy of the keys for selection (TokenSelect's fp8 copy, ``--select-dtype``) gets the
+same bytes, so fewer tokens (4/5 with bf16 K and V). The engine admits as many requests as its pool holds (prompt + every token they may generate); the dense baseline
 (``bench/dense.py``: one contiguous bf16 cache of that many tokens per request, decoded in one flash attention
 call) holds as many caches as fit in the same bytes. Batch sizes past that are rows that say so, and the largest
 batch that fits is measured too.
@@ -223,7 +224,11 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
     name, settings = policy_spec(policy)
     llm.set_attention(name, **settings)
     max_tokens = new_tokens(batches, args.decode_steps)
-    per_request, budget = args.length + max_tokens, llm.cache.n_slots
+    kv, copy = llm.kv_dtype.itemsize, llm.select_dtype.itemsize if llm.select_dtype != llm.kv_dtype else 0
+    # the selection keys' copy is paid in tokens: a pool the engine sized counted it already, a pool of
+    # --kv-cache-tokens tokens gets that many tokens' K and V bytes
+    budget = llm.cache.n_slots if args.kv_cache_tokens is None else args.kv_cache_tokens * 2 * kv // (2 * kv + copy)
+    per_request = args.length + max_tokens
     fit = budget // per_request
     base = {"policy": policy, "kv": e2e.kv_label(llm.kv_dtype, "none", llm.select_dtype),
             "settings": llm.policy_config, "fit_batch": fit}
@@ -255,16 +260,18 @@ def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iter
     engine_policies = [p for p in policies if p != "dense"]
     if not engine_policies:
         return
-    start = time.perf_counter()
-    llm = LLM.random(config, "full", device=args.device, kv_dtype=args.kv_dtype, select_dtype=args.select_dtype,
-                     kv_cache_tokens=args.kv_cache_tokens, chunk_size=args.chunk_size, kernels=args.kernels,
-                     cuda_graphs=args.cuda_graphs,
-                     prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
-    print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s", flush=True)
-    for policy in engine_policies:
-        yield from run_policy(llm, config, policy, batches, args)
-    del llm
-    e2e.free_memory()
+    for group in e2e.engine_groups(engine_policies, args.select_dtype):
+        start = time.perf_counter()
+        llm = LLM.random(config, policy_spec(group[0])[0], device=args.device, kv_dtype=args.kv_dtype,
+                         select_dtype=args.select_dtype, kv_cache_tokens=args.kv_cache_tokens,
+                         chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+                         prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
+        print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s",
+              flush=True)
+        for policy in group:
+            yield from run_policy(llm, config, policy, batches, args)
+        del llm
+        e2e.free_memory()
 
 
 # ---- the report -----------------------------------------------------------------------------------------------
@@ -339,7 +346,8 @@ def write_report(args, config: dict, policies: list[str], rows: list[dict], draw
     title = (f"{args.config}, {config['num_hidden_layers']} layers, {args.length} tokens a request, KV "
              f"{args.kv_dtype}, selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} "
              f"decode steps a batch size, {'CUDA graphs' if graphs else 'eager'}")
-    budget = (f"a {args.kv_cache_tokens}-token KV budget for every method" if args.kv_cache_tokens else
+    budget = (f"the bytes of a {args.kv_cache_tokens}-token KV pool for every method; a copy of the keys for "
+              f"selection is paid in tokens" if args.kv_cache_tokens else
               "the KV budget of the engine's default pool for every method")
     report = (f"# Serving throughput: {title}, on {device}\n\n{table(rows, policies)}\n\n"
               f"Largest batch that fits ({budget}):\n{fits(rows, policies)}\n\n"

@@ -121,6 +121,10 @@ class AttentionPolicy:
     # True where ``attend_batch`` chooses for a batch at once (TokenSelect's decode steps): an eager step's decode
     # tokens of such a policy then attend as one batch too (``attention.BatchAttention``)
     batch_choice = False
+    # True where an fp8 copy of the keys to score is measured to lose no accuracy on the real models' tables, so
+    # that ``select_dtype="auto"`` makes one on a GPU (TokenSelect: ``benchmarks/results/supporting/
+    # fp8_keys_real_models_h200.md``)
+    fp8_selection_keys = False
 
     # the reduction over heads of the policy's choice, across tensor-parallel ranks (``parallel.HeadReduce``: none in
     # a single process): where a policy sums or maxes a score over heads, it passes the result through ``heads``

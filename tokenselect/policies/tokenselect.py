@@ -54,6 +54,7 @@ class TokenSelectSettings(Validated):
 class TokenSelect(SelectivePolicy):
     name = "tokenselect"
     Settings = TokenSelectSettings
+    fp8_selection_keys = True
     batch_choice = True
 
     def __init__(self, cache: KVCache, kernels: Kernels, **settings):
