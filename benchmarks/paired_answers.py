@@ -30,7 +30,8 @@ def load(spec: str) -> dict[tuple[str, str, int], dict]:
         rows = [json.loads(line) for line in lines if line.strip()]
     policies = {r["policy"] for r in rows}
     if not policy and len(policies) > 1:
-        raise SystemExit(f"{file} holds {len(policies)} policies ({', '.join(sorted(policies))}): name one, PATH:POLICY")
+        raise SystemExit(f"{file} holds {len(policies)} policies ({', '.join(sorted(policies))}): "
+                         "name one, PATH:POLICY")
     kept = {(r["task"], r["length"], r["sample"]): r for r in rows if not policy or r["policy"] == policy}
     if not kept:
         raise SystemExit(f"{file}: no lines of policy {policy!r}")
@@ -38,7 +39,8 @@ def load(spec: str) -> dict[tuple[str, str, int], dict]:
 
 
 def sign_test(a: int, b: int) -> float:
-    """Two-sided exact binomial test of a against b discordant pairs (McNemar's exact test): P(split >= |a-b| | p=1/2)."""
+    """Two-sided exact binomial test of a against b discordant pairs (McNemar's exact test): the chance of a split
+    at least as uneven when each pair goes either way with probability 1/2."""
     n = a + b
     if n == 0:
         return 1.0
@@ -59,7 +61,8 @@ def compare(base: dict, new: dict) -> list[dict]:
         base_only = sum(x["score"] == 1 and y["score"] != 1 for x, y in zip(b, n))
         new_only = sum(y["score"] == 1 and x["score"] != 1 for x, y in zip(b, n))
         rows.append({"task": task, "length": length, "samples": len(keys),
-                     "base": 100 * sum(x["score"] for x in b) / len(b), "new": 100 * sum(y["score"] for y in n) / len(n),
+                     "base": 100 * sum(x["score"] for x in b) / len(b),
+                     "new": 100 * sum(y["score"] for y in n) / len(n),
                      "same_prediction": sum(x["prediction"] == y["prediction"] for x, y in zip(b, n)),
                      "base_only": base_only, "new_only": new_only, "p": sign_test(base_only, new_only)})
     return rows
@@ -71,8 +74,9 @@ def markdown(rows: list[dict], base: str, new: str) -> str:
     body = "".join(f"| {r['task']} | {r['length']} | {r['samples']} | {r['base']:.1f} | {r['new']:.1f} | "
                    f"{r['same_prediction']} | {r['base_only']} | {r['new_only']} | {r['p']:.2f} |\n" for r in rows)
     total = {k: sum(r[k] for r in rows) for k in ("samples", "same_prediction", "base_only", "new_only")}
-    return (head + body + f"\nAll cells: {total['samples']} samples, the same prediction in {total['same_prediction']}; "
-            f"right only in {base}: {total['base_only']}, only in {new}: {total['new_only']} (sign test p = "
+    return (head + body + f"\nAll cells: {total['samples']} samples, the same prediction in "
+            f"{total['same_prediction']}; right only in {base}: {total['base_only']}, only in {new}: "
+            f"{total['new_only']} (sign test p = "
             f"{sign_test(total['base_only'], total['new_only']):.2f}).\n")
 
 

@@ -344,8 +344,8 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
     start = time.perf_counter()
     try:
         slots = length + max(args.decode_steps + args.profile_steps, WARMUP_DECODE_STEPS) + 8
-        llm = LLM.random(config, policy_spec(policies[0])[0], device=args.device, kv_dtype=args.kv_dtype, kv_offload=args.kv_offload,
-                         select_dtype=args.select_dtype, kv_cache_tokens=slots,
+        llm = LLM.random(config, policy_spec(policies[0])[0], device=args.device, kv_dtype=args.kv_dtype,
+                         kv_offload=args.kv_offload, select_dtype=args.select_dtype, kv_cache_tokens=slots,
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
                          prefix_cache=False,  # the timed prompt starts with the warm-up's: it would be reused
                          tensor_parallel_size=args.tensor_parallel_size, tp_selection=args.tp_selection)

@@ -15,10 +15,10 @@ timed each method runs an untimed warm-up (kernel compiles), as ``bench e2e`` do
 How many requests fit: every method gets the KV budget the engine's pool gets by default (``LLM``'s
 ``_default_pool_tokens``: a share of the GPU memory free after the weights; ``--kv-cache-tokens`` sets it). A
 method whose engine keeps a copy of the keys for selection (TokenSelect's fp8 copy, ``--select-dtype``) gets the
-same bytes, so fewer tokens (4/5 with bf16 K and V). The engine admits as many requests as its pool holds (prompt + every token they may generate); the dense baseline
-(``bench/dense.py``: one contiguous bf16 cache of that many tokens per request, decoded in one flash attention
-call) holds as many caches as fit in the same bytes. Batch sizes past that are rows that say so, and the largest
-batch that fits is measured too.
+same bytes, so fewer tokens (4/5 with bf16 K and V). The engine admits as many requests as its pool holds (prompt +
+every token they may generate); the dense baseline (``bench/dense.py``: one contiguous bf16 cache of that many
+tokens per request, decoded in one flash attention call) holds as many caches as fit in the same bytes. Batch sizes
+past that are rows that say so, and the largest batch that fits is measured too.
 
 The engine's prompts are prefilled one request at a time, each sequence held out of the running list until the
 last is in (``prefill_held``), so that none decodes while another prefills (a server would interleave them; here
