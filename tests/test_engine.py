@@ -239,6 +239,18 @@ def test_auto_selection_keys_are_fp8_only_where_measured(setting, attention, kv_
     assert got == (torch.float8_e4m3fn if copy else kv_dtype)
 
 
+def test_the_summary_names_the_pool_as_it_was_built(tiny_llama):
+    """What a server prints at its start: the pool's tokens, how they are stored and their bytes, K's, V's and the
+    selection keys' copy's (the tiny model stores 2 layers x 2 KV heads x 16 = 64 elements a token a pool)."""
+    llm = LLM(tiny_llama, "tokenselect", kv_cache_tokens=1000, select_dtype="fp8", dtype="float32")
+    cfg = llm.config
+    assert cfg.n_layers * cfg.n_kv_heads * cfg.head_dim == 64
+    assert llm.summary() == (f"{tiny_llama} (window 256 tokens), attention tokenselect, KV pool of 1,000 tokens "
+                             f"(fp32, fp8 selection keys; 0.00 GB)")  # 1,000 x 64 x (4 + 4 + 1) bytes
+    big = LLM(tiny_llama, "full", kv_cache_tokens=200_000, dtype="float32", kv_offload="values")
+    assert big.summary().endswith("KV pool of 200,000 tokens (fp32, V on host; 0.10 GB)")  # 200K x 64 x 8 bytes
+
+
 def test_fp8_selection_keys_are_a_copy_written_beside_the_keys(tiny_llama, monkeypatch):
     """select_dtype="fp8": every key is written to an e4m3 copy as well (one byte an element, counted when the
     pool is sized); attention reads the model-dtype pool, so with the budget covering the context the logits

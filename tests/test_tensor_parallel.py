@@ -267,6 +267,7 @@ def test_server_with_two_ranks_answers_and_leaves_no_process(checkpoint):
         code = server.wait(timeout=60)
         log = server.stdout.read()
         assert code in (0, 130), log  # 130: uvicorn re-raises the interrupt once it has shut down
+        assert "attention tokenselect, KV pool of 1,024 tokens (fp32; " in log  # said at the start
         assert "terminating" not in log and "Traceback" not in log, log  # the rank stopped on rank 0's message
         gone, alive = psutil.wait_procs(ranks, timeout=30)
         assert not alive, f"rank processes left: {alive}"

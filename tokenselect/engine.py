@@ -63,6 +63,14 @@ def selection_keys_dtype(setting: str, attention: str, kv_dtype: torch.dtype, de
     return kv_dtype
 
 
+def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:
+    """How a KV cache is stored: 'bf16', 'fp8', 'fp8, V on host', 'bf16, fp8 selection keys' (the names of
+    ``--kv-dtype``)."""
+    names = {kv_dtype: name for name, kv_dtype in KV_DTYPES.items()}
+    copy = f", {names[select_dtype]} selection keys" if select_dtype not in (None, dtype) else ""
+    return names[dtype] + (", V on host" if offload == "values" else "") + copy
+
+
 def token_ids(chunks: list[Chunk]) -> list[int]:
     """The token ids a step's chunks run, flat (host list)."""
     return [t for ch in chunks for t in ch.seq.token_slice(ch.past, ch.length)]
@@ -633,6 +641,14 @@ class LLM:
         if seq.error is not None:
             raise RuntimeError("the prompt's pass failed") from seq.error
         return torch.cat(seq.logits)
+
+    def summary(self) -> str:
+        """One line on what this engine holds, said when a server starts: the model and its window, the attention,
+        and the KV pool (tokens, how they are stored, bytes on this process's device and host)."""
+        store = kv_label(self.kv_dtype, self.cache.offload, self.select_dtype)
+        gb = sum(pool.nbytes for pool in self.cache.pools) / 1e9
+        return (f"{self.path} (window {self.window:,} tokens), attention {self.attention}, KV pool of "
+                f"{self.cache.n_slots:,} tokens ({store}; {gb:.2f} GB)")
 
     def stats(self) -> dict:
         """Policy counters (e.g. the Selection Cache's hits and misses, summed over the per-request

@@ -34,6 +34,7 @@ import json
 import logging
 import queue
 import re
+import sys
 import threading
 import time
 import uuid
@@ -737,6 +738,7 @@ def serve(llm, args: argparse.Namespace) -> int:
     if llm.tokenizer is None:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     options = ServerOptions.from_args(args)
+    print(f"tokenselect: {llm.summary()}", file=sys.stderr, flush=True)
     if "*" in (options.allowed_hosts or ()):
         log.warning("listening on %s with any Host header accepted: pass --allowed-hosts to guard against "
                     "DNS rebinding", args.host)

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..data import default_model_path, prose_text
-from ..engine import KV_DTYPES, LLM
+from ..engine import KV_DTYPES, LLM, kv_label
 from ..eval.runner import parse_length
 from ..kv_cache import HostMemoryError
 from ..models import load_tokenizer
@@ -389,14 +389,6 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
     llm.close()  # a tensor-parallel engine's ranks, before the next length's start
     del llm
     free_memory()
-
-
-def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:
-    """How a row's KV cache was stored: 'bf16', 'fp8', 'fp8, V on host', 'bf16, fp8 selection keys' (the
-    names of ``--kv-dtype``)."""
-    names = {kv_dtype: name for name, kv_dtype in KV_DTYPES.items()}
-    copy = f", {names[select_dtype]} selection keys" if select_dtype not in (None, dtype) else ""
-    return names[dtype] + (", V on host" if offload == "values" else "") + copy
 
 
 def best_dense(rows: list[dict]) -> dict[int, dict]:

@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 
-from ..engine import LLM
+from ..engine import LLM, kv_label
 from ..eval.runner import parse_length
 from ..policies import POLICIES, policy_spec
 from ..sampling import SamplingParams
@@ -193,7 +193,7 @@ def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
         except torch.OutOfMemoryError:  # the budget did not hold after all: one request fewer
             e2e.free_memory()
             n, fit = n - 1, n - 1
-    base = {"policy": "dense", "kv": e2e.kv_label(llm.dtype, "none"), "fit_batch": fit}
+    base = {"policy": "dense", "kv": kv_label(llm.dtype, "none"), "fit_batch": fit}
     yield from not_fitting(base, batches, fit, per_request, budget)
     if runner is None:
         return
@@ -230,7 +230,7 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
     budget = llm.cache.n_slots if args.kv_cache_tokens is None else args.kv_cache_tokens * 2 * kv // (2 * kv + copy)
     per_request = args.length + max_tokens
     fit = budget // per_request
-    base = {"policy": policy, "kv": e2e.kv_label(llm.kv_dtype, "none", llm.select_dtype),
+    base = {"policy": policy, "kv": kv_label(llm.kv_dtype, "none", llm.select_dtype),
             "settings": llm.policy_config, "fit_batch": fit}
     yield from not_fitting(base, batches, fit, per_request, budget)
     n = min(fit, max(batches))
