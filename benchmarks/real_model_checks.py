@@ -7,6 +7,10 @@
 2. The Selection Cache on real prose: TokenSelect decodes ``--decode`` greedy tokens after a prose prompt of
    ``--prose-length`` tokens, at each ``--thetas`` value; the hit rate is over every layer of every step.
 
+Both run on one engine started with full attention, so the selective policies score the KV pool's own keys, not
+TokenSelect's default fp8 copy on a GPU (``engine.selection_keys_dtype``; the copy moves the hit rate by under a
+point on the task prompts, ``results/supporting/fp8_keys_real_models_h200.md``).
+
     python benchmarks/real_model_checks.py --model smollm2-135m-instruct --out OUT
 
 Writes OUT/real_model_checks.json and OUT/real_model_checks.md.

@@ -82,6 +82,37 @@ def test_eval_runs_two_policies_and_writes_everything(tiny_llama, tmp_path):
     assert untimed(rerun) == untimed([r for r in records if r["policy"] == "tokenselect"])
 
 
+@pytest.mark.parametrize("select_dtype, started", [(None, ["full", "tokenselect"]), ("kv", ["full"]),
+                                                   ("fp8", ["full"])])
+def test_eval_gives_tokenselect_an_engine_of_its_own_where_auto_may_give_it_fp8_keys(tiny_llama, tmp_path,
+                                                                                  monkeypatch, select_dtype, started):
+    """With select_dtype auto (unset) an engine started with TokenSelect may hold an fp8 copy of the keys that one
+    started with full attention would not (``engine.selection_keys_dtype``), so TokenSelect gets its own engine and
+    measures what a user starting with it gets; with kv or fp8 every policy gets the same keys from one engine. The
+    keys a policy scored are in its settings line when they are a copy."""
+    from tokenselect.eval import runner
+
+    engines = []
+
+    class Recorded(runner.LLM):
+        def __init__(self, model, attention, **settings):
+            engines.append(attention)
+            super().__init__(model, attention, **settings)
+
+    monkeypatch.setattr(runner, "LLM", Recorded)
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_llama), "--task", "passkey", "--lengths", "512", "--samples", "1", "--k", "64",
+            "--n-local", "64", "--n-init", "8", "--kernels", "torch", "--device", "cpu",
+            "--attention", "full,tokenselect,streaming", "--output", str(out)]
+    args = parse([*argv, *(["--select-dtype", select_dtype] if select_dtype else [])])
+    assert args.func(args) == 0
+    assert engines == started
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["policy"] for r in records] == ["full", "tokenselect", "streaming"]
+    table = (out / "table.md").read_text()
+    assert ("selection_keys=fp8" in table) is (select_dtype == "fp8")
+
+
 def test_eval_help_and_bad_names(capsys):
     with pytest.raises(SystemExit):
         parse(["--help"])

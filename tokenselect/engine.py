@@ -56,11 +56,18 @@ def selection_keys_dtype(setting: str, attention: str, kv_dtype: torch.dtype, de
     measured to lose nothing and to pay: the engine starts with a policy that declares it
     (``AttentionPolicy.fp8_selection_keys``), on a GPU, over a 16-bit pool whose values stay on the GPU (value
     offload and an fp8 pool are chosen to save memory, which the copy would spend)."""
-    declares = attention in POLICIES and POLICIES[attention].fp8_selection_keys  # (an unknown name: make_policy)
-    if setting == "fp8" or (setting == "auto" and declares and device.type == "cuda" and kv_dtype.itemsize == 2
+    if setting == "fp8" or (auto_fp8_keys(setting, attention) and device.type == "cuda" and kv_dtype.itemsize == 2
                             and kv_offload == "none"):
         return torch.float8_e4m3fn
     return kv_dtype
+
+
+def auto_fp8_keys(setting: str | None, attention: str) -> bool:
+    """Whether an engine started with ``attention`` may make an fp8 copy of the keys that one started with another
+    policy would not (``select_dtype`` auto or unset, and a policy that declares the copy): a harness that runs
+    several policies gives such a policy an engine of its own, so that it measures what a user starting with it
+    gets. An unknown name is False (``make_policy`` refuses it)."""
+    return setting in (None, "auto") and attention in POLICIES and POLICIES[attention].fp8_selection_keys
 
 
 def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None = None) -> str:

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..data import default_model_path, prose_text
-from ..engine import KV_DTYPES, LLM, kv_label
+from ..engine import KV_DTYPES, LLM, auto_fp8_keys, kv_label
 from ..eval.runner import parse_length
 from ..kv_cache import HostMemoryError
 from ..models import load_tokenizer
@@ -333,8 +333,7 @@ def engine_groups(policies: list[str], select_dtype: str) -> list[list[str]]:
     a copy they never read."""
     groups: dict[bool, list[str]] = {}
     for policy in policies:
-        groups.setdefault(select_dtype == "auto" and POLICIES[policy_spec(policy)[0]].fp8_selection_keys,
-                          []).append(policy)
+        groups.setdefault(auto_fp8_keys(select_dtype, policy_spec(policy)[0]), []).append(policy)
     return list(groups.values())
 
 

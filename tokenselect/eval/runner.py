@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from ..data import default_model_path, prose_text
-from ..engine import LLM
+from ..engine import LLM, auto_fp8_keys
 from ..models.loader import Checkpoint, chat_token_ids
 from ..models.registry import home, resolve_model
 from ..policies import POLICIES, policy_kwargs, policy_settings, policy_spec
@@ -267,9 +267,11 @@ def evaluate(args: argparse.Namespace, results: Results | None = None, stop: thr
 
         return evaluate_transformers(args, results, stop)
     specs = names(args.attention)
-    by_rope: dict[str | None, list[str]] = {}
+    # an engine per RoPE scaling, and per kind of selection keys an engine started with the policy holds
+    engines: dict[tuple[str | None, bool], list[str]] = {}
     for spec in specs:
-        by_rope.setdefault(split_policy(spec)[2], []).append(spec)
+        name, _, rope = split_policy(spec)
+        engines.setdefault((rope, auto_fp8_keys(args.select_dtype, name)), []).append(spec)
     # the prompts first, from the tokenizer alone: their worker processes fork before any model is on a GPU
     path = resolve_model(args.model) if args.model is not None else default_model_path()
     checkpoint = Checkpoint(path)
@@ -293,7 +295,7 @@ def evaluate(args: argparse.Namespace, results: Results | None = None, stop: thr
             todo[rec["policy"]].remove(i)
             results.add(rec, (specs.index(rec["policy"]), i))
             progress.update(1)
-    for rope, group in by_rope.items():
+    for (rope, _), group in engines.items():
         if not any(todo[spec] for spec in group):
             continue  # every answer of this engine's policies is in already
         first, own, _ = split_policy(group[0])
@@ -307,6 +309,8 @@ def evaluate(args: argparse.Namespace, results: Results | None = None, stop: thr
                 llm.set_attention(name, **{**policy_kwargs(args, name, engine=False), **own})
                 args.policy_settings[spec] = {key: getattr(llm.policy, key) for key in policy_settings(name)
                                               if isinstance(getattr(llm.policy, key, None), (int, float, str))}
+                if llm.select_dtype != llm.kv_dtype:  # the keys it scored: an fp8 copy (--select-dtype)
+                    args.policy_settings[spec]["selection_keys"] = "fp8"
                 fitted = llm.policy_config["fitted_to_window"]
                 if fitted:  # defaults shrunk for a small window: say so where the results are read
                     args.policy_settings[spec]["fitted_to_window"] = f"{'/'.join(fitted)} (window {llm.window})"
