@@ -20,9 +20,9 @@ import sys
 
 import torch
 import triton.language as tl
-import triton.testing
 
-from scores_tile_gpu import D, N_KV, copy_bandwidth, operands, save  # (benchmarks/: this script's folder)
+# (benchmarks/: this script's folder)
+from scores_tile_gpu import D, N_KV, checked_and_timed, copy_bandwidth, operands, save
 
 paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")  # the module (the package exports a function)
 SHIPPED_TILE, SHIPPED_DOT = paged_dot.SCORES_TILE, paged_dot.exact_dot_type
@@ -57,13 +57,7 @@ def main(out: str) -> None:
                 for tile in TILES if dtype != torch.bfloat16 else TILES[:1]:
                     paged_dot.SCORES_TILE = tile
                     row = {"length": name, "slots": order, "keys": keys_name, "tile": list(tile), "floor_ms": floor_ms}
-                    try:
-                        call = lambda: paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live)
-                        torch.testing.assert_close(call()[0][:, :4096], want, rtol=1e-3, atol=1e-3)
-                        row["ms"] = triton.testing.do_bench(call, return_mode="median")
-                    except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
-                        row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
-                    rows.append(row)
+                    rows.append(checked_and_timed(row, q, pool, slots, live, want))
                     print(json.dumps(row), flush=True)
                 paged_dot.SCORES_TILE, paged_dot.exact_dot_type = SHIPPED_TILE, SHIPPED_DOT
     lines = [f"# Scores kernel, bf16 and fp8 keys, {torch.cuda.get_device_name()} (copy bandwidth "

@@ -59,15 +59,7 @@ def main(out: str) -> None:
                 paged_dot.SCORES_TILE = tile
                 row = {"length": name, "keys": str(dtype).removeprefix("torch."), "tile": list(tile),
                        "floor_ms": floor_ms}
-                try:
-                    got = paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live)[0]
-                    torch.testing.assert_close(got[:, :4096], want, rtol=1e-3, atol=1e-3)
-                    row["ms"] = triton.testing.do_bench(
-                        lambda: paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live),
-                        return_mode="median")
-                except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
-                    row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
-                rows.append(row)
+                rows.append(checked_and_timed(row, q, pool, slots, live, want))
                 print(json.dumps(rows[-1]), flush=True)
     shipped = list(TILES[0])
     lines = [f"# Scores kernel tiles, {torch.cuda.get_device_name()} (copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
@@ -81,6 +73,19 @@ def main(out: str) -> None:
         lines.append(f"| {r['length']} | {r['keys']} | {tuple(r['tile'])} | {r['ms']:.4f} | "
                      f"{r['ms'] / r['floor_ms']:.2f}x | {r['ms'] / base['ms']:.3f} |")
     save(out, "scores_tile", bandwidth, rows, lines)
+
+
+def checked_and_timed(row: dict, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, live: torch.Tensor,
+                      want: torch.Tensor) -> dict:
+    """``row`` with the median ms of the scores kernel as it stands (its tile and dot type), once its scores of the
+    first 4096 slots match ``want`` (``paged_dot_ref``); or with the error it raised."""
+    call = lambda: paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=True, n_valid=live)  # noqa: E731
+    try:
+        torch.testing.assert_close(call()[0][:, :4096], want, rtol=1e-3, atol=1e-3)
+        row["ms"] = triton.testing.do_bench(call, return_mode="median")
+    except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
+        row["error"] = f"{type(err).__name__}: {str(err)[:120]}"
+    return row
 
 
 def save(out: str, stem: str, bandwidth: float, rows: list[dict], lines: list[str]) -> None:
