@@ -132,6 +132,27 @@ def test_the_engines_full_attention_is_a_dense_row_the_ratios_take_where_fastest
     assert "| 128K | tokenselect | bf16 | 2.00 | 5.00x | 2.00 | 2.00x |" in e2e.table(rows)
 
 
+def test_a_merge_adds_estimates_at_another_hit_rate_beside_the_runs_own(tmp_path):
+    """``bench e2e --merge FILE --hit-rate R``: rows estimated at R from the merged runs' measured rows (not from an
+    estimate), beside the estimate the run wrote; a rate outside [0, 1] is refused before anything is read."""
+    measured = [_row("tokenselect", 2.0, 10.0, hit_rate=0.0), _row("tokenselect:theta=-1", 2.1, 6.0, hit_rate=1.0)]
+    (tmp_path / "run.json").write_text(json.dumps({"device": "GPU", "config": "llama3-8b",
+                                                   "rows": measured + e2e.estimated_rows(measured, 0.25)}))
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    merge = ["e2e", "--merge", str(tmp_path / "run.json"), "--output", str(tmp_path), "--tag", "m"]
+    args = parser.parse_args([*merge, "--hit-rate", "0.5"])
+    assert args.func(args) == 0
+    rows = json.loads((tmp_path / "e2e_m.json").read_text())["rows"]
+    estimates = {r["policy"]: r["decode_ms"] for r in rows if r.get("estimated")}
+    assert estimates == {"tokenselect at 25% hits (estimate)": pytest.approx(9.0),
+                         "tokenselect at 50% hits (estimate)": pytest.approx(8.0)}
+    with pytest.raises(SystemExit, match="--hit-rate must be between 0 and 1, not 1.5"):
+        args = parser.parse_args([*merge, "--hit-rate", "1.5", "--tag", "bad"])
+        args.func(args)
+    assert not (tmp_path / "e2e_bad.json").exists()
+
+
 def test_estimate_at_a_hit_rate_mixes_the_selecting_and_hit_rows():
     rows = [_row("tokenselect", 2.0, 10.0, hit_rate=0.0, floor_ms=8.0),
             _row("tokenselect:theta=-1", 2.1, 6.0, hit_rate=1.0, floor_ms=5.0),

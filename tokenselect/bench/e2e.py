@@ -515,17 +515,26 @@ def save(out: Path, tag: str, title: str, device: str, meta: dict, rows: list[di
 def merge(args: argparse.Namespace) -> int:
     """One table and plot from the JSON of several runs (e.g. one per length, each a device call of its
     own): rows in order of length, each keeping its own KV setting; dense ratios within each length. A row
-    measured again in a later file (same length, policy and KV) replaces the earlier one in place."""
+    measured again in a later file (same length, policy and KV) replaces the earlier one in place. With
+    ``--hit-rate``, estimated rows at that rate are added beside those the runs wrote."""
+    check_hit_rate(args)
     runs = [json.loads(Path(f).read_text()) for f in args.merge]
     devices, configs = {r["device"] for r in runs}, {r["config"] for r in runs}
     if len(devices) > 1 or len(configs) > 1:
         raise SystemExit(f"cannot merge runs of different devices or models: {sorted(devices)}, {sorted(configs)}")
     latest = {(row["length"], row["policy"], row.get("kv")): row for r in runs for row in r["rows"]}
     rows = sorted(latest.values(), key=lambda row: row["length"])
+    if args.hit_rate is not None:  # estimates at another hit rate, from the merged runs' measured rows
+        rows += estimated_rows([row for row in rows if not row.get("estimated")], args.hit_rate)
     names = ", ".join(Path(f).stem for f in args.merge)
     print(save(Path(args.output), args.tag, f"{configs.pop()}, merged from {names}", devices.pop(),
                {"config": runs[0]["config"], "merged": [Path(f).name for f in args.merge]}, rows))
     return 0
+
+
+def check_hit_rate(args: argparse.Namespace) -> None:
+    if args.hit_rate is not None and not 0 <= args.hit_rate <= 1:
+        raise SystemExit(f"--hit-rate must be between 0 and 1, not {args.hit_rate}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -542,8 +551,7 @@ def run(args: argparse.Namespace) -> int:
                 dense_chunk(policy, 1, args.chunk_size)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
-    if args.hit_rate is not None and not 0 <= args.hit_rate <= 1:
-        raise SystemExit(f"--hit-rate must be between 0 and 1, not {args.hit_rate}")
+    check_hit_rate(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written) on {device}", flush=True)
