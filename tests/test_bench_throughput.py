@@ -143,7 +143,7 @@ def test_bench_throughput_reports_what_fits_and_what_does_not(tmp_path, monkeypa
 def test_bench_throughput_pays_a_selection_keys_copy_in_tokens(tmp_path, monkeypatch):
     """With an fp8 copy of the keys (--select-dtype fp8) the engine's methods get the bytes of the 300-token budget:
     fp32 K and V (8 bytes an element pair) plus the copy's 1 make 300 * 8 // 9 = 266 tokens, 1 request of 141
-    tokens; dense keeps its 2."""
+    tokens; dense keeps its 2. The engine's pool is built with those 266 slots (its peak memory is the budget's)."""
     rows = run_command(tmp_path, monkeypatch, "--batch-sizes", "1,2", "--policies", "dense,tokenselect:theta=-1",
                        "--kv-cache-tokens", "300", "--select-dtype", "fp8")["rows"]
     assert {(r["policy"], r["fit_batch"]) for r in rows} == {("dense", 2), ("tokenselect:theta=-1", 1)}

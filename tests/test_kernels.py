@@ -584,6 +584,25 @@ def test_topk_writes_to_out(kern):
             kern.topk(scores, 1300, out=bad)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter compiles nothing")
+def test_topk_compiles_no_new_variant_when_the_block_count_reaches_a_multiple_of_16(monkeypatch):
+    """A longer prompt runs the top-k's kernels already compiled for a shorter one: 15 blocks of scores, then 16
+    (Triton specializes an integer argument divisible by 16; the count and write kernels take the block count)."""
+    from triton import knobs
+
+    topk_module = importlib.import_module("tokenselect.kernels.topk")  # the package exports its function by that name
+    for kernel in (topk_module._count_kernel, topk_module._write_kernel):
+        kernel.device_caches.clear()  # variants other tests compiled (the 16-block one among them) are met again
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *, fn, **_: compiled.append(fn.name) and False)
+    for n in (14 * 2048 + 7, 15 * 2048 + 7):  # odd lengths both: only the block count's divisibility changes
+        scores = torch.randn(n, device=DEVICE)
+        compiled.clear()
+        assert torch.equal(TRITON.topk(scores, 1001, torch.tensor(n, device=DEVICE)),
+                           TORCH.topk(scores, 1001, torch.tensor(n, device=DEVICE)))
+    assert compiled == []
+
+
 def test_topk_of_nothing_live():
     """A decode graph's Selection Cache hit: no score is read (NaNs there change nothing), and the first k
     positions come back, or the first k values."""

@@ -75,8 +75,9 @@ CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
 FULL_OFFLOAD_BYTES = 256 << 30  # host->GPU value copies full attention may make in one prefill
 PROGRESS_SECONDS = 30  # prefill progress lines at most this often
 # prompt of the untimed request each policy runs first (the whole prompt when it is shorter). Triton compiles a
-# kernel again when an integer argument first becomes divisible by 16 (e.g. the top-k's block count, middle
-# tokens / 2048, reaches 16 past 30K tokens): a 16K warm-up left such compiles inside the first timed 32K prefill
+# kernel again when an integer argument first becomes divisible by 16: a 16K warm-up left such compiles inside the
+# first timed 32K prefill. Arguments that grow with the context should not be specialized (the top-k's block
+# count is not: it cost the first 128K prefill after this warm-up 0.6 s, benchmarks/first_prefill_compiles_gpu.py)
 WARMUP_TOKENS = 40960
 # its decode steps: Triton compiles a kernel again for a length argument divisible by 16 (and for 1), so 16
 # consecutive lengths meet every variant an eagerly planned decode step (InfLLM's) launches

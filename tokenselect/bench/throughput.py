@@ -35,8 +35,9 @@ from typing import Iterator
 
 import torch
 
-from ..engine import LLM, kv_label
+from ..engine import KV_DTYPES, LLM, kv_label, selection_keys_dtype
 from ..eval.runner import parse_length
+from ..models.loader import resolve_dtype
 from ..policies import POLICIES, policy_spec
 from ..sampling import SamplingParams
 from ..sequence import Sequence
@@ -224,10 +225,7 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
     name, settings = policy_spec(policy)
     llm.set_attention(name, **settings)
     max_tokens = new_tokens(batches, args.decode_steps)
-    kv, copy = llm.kv_dtype.itemsize, llm.select_dtype.itemsize if llm.select_dtype != llm.kv_dtype else 0
-    # the selection keys' copy is paid in tokens: a pool the engine sized counted it already, a pool of
-    # --kv-cache-tokens tokens gets that many tokens' K and V bytes
-    budget = llm.cache.n_slots if args.kv_cache_tokens is None else args.kv_cache_tokens * 2 * kv // (2 * kv + copy)
+    budget = llm.cache.n_slots  # tokens: the selection keys' copy paid already (``pool_tokens``)
     per_request = args.length + max_tokens
     fit = budget // per_request
     base = {"policy": policy, "kv": kv_label(llm.kv_dtype, "none", llm.select_dtype),
@@ -254,6 +252,19 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
         method.close()
 
 
+def pool_tokens(args, attention: str) -> int | None:
+    """The slots of the pool of an engine started with ``attention``: --kv-cache-tokens tokens' bytes of K and V,
+    of which the selection keys' copy, when the engine makes one, takes its share (N * 2kv / (2kv + copy) tokens);
+    None, the engine's default pool, which counts the copy already."""
+    if args.kv_cache_tokens is None:
+        return None
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype != "auto" else resolve_dtype("auto", device)
+    select = selection_keys_dtype(args.select_dtype, attention, kv_dtype, device, "none")
+    kv, copy = kv_dtype.itemsize, select.itemsize if select != kv_dtype else 0
+    return args.kv_cache_tokens * 2 * kv // (2 * kv + copy)
+
+
 def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iterator[dict]:
     if "dense" in policies:
         yield from run_dense(config, batches, args)
@@ -263,7 +274,7 @@ def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iter
     for group in e2e.engine_groups(engine_policies, args.select_dtype):
         start = time.perf_counter()
         llm = LLM.random(config, policy_spec(group[0])[0], device=args.device, kv_dtype=args.kv_dtype,
-                         select_dtype=args.select_dtype, kv_cache_tokens=args.kv_cache_tokens,
+                         select_dtype=args.select_dtype, kv_cache_tokens=pool_tokens(args, policy_spec(group[0])[0]),
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
                          prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
         print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s",

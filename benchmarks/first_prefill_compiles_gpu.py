@@ -1,0 +1,80 @@
+"""Why an engine's first TokenSelect row prefills 128K slower than the next one (issue #28's notes: 5.11-5.41 s
+against 4.54-4.68 s): the Triton kernel variants compiled after ``bench e2e``'s warm-up, and when.
+
+One engine of the Llama-3-8B shape (random weights) with TokenSelect; the bench's own warm-up; then the same
+prompt measured ``--repeats`` times. Triton's ``jit_cache_hook`` and ``jit_post_compile_hook`` log every kernel
+variant compiled (its name, the specialization of its arguments, the seconds it took) under the phase that met it.
+
+Usage (on a GPU): PYTHONPATH=$PWD python3 benchmarks/first_prefill_compiles_gpu.py OUTDIR [LENGTH] [--repeats N]
+Writes OUTDIR/first_prefill_compiles.{json,md}.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton import knobs
+
+from tokenselect.bench.e2e import CONFIGS, measure, text_prompt, warm_up
+from tokenselect.bench.floors import sync
+from tokenselect.engine import LLM
+from tokenselect.eval.runner import parse_length
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("output", type=Path)
+    ap.add_argument("length", nargs="?", default="128k", type=parse_length)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--policy", default="tokenselect")
+    ap.add_argument("--config", default="llama3-8b", choices=sorted(CONFIGS))
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    args.output.mkdir(parents=True, exist_ok=True)
+    phase = ["start"]
+    started: dict = {}
+    compiles: list[dict] = []
+
+    def on_miss(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        started[str(key)] = time.perf_counter()
+        return False
+
+    def on_compiled(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        took = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        compiles.append({"phase": phase[0], "kernel": fn.name, "seconds": took, "variant": repr,
+                         "key": str(key), "attrs": str(compile.get("configs"))})
+        print(f"  [{phase[0]}] compiled {fn.name} in {took:.2f} s", flush=True)
+
+    knobs.runtime.jit_cache_hook = on_miss
+    knobs.runtime.jit_post_compile_hook = on_compiled
+    config = CONFIGS[args.config]
+    llm = LLM.random(config, args.policy, device=args.device, kv_cache_tokens=args.length + 64, prefix_cache=False)
+    ids = text_prompt(args.length, config["vocab_size"])
+    phases = []
+    for name in ["warm-up"] + [f"timed {i + 1}" for i in range(args.repeats)]:
+        phase[0] = name
+        sync(llm.device)
+        start = time.perf_counter()
+        row = warm_up(llm, ids) if name == "warm-up" else measure(llm, ids, 4)
+        took = time.perf_counter() - start
+        mine = [c for c in compiles if c["phase"] == name]
+        phases.append({"phase": name, "seconds": took, "prefill_s": row and row["prefill_s"],
+                       "compiles": len(mine), "compile_s": sum(c["seconds"] for c in mine)})
+        print(json.dumps(phases[-1]), flush=True)
+    result = {"length": args.length, "policy": args.policy, "gpu": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu",
+              "phases": phases, "compiles": compiles}
+    (args.output / "first_prefill_compiles.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Kernel variants compiled after the warm-up, {args.length} tokens, {args.policy}, "
+             f"{result['gpu']}", "", "| phase | wall s | prefill s | compiles | compile s |", "|---|---|---|---|---|"]
+    lines += [f"| {p['phase']} | {p['seconds']:.2f} | {p['prefill_s'] or 0:.2f} | {p['compiles']} | "
+              f"{p['compile_s']:.2f} |" for p in phases]
+    lines += ["", "| phase | kernel | s | specialization key |", "|---|---|---|---|"]
+    lines += [f"| {c['phase']} | {c['kernel']} | {c['seconds']:.2f} | `{c['variant'][:400]}` |"
+              for c in compiles if c["phase"] != "warm-up"]
+    (args.output / "first_prefill_compiles.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
