@@ -51,7 +51,7 @@ from .transfer import to_device
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # step sizes of the piecewise graphs, besides the prefill chunk
 # decode sequences per whole-step graph, as many as the largest decode bucket: each sequence has its own selection
 # nodes, so a graph grows with the batch, but past it a step runs layer by layer from the host (at 13 sequences of
-# 32K tokens that took 278 ms a step where 8 took 31 ms in one graph, results/throughput_32k_h200.md)
+# 32K tokens that took 278 ms a step where 8 took 31 ms in one graph, results/supporting/throughput_32k_4306cf1_h200.md)
 MAX_BATCH = DECODE_BUCKETS[-1]
 GRAIN = 4096  # slot-table capacities are multiples of this
 PREFILL_MIN_CHUNKS = 16  # shorter prompts (in chunks) prefill through the pieces: a recording would not pay off

@@ -185,7 +185,8 @@ class EngineSettings(Validated):
                                         "holds a fifth fewer tokens); kv: selection reads the KV pool's keys; "
                                         "auto: fp8 when the engine starts with TokenSelect on a GPU over a 16-bit "
                                         "pool without value offload (measured to lose no accuracy on the real "
-                                        "models' tables), else kv", choices=("auto", "fp8", "kv"))
+                                        "models' tables), else kv; kv where KV memory bounds a server's batch (the "
+                                        "pool holds 5/4 the tokens)", choices=("auto", "fp8", "kv"))
     max_model_len: int | None = setting(None, "longest prompt + generation", unit="tokens", low=1, kind=int,
                                         none="the KV pool's size")
     max_num_seqs: int = setting(64, "sequences running at once; 1 gives every prefill chunk a step of its own, "

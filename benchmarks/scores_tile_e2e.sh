@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The scores kernel's tile timed where it counts: `bench e2e` at 128K, TokenSelect's selecting step, with the
+# shipped tile and with TILE (e.g. 256,4,4,3), alternated ROUNDS times in one call (the GPU's drift shows as the
+# spread between rounds of one tile). Writes OUTDIR/tile_<tile>_<round>.{md,json}.
+# Usage: PYTHONPATH=$PWD [CONFIG=tiny] benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]
+set -euo pipefail
+out=${1:?usage: benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]}
+tile=${2:?usage: benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]}
+rounds=${3:-2}
+length=${4:-128k}
+shipped=$(python3 -c "from tokenselect.kernels.paged_dot import SCORES_TILE as t; print(','.join(map(str, t)))")
+for round in $(seq 1 "$rounds"); do
+  for t in "$shipped" "$tile"; do
+    python3 - "$t" bench e2e --lengths "$length" --policies tokenselect --decode-steps 32 --output "$out" \
+      --tag "tile_${t//,/_}_$round" --config "${CONFIG:-llama3-8b}" <<'PY'
+import runpy, sys
+import tokenselect.kernels.paged_dot as paged_dot
+paged_dot.SCORES_TILE = tuple(int(x) for x in sys.argv[1].split(","))  # read at each launch (scores_block)
+sys.argv = ["tokenselect"] + sys.argv[2:]
+runpy.run_module("tokenselect.cli", run_name="__main__")
+PY
+  done
+done
+grep -h "| tokenselect |" "$out"/e2e_tile_*.md
