@@ -1,9 +1,12 @@
-"""The GPU probes under benchmarks/ (where a compile or a memory peak comes from), run where they can be: the
-allocator-trace replay on a made-up trace, the compile probe end to end on the CPU (where nothing compiles)."""
+"""The probes under benchmarks/ (where a compile or a memory peak comes from; whether prefill selections would be
+reused), run where they can be: the allocator-trace replay and the reuse replay on made-up inputs, the compile probe
+end to end on the CPU (where nothing compiles)."""
 
 from __future__ import annotations
 
 import json
+
+import torch
 
 from benchmark_scripts import load
 
@@ -41,3 +44,15 @@ def test_the_compile_probe_times_the_warm_up_and_each_repeat(tmp_path):
     assert result["phases"][0]["prefill_s"] is None and all(p["prefill_s"] > 0 for p in result["phases"][1:])
     assert result["compiles"] == [] and result["length"] == 3000
     assert "| timed 2 |" in (tmp_path / "first_prefill_compiles.md").read_text()
+
+
+def test_prefill_reuse_replays_the_selection_caches_rule_per_layer():
+    """A query reuses while its cosine with the query of the last miss reaches theta (at theta exactly: reused);
+    a miss becomes the new reference; each layer has its own."""
+    reused = load("prefill_selection_reuse").reused
+    e1, e2, a, b = (torch.tensor(v) for v in ([1.0, 0.0], [0.0, 1.0], [4.0, 3.0], [3.0, 4.0]))
+    # cos(e1, a) = 0.8, cos(e1, b) = 0.6, cos(a, b) = 0.96
+    queries = {0: [e1, a, b, a], 1: [e2, e2]}
+    assert reused(queries, 0.8) == (3, 6)  # layer 0: miss, hit at 0.8, miss (b the reference), hit; layer 1: hit
+    assert reused(queries, 0.97) == (1, 6)  # only layer 1's equal queries
+    assert reused(queries, 0.5) == (4, 6)

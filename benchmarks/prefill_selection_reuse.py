@@ -1,0 +1,71 @@
+"""Would a Selection Cache pay in prefill? TokenSelect selects once a prefill chunk, with the chunk's mean query; this
+records those queries on a real model over real prose and replays the Selection Cache's rule on them (a layer reuses
+its last selection while cos(q, the query it was made for) >= theta), for several theta.
+
+    PYTHONPATH=$PWD python3 benchmarks/prefill_selection_reuse.py MODEL TOKENS CHUNK [--device cpu]
+
+Prints the share of prefill selections that would be reused and the quantiles of consecutive chunks' cosine.
+"""
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tokenselect import LLM, SamplingParams
+from tokenselect.policies.tokenselect import TokenSelect
+
+THETAS = (0.95, 0.9, 0.8)
+
+
+def reused(queries: dict[int, list[torch.Tensor]], theta: float) -> tuple[int, int]:
+    """(selections a Selection Cache at ``theta`` would reuse, selections) over each layer's chunk queries."""
+    hits = total = 0
+    for qs in queries.values():
+        cached = None
+        for q in qs:
+            if cached is not None and F.cosine_similarity(q, cached, dim=0) >= theta:
+                hits += 1
+            else:
+                cached = q
+            total += 1
+    return hits, total
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("tokens", type=int)
+    ap.add_argument("chunk", type=int)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    from real_model_checks import prose_ids  # benchmarks/, beside this script
+
+    queries: dict[int, list[torch.Tensor]] = {}
+    select = TokenSelect.select
+
+    def recording(self, layer, row, query, middle, live, decode):
+        if not decode:
+            queries.setdefault(layer, []).append(query.float().flatten().cpu())
+        return select(self, layer, row, query, middle, live, decode)
+
+    TokenSelect.select = recording
+    try:
+        llm = LLM(args.model, "tokenselect", device=args.device, kv_cache_tokens=args.tokens + 64,
+                  chunk_size=args.chunk, dense_until=0)
+        start = time.perf_counter()
+        llm.generate([prose_ids(llm, args.tokens)], SamplingParams(max_tokens=1, temperature=0))
+    finally:
+        TokenSelect.select = select
+    print(f"prefill {time.perf_counter() - start:.0f} s, {len(queries[0])} selecting chunks a layer")
+    for theta in THETAS:
+        hits, total = reused(queries, theta)
+        print(f"theta {theta}: {hits}/{total} = {hits / total:.1%} of prefill selections would be reused")
+    cos = sorted(F.cosine_similarity(qs[i], qs[i - 1], dim=0).item() for qs in queries.values()
+                 for i in range(1, len(qs)))
+    print("consecutive chunks' cosine, 10/50/90%:", *(f"{cos[len(cos) * p // 10]:.4f}" for p in (1, 5, 9)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
