@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         phases.append({"phase": name, "seconds": took, "prefill_s": row and row["prefill_s"],
                        "compiles": len(mine), "compile_s": sum(c["seconds"] for c in mine)})
         print(json.dumps(phases[-1]), flush=True)
-    result = {"length": args.length, "policy": args.policy, "gpu": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu",
-              "phases": phases, "compiles": compiles}
+    gpu = torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu"
+    result = {"length": args.length, "policy": args.policy, "gpu": gpu, "phases": phases, "compiles": compiles}
     (args.output / "first_prefill_compiles.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Kernel variants compiled after the warm-up, {args.length} tokens, {args.policy}, "
              f"{result['gpu']}", "", "| phase | wall s | prefill s | compiles | compile s |", "|---|---|---|---|---|"]

@@ -272,9 +272,9 @@ def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iter
     if not engine_policies:
         return
     for group in e2e.engine_groups(engine_policies, args.select_dtype):
-        start = time.perf_counter()
-        llm = LLM.random(config, policy_spec(group[0])[0], device=args.device, kv_dtype=args.kv_dtype,
-                         select_dtype=args.select_dtype, kv_cache_tokens=pool_tokens(args, policy_spec(group[0])[0]),
+        start, first = time.perf_counter(), policy_spec(group[0])[0]
+        llm = LLM.random(config, first, device=args.device, kv_dtype=args.kv_dtype,
+                         select_dtype=args.select_dtype, kv_cache_tokens=pool_tokens(args, first),
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
                          prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
         print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s",
