@@ -22,12 +22,11 @@ import torch
 import triton.language as tl
 
 # (benchmarks/: this script's folder)
-from scores_tile_gpu import D, N_KV, checked_and_timed, copy_bandwidth, operands, save
+from scores_tile_gpu import checked_and_timed, copy_bandwidth, lengths, pool_case, save
 
 paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")  # the module (the package exports a function)
 SHIPPED_TILE, SHIPPED_DOT = paged_dot.SCORES_TILE, paged_dot.exact_dot_type
 TILES = [SHIPPED_TILE, (128, 4, 8, 3), (128, 4, 4, 4), (256, 4, 4, 3), (256, 8, 4, 3), (128, 8, 8, 3), (64, 4, 8, 4)]
-LENGTHS = {"128K": 1 << 17, "1M": 1 << 20}
 
 
 def fp16_products(q_dtype, k_dtype):
@@ -38,21 +37,16 @@ def fp16_products(q_dtype, k_dtype):
 
 
 def main(out: str) -> None:
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    bandwidth = copy_bandwidth(dev)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = copy_bandwidth(gen.device)
     rows = []
-    for name, n in LENGTHS.items():
-        q, keys = operands(n, gen)
-        live = torch.tensor(n, device=dev)
-        for order, slots in (("consecutive", torch.arange(512, 512 + n, device=dev)),
-                             ("random", torch.randperm(n + 1024, device=dev, generator=gen)[:n])):
+    for name, n, q, keys, live in lengths(gen):
+        for order, slots in (("consecutive", torch.arange(512, 512 + n, device=gen.device)),
+                             ("random", torch.randperm(n + 1024, device=gen.device, generator=gen)[:n])):
             for keys_name, dtype, rule in (("bf16", torch.bfloat16, SHIPPED_DOT),
                                            ("fp8, bf16 products", torch.float8_e4m3fn, SHIPPED_DOT),
                                            ("fp8, fp16 products", torch.float8_e4m3fn, fp16_products)):
-                pool = keys.to(dtype)
-                want = paged_dot.paged_dot_ref(q, pool, slots[:4096])
-                floor_ms = n * N_KV * D * dtype.itemsize / bandwidth * 1e3
+                pool, want, floor_ms = pool_case(q, keys, dtype, slots, bandwidth)
                 paged_dot.exact_dot_type = rule
                 for tile in TILES if dtype != torch.bfloat16 else TILES[:1]:
                     paged_dot.SCORES_TILE = tile

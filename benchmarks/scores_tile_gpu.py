@@ -15,6 +15,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import triton.testing
@@ -42,19 +43,31 @@ def operands(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.randn(n + 1024, N_KV, D, device=gen.device, generator=gen).to(torch.bfloat16)
 
 
-def main(out: str) -> None:
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    bandwidth = copy_bandwidth(dev)
-    rows = []
+def lengths(gen: torch.Generator) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each of LENGTHS: its name, n, the query and pool of ``operands`` (drawn from gen in this order), and the
+    live count n on gen's device (the kernel reads it there, as in a decode graph)."""
     for name, n in LENGTHS.items():
         q, keys = operands(n, gen)
-        slots = torch.randperm(n + 1024, device=dev, generator=gen)[:n]
-        live = torch.tensor(n, device=dev)
+        yield name, n, q, keys, torch.tensor(n, device=gen.device)
+
+
+def pool_case(q: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype, slots: torch.Tensor,
+              bandwidth: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The keys in ``dtype`` as the pool to score, ``paged_dot_ref``'s scores of its first 4096 slots (what
+    ``checked_and_timed`` checks against), and the floor in ms of reading the slots' keys once at ``bandwidth``."""
+    pool = keys.to(dtype)
+    floor_ms = slots.numel() * N_KV * D * dtype.itemsize / bandwidth * 1e3
+    return pool, paged_dot.paged_dot_ref(q, pool, slots[:4096]), floor_ms
+
+
+def main(out: str) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = copy_bandwidth(gen.device)
+    rows = []
+    for name, n, q, keys, live in lengths(gen):
+        slots = torch.randperm(n + 1024, device=gen.device, generator=gen)[:n]
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            pool = keys.to(dtype)
-            want = paged_dot.paged_dot_ref(q, pool, slots[:4096])
-            floor_ms = n * N_KV * D * dtype.itemsize / bandwidth * 1e3
+            pool, want, floor_ms = pool_case(q, keys, dtype, slots, bandwidth)
             for tile in TILES:
                 paged_dot.SCORES_TILE = tile
                 row = {"length": name, "keys": str(dtype).removeprefix("torch."), "tile": list(tile),
