@@ -62,6 +62,13 @@ def selection_keys_dtype(setting: str, attention: str, kv_dtype: torch.dtype, de
     return kv_dtype
 
 
+def token_bytes(cfg: ModelConfig, kv_dtype: torch.dtype, select_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one token's K, or V, in the pool; bytes of its selection keys' copy, 0 without one) over every
+    layer."""
+    per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    return per_pool, 0 if select_dtype == kv_dtype else per_pool // kv_dtype.itemsize * select_dtype.itemsize
+
+
 def auto_fp8_keys(setting: str | None, attention: str) -> bool:
     """Whether an engine started with ``attention`` may make an fp8 copy of the keys that one started with another
     policy would not (``select_dtype`` auto or unset, and a policy that declares the copy): a harness that runs
@@ -286,10 +293,7 @@ class LLM:
         value offload K (and the copy) alone there and V in the available host memory; on the CPU, all of them
         in CPU_POOL_BYTES. cfg: the model's as this process holds it (a tensor-parallel rank's heads; default
         ``config``)."""
-        cfg = cfg or self.config
-        per_pool = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(self.kv_dtype).bits // 8  # K or V
-        per_copy = per_pool // self.kv_dtype.itemsize * self.select_dtype.itemsize  # the selection keys' copy
-        copy = 0 if self.select_dtype == self.kv_dtype else per_copy
+        per_pool, copy = token_bytes(cfg or self.config, self.kv_dtype, self.select_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if kv_offload == "values":

@@ -35,7 +35,8 @@ from typing import Iterator
 
 import torch
 
-from ..engine import KV_DTYPES, LLM, kv_label, selection_keys_dtype
+from ..config import ModelConfig
+from ..engine import KV_DTYPES, LLM, kv_label, selection_keys_dtype, token_bytes
 from ..eval.runner import parse_length
 from ..models.loader import resolve_dtype
 from ..policies import POLICIES, policy_spec
@@ -252,7 +253,7 @@ def run_policy(llm: LLM, config: dict, policy: str, batches: list[int], args) ->
         method.close()
 
 
-def pool_tokens(args, attention: str) -> int | None:
+def pool_tokens(config: dict, args, attention: str) -> int | None:
     """The slots of the pool of an engine started with ``attention``: --kv-cache-tokens tokens' bytes of K and V,
     of which the selection keys' copy, when the engine makes one, takes its share (N * 2kv / (2kv + copy) tokens);
     None, the engine's default pool, which counts the copy already."""
@@ -261,7 +262,7 @@ def pool_tokens(args, attention: str) -> int | None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype != "auto" else resolve_dtype("auto", device)
     select = selection_keys_dtype(args.select_dtype, attention, kv_dtype, device, "none")
-    kv, copy = kv_dtype.itemsize, select.itemsize if select != kv_dtype else 0
+    kv, copy = token_bytes(ModelConfig.from_dict(config), kv_dtype, select)
     return args.kv_cache_tokens * 2 * kv // (2 * kv + copy)
 
 
@@ -274,7 +275,7 @@ def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iter
     for group in e2e.engine_groups(engine_policies, args.select_dtype):
         start, first = time.perf_counter(), policy_spec(group[0])[0]
         llm = LLM.random(config, first, device=args.device, kv_dtype=args.kv_dtype,
-                         select_dtype=args.select_dtype, kv_cache_tokens=pool_tokens(args, first),
+                         select_dtype=args.select_dtype, kv_cache_tokens=pool_tokens(config, args, first),
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
                          prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
         print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s",
