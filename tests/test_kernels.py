@@ -15,11 +15,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 import triton.language as tl
 
 from tokenselect import LLM, SamplingParams
 from tokenselect.kernels import get_kernels
 from tokenselect.kernels.dot import exact_dot_type, query_dot_type
+from tokenselect.kernels.fast_exp import exp2_ftz, exp_ftz
 from tokenselect.kernels.head_vote import head_soft_vote_ref
 from tokenselect.kernels.page_bounds import page_scores, page_scores_ref
 from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
@@ -287,6 +289,39 @@ def test_silu_mul_matches_reference(shape, strided, dtype):
     torch.testing.assert_close(want, F.silu(gate_up[:, :width]) * gate_up[:, width:])
     torch.testing.assert_close(got, want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
                                              else {"atol": 1e-2, "rtol": 8e-3}))
+
+
+@triton.jit
+def _fast_exps_kernel(x_ptr, exp2_ptr, exp_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(exp2_ptr + i, exp2_ftz(x), mask=i < n)
+    tl.store(exp_ptr + i, exp_ftz(x), mask=i < n)
+
+
+def test_fast_exps_match_torch_and_flush_denormal_results():
+    """exp2_ftz and exp_ftz against float64 over the whole range (a softmax's logits minus their max: <= 0, down to
+    -inf), with the boundary of the flush: 2^-126 is the smallest normal result and stays; below it, 0 on the GPU
+    (ex2.approx.ftz), the exact value in the interpreter (plain tl.exp2). ex2.approx's error is 2^-22 relative at
+    most (PTX ISA); exp_ftz's rounding of x * log2(e) adds |x| * 2^-24 * ln 2 of relative error."""
+    x = torch.cat([torch.linspace(-200.0, 100.0, 3001), torch.tensor([0.0, -1.0, -126.0, -126.5, -149.0, -150.0,
+                                                                      float("-inf"), 88.0])])
+    x = x.to(DEVICE)
+    got2, got = torch.empty_like(x), torch.empty_like(x)
+    _fast_exps_kernel[(triton.cdiv(x.numel(), 1024),)](x, got2, got, x.numel(), BLOCK=1024)
+    for fn, out, rtol_at in ((torch.exp2, got2, lambda x: 2 ** -21 + 0 * x),
+                            (torch.exp, got, lambda x: 2 ** -21 + x.abs() * 2 ** -23)):
+        want = fn(x.double())
+        normal, below_normal = (want >= 2.0 ** -126) & (want <= torch.finfo(torch.float32).max), want < 2.0 ** -126
+        assert normal.sum() > 1000 and below_normal.sum() > 100
+        rel = ((out.double() - want).abs() / want)[normal]
+        assert (rel <= rtol_at(x.double())[normal]).all(), rel.max()
+        below = out[below_normal]
+        if DEVICE == "cuda":
+            assert (below == 0).all()  # flushed: the denormals and the underflows
+        else:
+            torch.testing.assert_close(below, want[below_normal].float(), rtol=1e-5, atol=2 ** -148)  # fp32 denormals
+    assert (got2[x == -126.0] == 2.0 ** -126).all() and (got2[x == float("-inf")] == 0.0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # a decode graph passes the model's query

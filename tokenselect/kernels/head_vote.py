@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_exp import exp_ftz
 from .paged_dot import paged_dot_ref, scores_block, scores_with_stats
 
 
@@ -61,7 +62,7 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
     for start in range(0, n_blocks, BLOCK):
         b = start + tl.arange(0, BLOCK)
         m = tl.load(m_ptr + row + b, mask=b < n_blocks, other=float("-inf"))
-        total += tl.load(l_ptr + row + b, mask=b < n_blocks, other=0.0) * tl.exp(m - m_head)
+        total += tl.load(l_ptr + row + b, mask=b < n_blocks, other=0.0) * exp_ftz(m - m_head)
     total = tl.sum(total, axis=0)
     # no live token (a decode graph's Selection Cache hit): 0 and 0, so that the vote computes no inf - inf
     tl.store(m_out_ptr + h, tl.where(total > 0, m_head, 0.0))
@@ -91,7 +92,7 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_val
                     mask=head_ok[:, None] & col_ok[None, :], other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
-        vote = tl.sum(tl.exp(s - m[:, None]) * inv_l[:, None], axis=0)
+        vote = tl.sum(exp_ftz(s - m[:, None]) * inv_l[:, None], axis=0)
         if MASKED:
             vote = tl.where(col_ok, vote, float("-inf"))
         tl.store(out_ptr + cols, vote, mask=cols < N)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .dot import as_dot_type, exact_dot_type, mma
+from .fast_exp import exp_ftz
 from .operands import rows_in_place
 
 
@@ -81,7 +82,7 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
             if STATS:
                 s = tl.where(live[None, :], s, float("-inf"))
                 m = tl.max(s, axis=1)
-                l = tl.sum(tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
+                l = tl.sum(exp_ftz(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
                 tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
                 tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
 
