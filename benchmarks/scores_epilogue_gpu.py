@@ -1,7 +1,8 @@
 """What the scores kernel's softmax statistics cost in a decode step, and whether computing them on the real query rows
 only pays, on a GPU.
 
-    python benchmarks/scores_epilogue_gpu.py OUTDIR
+    python benchmarks/scores_epilogue_gpu.py OUTDIR            # the variants below
+    python benchmarks/scores_epilogue_gpu.py OUTDIR --tiles    # the shipped kernel at each of TILES
 
 Why: compiled for sm_90 (``benchmarks/kernel_sass.py``), the kernel's loop over a block of 128 fp8 keys issued 614
 instructions a thread with ``tl.exp`` in its statistics, of which 227 were the statistics' epilogue; without it, 387.
@@ -27,7 +28,13 @@ Each runs as a decode step runs it (``scores_with_stats``' launch: 32 query head
 read on the device) 32 times in one CUDA graph, one pool a layer (no layer's keys are in L2 for the next), at random
 slots; the time is the median of 20 replays over 32. Each variant's scores and statistics are first checked against
 the shipped kernel's. The floor reads the keys and the slots and writes the scores and statistics once at the copy
-bandwidth measured here. Writes OUTDIR/scores_epilogue.{json,md}.
+bandwidth measured here. Writes OUTDIR/scores_epilogue.{json,md} (with --tiles: OUTDIR/scores_tiles_graph.{json,md}).
+
+``--tiles`` times the shipped kernel at other tiles the same way: ``scores_tile_gpu.py`` timed one launch at a time,
+so at 128K its figures were the launch's (0.10 ms for every tile, 3x the kernel's time in a graph). A tile's
+statistics have another column unit, so its check combines them into each head's max and sum first. What a tile
+gains here need not show in a decode step: (128, 2, 4, 3) took the fp8 kernel from 51.6 to 49.0 us a layer at 128K
+here, and the step from 8.23 to 8.22-8.23 ms in ``scores_tile_e2e.sh`` (``results/supporting/scores_tiles_graph_h200.md``).
 """
 
 from __future__ import annotations
@@ -145,10 +152,35 @@ def graph_ms(fn, layers) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main(out: str) -> None:
+# (keys per block, warps, blocks per program, pipeline stages); the first is the shipped SCORES_TILE
+TILES = [paged_dot.SCORES_TILE, (128, 2, 4, 3), (64, 2, 4, 3), (64, 2, 8, 3), (64, 1, 8, 3), (128, 1, 4, 2),
+         (256, 4, 4, 3), (128, 4, 8, 3)]
+
+
+def at_tile(tile):
+    """The shipped launch at another tile (SCORES_TILE is read at launch, so a graph captures the tile it ran)."""
+    shipped = launcher(paged_dot._scores_kernel, True, {})
+
+    def call(*args):
+        before, paged_dot.SCORES_TILE = paged_dot.SCORES_TILE, tile
+        try:
+            return shipped(*args)
+        finally:
+            paged_dot.SCORES_TILE = before
+    return call
+
+
+def head_totals(m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block (or per-anything) max and sum of exponentials [H, B] -> each head's max and sum [H]."""
+    top = m.max(dim=1).values
+    return top, (l * torch.exp(m - top[:, None])).sum(dim=1)
+
+
+def main(out: str, mode: str = "") -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth(gen.device)
-    variants = {"shipped": launcher(paged_dot._scores_kernel, True, {}),
+    tiles = mode == "--tiles"
+    variants = {str(tuple(t)): at_tile(t) for t in TILES} if tiles else {"shipped": launcher(paged_dot._scores_kernel, True, {}),
                 "no stats": launcher(paged_dot._scores_kernel, False, {}),
                 "real rows": launcher(edited_kernel(REAL_ROWS), True, {"G_P": N_HEADS // N_KV}),
                 "keys as A": launcher(edited_kernel(KEYS_AS_A), True, {}),
@@ -163,30 +195,35 @@ def main(out: str) -> None:
                 pool = torch.randn(n + 1024, N_KV, D, device="cuda", generator=gen).to(dtype)
                 slots = torch.randperm(n + 1024, device="cuda", generator=gen)[:n]
                 layers.append((q, pool, slots, torch.tensor(n, device="cuda")))
-            want = variants["shipped"](*layers[0])
+            shipped_name = str(tuple(paged_dot.SCORES_TILE)) if tiles else "shipped"
+            want = variants[shipped_name](*layers[0])
             n_blocks = want[1].shape[1]
             bytes_moved = n * (N_KV * D * dtype.itemsize + 8 + N_HEADS * 4) + 2 * N_HEADS * n_blocks * 4
             floor_ms = bytes_moved / bandwidth * 1e3
             for vname, fn in variants.items():
                 got = fn(*layers[0])  # equal up to the order of a product's sums (the keys-as-A variants)
-                for g, w in zip(got, want) if vname != "no stats" else zip(got[:1], want[:1]):
+                if tiles:  # another block size: the statistics compared as each head's totals
+                    got, want_here = (got[0], *head_totals(got[1], got[2])), (want[0], *head_totals(want[1], want[2]))
+                else:
+                    want_here = want
+                for g, w in zip(got, want_here) if vname != "no stats" else zip(got[:1], want_here[:1]):
                     torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
                 checked = torch.equal(got[0], want[0])
                 ms = graph_ms(fn, layers)
                 rows.append({"length": name, "keys": str(dtype).removeprefix("torch."), "variant": vname, "ms": ms,
-                             "floor_ms": floor_ms, "scores_equal": checked})
+                             "floor_ms": floor_ms, "scores_equal": checked, "shipped": shipped_name})
                 print(json.dumps(rows[-1]), flush=True)
             del layers
             torch.cuda.empty_cache()
     lines = [f"# Scores kernel epilogue, {torch.cuda.get_device_name()} (copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
-             "", f"32 query heads, 8 kv heads, d 128, random slots; tile {tuple(paged_dot.SCORES_TILE)}; ms a call, "
+             "", f"32 query heads, 8 kv heads, d 128, random slots; tile {tuple(paged_dot.SCORES_TILE)}; us a call, "
              "median of 20 replays of a CUDA graph of one call a layer.", "",
-             "| length | keys | variant | us | of floor | x shipped |", "|---|---|---|---|---|---|"]
+             f"| length | keys | {'tile' if tiles else 'variant'} | us | of floor | x shipped |", "|---|---|---|---|---|---|"]
     for r in rows:
-        base = next(b for b in rows if (b["length"], b["keys"], b["variant"]) == (r["length"], r["keys"], "shipped"))
+        base = next(b for b in rows if (b["length"], b["keys"], b["variant"]) == (r["length"], r["keys"], r["shipped"]))
         lines.append(f"| {r['length']} | {r['keys']} | {r['variant']} | {r['ms'] * 1e3:.1f} | "
                      f"{r['floor_ms'] / r['ms']:.0%} | {base['ms'] / r['ms']:.2f} |")
-    save(out, "scores_epilogue", bandwidth, rows, lines)
+    save(out, "scores_tiles_graph" if tiles else "scores_epilogue", bandwidth, rows, lines)
 
 
 if __name__ == "__main__":
