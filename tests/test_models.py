@@ -76,3 +76,18 @@ def test_bfloat16_close_to_fp32(tiny_llama):
     assert bf16.dtype == torch.float32  # logits always come back in fp32
     # measured: max |bf16 - fp32| 0.0246 of max |fp32| 2.49 (0.0099 of it); the bound was 0.15 of it
     assert (bf16 - fp32).abs().max() < 0.02 * fp32.abs().max()
+
+
+@pytest.mark.parametrize("name", [None, "cpu", "cuda"])
+def test_engines_report_the_device_their_tensors_report(tiny_llama, name):
+    """An engine's device is the one its tensors say: cuda:0 for "cuda" (a tensor on "cuda" reports cuda:0, and a
+    device compared with it must too), for a checkpoint's engine and a random-weights one alike; None picks CUDA
+    where there is one."""
+    from tokenselect.bench import e2e
+
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    want = torch.empty(0, device=name or ("cuda" if torch.cuda.is_available() else "cpu")).device
+    for llm in (LLM(tiny_llama, "full", device=name, kv_cache_tokens=64),
+                LLM.random(e2e.TINY, "full", device=name, kv_cache_tokens=64)):
+        assert llm.device == want and llm.model.model.embed_tokens.weight.device == want

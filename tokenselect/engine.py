@@ -28,7 +28,7 @@ from .data import default_model_path
 from .errors import ContextTooLong, TokenSelectError
 from .kernels import get_kernels
 from .kv_cache import KVCache, host_memory_available
-from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_dtype
+from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_device, resolve_dtype
 from .models.registry import resolve_model
 from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
 from .prefix_cache import PrefixCache, reuse_rule
@@ -128,9 +128,7 @@ class LLM:
         checkpoint = model if isinstance(model, Checkpoint) else Checkpoint(
             resolve_model(model if model is not None else default_model_path()))
         self.path = checkpoint.path
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:  # the device its tensors report: cuda:0, not cuda
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.config = checkpoint.config
         self.tp = self._parallel(attention, settings, (type(self), (str(self.path), attention),
                                                        dict(dtype=dtype, device=device, **settings)))
@@ -147,7 +145,7 @@ class LLM:
         token ids). Speed does not depend on weight values: this is what the benchmarks run."""
         llm = cls.__new__(cls)
         llm.path, llm.tokenizer = None, None
-        llm.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        llm.device = resolve_device(device)
         llm.config = ModelConfig.from_dict(config)
         llm.tp = llm._parallel(attention, settings, (cls.random, (config, attention),
                                                      dict(dtype=dtype, device=device, seed=seed, **settings)))

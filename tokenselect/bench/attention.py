@@ -39,6 +39,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cuda_graphs import capture, warm_up
 from ..eval.runner import parse_length
+from ..models.loader import resolve_device
 from ..kernels import get_kernels
 from ..kv_cache import KVCache
 from ..policies import start_step
@@ -272,7 +273,7 @@ def table(rows: list[dict], fp8: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     if device.type == "cpu" and not args.tiny:
         raise SystemExit("bench attention times GPU kernels: run it on a CUDA device, or pass --device cpu --tiny "
                          "for a smoke test at tiny sizes")

@@ -46,10 +46,11 @@ from typing import Callable, Iterator
 import torch
 
 from ..data import default_model_path, prose_text
-from ..engine import KV_DTYPES, LLM, auto_fp8_keys, kv_label
+from ..engine import KV_DTYPES, LLM, auto_fp8_keys, kv_label, token_bytes
 from ..eval.runner import parse_length
 from ..kv_cache import HostMemoryError
 from ..models import load_tokenizer
+from ..models.loader import resolve_device
 from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, policy_spec
 from ..sampling import SamplingParams
@@ -229,8 +230,8 @@ def real_text_hit_rate(settings: dict, ids: list[int], decode_steps: int, args) 
 def full_offload_bytes(llm, length: int) -> int:
     """Bytes of values full attention copies from host memory in one prefill of ``length`` tokens
     with value offload: each chunk, in each layer, gathers the values of the whole context so far."""
-    cfg, chunk = llm.config, llm.chunk_size
-    row = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * llm.kv_dtype.itemsize
+    chunk = llm.chunk_size
+    row = token_bytes(llm.config, llm.kv_dtype, llm.kv_dtype)[0]
     return row * sum(min(start + chunk, length) for start in range(0, length, chunk))
 
 
@@ -553,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise SystemExit(str(e)) from None
     check_hit_rate(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written) on {device}", flush=True)
     rows = []

@@ -38,7 +38,7 @@ import torch
 from ..config import ModelConfig
 from ..engine import KV_DTYPES, LLM, kv_label, selection_keys_dtype, token_bytes
 from ..eval.runner import parse_length
-from ..models.loader import resolve_dtype
+from ..models.loader import resolve_device, resolve_dtype
 from ..policies import POLICIES, policy_spec
 from ..sampling import SamplingParams
 from ..sequence import Sequence
@@ -259,7 +259,7 @@ def pool_tokens(config: dict, args, attention: str) -> int | None:
     None, the engine's default pool, which counts the copy already."""
     if args.kv_cache_tokens is None:
         return None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype != "auto" else resolve_dtype("auto", device)
     select = selection_keys_dtype(args.select_dtype, attention, kv_dtype, device, "none")
     kv, copy = token_bytes(ModelConfig.from_dict(config), kv_dtype, select)

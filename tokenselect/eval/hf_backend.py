@@ -22,6 +22,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from .. import hf as tshf
+from ..models.loader import resolve_device
 from ..policies import POLICIES, default_chunk, policy_kwargs, policy_settings
 from .runner import Interrupted, Results, hit_counts, names, prompts, record, split_policy
 from .tasks import MAX_NEW_TOKENS
@@ -50,7 +51,7 @@ def evaluate_transformers(args: argparse.Namespace, results: Results,
     cells = prompts(args, tokenizer, window, path, args.workers or 1)
     if args.prompts_only:
         return results.records, results.selection_cache
-    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(getattr(args, "device", None))
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
     args.policy_settings = {}
     results.expected = len(specs) * len(cells)

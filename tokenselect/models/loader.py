@@ -20,6 +20,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device named (None: CUDA where there is one, else the CPU), as its tensors report it: cuda:0, not cuda."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str | None = None) -> torch.dtype:
     """``auto``/None: fp32 on CPU (bf16 matmuls are slow there); elsewhere bf16, or fp16 where the checkpoint's
     own dtype (``stored``) is fp16. A GGUF file says fp16 (``gguf.py``): bf16 rounding of its dequantized
