@@ -58,3 +58,24 @@ def step(policy, past: torch.Tensor, q: torch.Tensor, decode: bool, seq_id: int 
     assert slots.unique().numel() == slots.numel(), f"a slot attended twice: {slots.tolist()}"
     mine = torch.isin(slots, own)
     return Seen(slots[~mine], positions[~mine], q_positions)
+
+
+def cache_store(cache, row: int, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
+    """Store q [n_heads, head_dim] and selection [width] in a Selection Cache's ``row`` for ``layer`` as a decode
+    step's miss stores them (``update`` with miss True)."""
+    dev = cache.unit.device
+    cache.update(torch.tensor(row, device=dev), layer, q.to(dev), selection.to(dev), torch.tensor(True, device=dev))
+
+
+def cache_miss(cache, row: int | torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+    """The decision a decode step takes (``decide``'s miss: bool [] on the device, None with the cache off)."""
+    return cache.decide(torch.as_tensor(row, device=q.device), layer, q)[0]
+
+
+def cache_lookup(cache, seq_id: int, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+    """seq_id's stored selection for ``layer`` where q is similar enough to its query (a hit), else None; seq_id
+    gets a row on first use."""
+    if cache.theta is None:
+        return None
+    row = cache.row(seq_id, q.numel(), q.device)
+    return None if cache_miss(cache, row, layer, q).item() else cache.selection[row, layer]

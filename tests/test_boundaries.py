@@ -21,7 +21,7 @@ from tokenselect.policies.selection_cache import SelectionCache
 from tokenselect.policies.streaming import StreamingLLM
 from tokenselect.policies.tokenselect import TokenSelect
 
-from policy_steps import cache_with_keys, step
+from policy_steps import cache_lookup, cache_miss, cache_store, cache_with_keys, step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
@@ -52,11 +52,11 @@ def test_a_cosine_equal_to_theta_is_a_hit(kernel, case):
     for theta, hit in ((cos, True), (cos + 2 ** -20, False), (cos - 2 ** -20, True)):
         cache = SelectionCache(theta, n_layers=2, width=1, check=CHECKS[kernel])
         row = cache.row(0, 16, torch.device(DEVICE))
-        cache.store(row, 1, cached.to(DEVICE), torch.tensor([5], device=DEVICE))
-        miss = cache.miss(torch.tensor(row, device=DEVICE), 1, q.to(DEVICE))
+        cache_store(cache, row, 1, cached.to(DEVICE), torch.tensor([5], device=DEVICE))
+        miss = cache_miss(cache, torch.tensor(row, device=DEVICE), 1, q.to(DEVICE))
         assert bool(miss) is not hit, (theta, cos)
         assert cache.counts() == ((1, 0) if hit else (0, 1))
-        looked = cache.lookup(0, 1, q.to(DEVICE))
+        looked = cache_lookup(cache, 0, 1, q.to(DEVICE))
         assert (looked is not None and looked.tolist() == [5]) is hit
 
 
@@ -67,15 +67,15 @@ def test_selection_update_keeps_the_cached_choice_on_a_hit_at_theta(kernel):
     cached, q, cos = exact_cosine_pairs()[0]
     cache = SelectionCache(cos, n_layers=1, width=3, check=CHECKS[kernel], update=update)
     row = cache.row(0, 16, torch.device(DEVICE))
-    cache.store(row, 0, cached.to(DEVICE), torch.tensor([1, 2, 3], device=DEVICE))
+    cache_store(cache, row, 0, cached.to(DEVICE), torch.tensor([1, 2, 3], device=DEVICE))
     row_t = torch.tensor(row, device=DEVICE)
-    miss = cache.miss(row_t, 0, q.to(DEVICE))
+    miss = cache_miss(cache, row_t, 0, q.to(DEVICE))
     out = cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE), miss)
     assert out.tolist() == [1, 2, 3] and cache.selection[row, 0].tolist() == [1, 2, 3]
     out = cache.update(row_t, 0, q.to(DEVICE), torch.tensor([7, 8, 9], device=DEVICE),
                        torch.tensor(True, device=DEVICE))  # a miss stores the new choice and the new query
     assert out.tolist() == [7, 8, 9] and cache.selection[row, 0].tolist() == [7, 8, 9]
-    assert bool(cache.miss(row_t, 0, q.to(DEVICE))) is False  # now cos(q, q) = 1 >= theta
+    assert bool(cache_miss(cache, row_t, 0, q.to(DEVICE))) is False  # now cos(q, q) = 1 >= theta
 
 
 def test_tokenselect_reuses_its_selection_at_cos_equal_theta():
@@ -88,9 +88,9 @@ def test_tokenselect_reuses_its_selection_at_cos_equal_theta():
     second = torch.tensor([[[1.0, 1.0, 1.0, 1.0]]])  # cos(first, second) = 1 / 2 exactly
     step(policy, slots, decode=True, seq_id=3, q=first)
     step(policy, slots, decode=True, seq_id=3, q=second)
-    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 1)
+    assert policy.selection_cache.counts() == (1, 1)
     step(policy, slots, decode=True, seq_id=3, q=torch.tensor([[[1.0, 1.0, 1.0, 1.5]]]))  # cos(first, .) < 0.5
-    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (1, 2)
+    assert policy.selection_cache.counts() == (1, 2)
     assert policy.stats().as_dict() == {"selection_cache_hits": 1, "selection_cache_misses": 2,
                               "selection_cache_hit_rate": pytest.approx(1 / 3)}
     fresh = TokenSelect(cache, TORCH, k=k, n_init=n_init, n_local=n_local, theta=0.5)
@@ -217,7 +217,7 @@ def test_infllm_attends_everything_within_its_budget():
 
 def test_a_fresh_cache_counts_nothing_and_forgets_unknown_sequences():
     cache = SelectionCache(0.5, n_layers=1, width=2)
-    assert cache.counts() == (0, 0) and (cache.hits, cache.misses) == (0, 0)  # no row yet: no counters either
+    assert cache.counts() == (0, 0)  # no row yet: no counters either
     cache.release(12345)  # never seen: nothing to do
     assert cache.row(12345, 8, torch.device("cpu")) == 0
 
@@ -231,12 +231,12 @@ def test_a_graph_store_into_an_empty_entry_makes_it_valid(kernel):
     row = cache.row(0, 8, torch.device(DEVICE))
     row_t = torch.tensor(row, device=DEVICE)
     q = torch.arange(1.0, 9.0).view(2, 4).to(DEVICE)
-    miss = cache.miss(row_t, 1, q)
+    miss = cache_miss(cache, row_t, 1, q)
     assert bool(miss) and not bool(cache.valid[row, 1])
     out = cache.update(row_t, 1, q, torch.tensor([4, 6], device=DEVICE), miss)
     assert out.tolist() == [4, 6] and bool(cache.valid[row, 1]) and not bool(cache.valid[row, 0])
     torch.testing.assert_close(cache.unit[row, 1], (q.flatten() / q.norm()).float(), atol=1e-7, rtol=0)
-    assert not bool(cache.miss(row_t, 1, 2 * q)) and cache.counts() == (1, 1)
+    assert not bool(cache_miss(cache, row_t, 1, 2 * q)) and cache.counts() == (1, 1)
 
 
 def test_the_entries_live_on_the_given_device_in_their_dtypes_and_survive_growth():
@@ -247,13 +247,13 @@ def test_the_entries_live_on_the_given_device_in_their_dtypes_and_survive_growth
     assert [t.dtype for t in arrays] == [torch.float32, torch.int64, torch.bool, torch.int64]
     cache = SelectionCache(0.5, n_layers=2, width=3)
     q = torch.arange(1.0, 9.0).view(2, 4)
-    cache.store(cache.row(0, 8, torch.device("cpu")), 1, q, torch.tensor([3, 1, 2]))
+    cache_store(cache, cache.row(0, 8, torch.device("cpu")), 1, q, torch.tensor([3, 1, 2]))
     for seq in range(1, 9):  # past FIRST_ROWS and then past its double: the arrays grow twice
         cache.row(seq, 8, torch.device("cpu"))
     assert cache.unit.shape[0] >= 9
-    got = cache.lookup(0, 1, q)
+    got = cache_lookup(cache, 0, 1, q)
     assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2]
-    assert cache.lookup(0, 0, q) is None and cache.lookup(8, 1, q) is None
+    assert cache_lookup(cache, 0, 0, q) is None and cache_lookup(cache, 8, 1, q) is None
     hits, misses = cache.counts()
     assert (hits, misses) == (1, 2) and type(hits) is int and type(misses) is int
 

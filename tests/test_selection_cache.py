@@ -11,7 +11,7 @@ from tokenselect.kernels import get_kernels
 from tokenselect.policies.selection_cache import SelectionCache
 from tokenselect.policies.tokenselect import TokenSelect
 
-from policy_steps import cache_with_keys, step
+from policy_steps import cache_lookup, cache_miss, cache_store, cache_with_keys, step
 
 TORCH = get_kernels("torch")
 
@@ -28,9 +28,9 @@ def test_a_hit_is_a_cosine_at_or_above_theta():
         for theta, want in ((cos - 1e-4, True), (cos + 1e-4, False)):
             cache = SelectionCache(theta, n_layers=2, width=1)
             row = cache.row(0, 64, CPU)
-            cache.store(row, 1, cached, torch.tensor([5]))
-            assert bool(cache.miss(torch.tensor(row), 1, q)) is not want
-            assert bool(cache.miss(torch.tensor(row), 0, q))  # nothing stored for layer 0
+            cache_store(cache, row, 1, cached, torch.tensor([5]))
+            assert bool(cache_miss(cache, torch.tensor(row), 1, q)) is not want
+            assert bool(cache_miss(cache, torch.tensor(row), 0, q))  # nothing stored for layer 0
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -41,7 +41,7 @@ def test_decide_gives_the_candidates_live_on_a_miss_and_none_on_a_hit(kernels):
     cache = SelectionCache(0.9, n_layers=1, width=2, check=kern.selection_check, update=kern.selection_update)
     row = torch.tensor(cache.row(0, 16, device), device=device)
     q, live = torch.randn(2, 8, device=device), torch.tensor(37, device=device)
-    cache.store(int(row), 0, q, torch.tensor([1, 2], device=device))
+    cache_store(cache, int(row), 0, q, torch.tensor([1, 2], device=device))
     for query, miss in ((2 * q, False), (-q, True)):
         got, candidates = cache.decide(row, 0, query, live)
         assert bool(got) is miss and candidates.dtype == torch.int64 and int(candidates) == (37 if miss else 0)
@@ -53,12 +53,12 @@ def test_decide_gives_the_candidates_live_on_a_miss_and_none_on_a_hit(kernels):
 def test_lookup_counts_and_returns_the_stored_selection():
     cache = SelectionCache(theta=0.9, n_layers=2, width=3)
     q = torch.randn(2, 8)
-    assert cache.lookup(3, 1, q) is None  # nothing stored yet
-    cache.store(cache.row(3, 16, CPU), 1, q, torch.tensor([7, 8, 9]))
-    assert cache.lookup(3, 1, 2 * q).tolist() == [7, 8, 9]  # the cosine ignores the norm
-    assert cache.lookup(3, 1, -q) is None
+    assert cache_lookup(cache, 3, 1, q) is None  # nothing stored yet
+    cache_store(cache, cache.row(3, 16, CPU), 1, q, torch.tensor([7, 8, 9]))
+    assert cache_lookup(cache, 3, 1, 2 * q).tolist() == [7, 8, 9]  # the cosine ignores the norm
+    assert cache_lookup(cache, 3, 1, -q) is None
     assert cache.counts() == (1, 2)
-    assert SelectionCache(None, 2, 3).lookup(3, 1, q) is None
+    assert cache_lookup(SelectionCache(None, 2, 3), 3, 1, q) is None
 
 
 def test_rows_are_reused_and_start_empty_and_every_decision_is_counted():
@@ -66,14 +66,14 @@ def test_rows_are_reused_and_start_empty_and_every_decision_is_counted():
     q = torch.randn(2, 8)
     rows = [cache.row(i, 16, CPU) for i in range(6)]  # past the first allocation: the arrays grow
     assert rows == list(range(6)) and cache.row(4, 16, CPU) == 4
-    cache.store(rows[2], 0, q, torch.tensor([1, 2]))
-    cache.store(rows[5], 0, q, torch.tensor([3, 4]))
+    cache_store(cache, rows[2], 0, q, torch.tensor([1, 2]))
+    cache_store(cache, rows[5], 0, q, torch.tensor([3, 4]))
     cache.release(2)
     assert cache.row(99, 16, CPU) == 2  # the freed row, without the old entry
-    assert cache.lookup(99, 0, q) is None and cache.lookup(5, 0, q).tolist() == [3, 4]
-    assert bool(cache.miss(torch.tensor(5), 0, q)) is False and bool(cache.miss(torch.tensor(5), 0, -q)) is True
+    assert cache_lookup(cache, 99, 0, q) is None and cache_lookup(cache, 5, 0, q).tolist() == [3, 4]
+    assert bool(cache_miss(cache, torch.tensor(5), 0, q)) is False and bool(cache_miss(cache, torch.tensor(5), 0, -q)) is True
     assert cache.counts() == (2, 2)  # eager lookups and device decisions alike
-    assert SelectionCache(None, 1, 2).miss(torch.tensor(0), 0, q) is None  # off: always select
+    assert cache_miss(SelectionCache(None, 1, 2), 0, 0, q) is None  # off: always select
 
 
 @pytest.mark.parametrize("positions", ["reindex", "original"])
@@ -94,4 +94,4 @@ def test_a_hit_attends_the_cached_choice_between_the_sinks_and_the_current_windo
             assert hit.positions.tolist() == list(range(len(want))) and hit.q_positions.tolist() == [len(want)]
         else:
             assert hit.positions.tolist() == want and hit.q_positions.tolist() == [t]
-    assert (policy.selection_cache.hits, policy.selection_cache.misses) == (3, 1)
+    assert policy.selection_cache.counts() == (3, 1)

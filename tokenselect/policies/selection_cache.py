@@ -6,10 +6,10 @@ A miss recomputes the selection and stores it with the new query.
 
 The entries live on the device, one row per sequence: for every layer the cached query scaled to unit
 length, the selection (a fixed-width int64 vector: what the policy reuses) and whether it is set. The
-decision (``miss``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and counts
-hits and misses there; a decode step gates its selection work with it (``policies/tokenselect.py``) and
+decision (``decide``: one kernel with the Triton kernels, ``kernels/selection_check.py``) stays on the device and
+counts hits and misses there; a decode step gates its selection work with it (``policies/tokenselect.py``) and
 stores or reuses in one more kernel (``update``, ``kernels/selection_update.py``), eagerly or inside a CUDA
-graph alike. ``lookup`` and ``store`` are its eager, host-side form (one host read a lookup).
+graph alike.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class SelectionCache:
         self.device_counts: torch.Tensor | None = None  # [2] int64: hits, misses
         # tensor-parallel ranks (``parallel.HeadReduce``): a query is one rank's heads, the cosine spans all of them
         self.heads = NO_REDUCE
-        self._norm: torch.Tensor | None = None  # the last ``miss``'s query norm over every rank, for ``update``
+        self._norm: torch.Tensor | None = None  # the last ``decide``'s query norm over every rank, for ``update``
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -66,17 +66,14 @@ class SelectionCache:
 
     # ---- the decision -------------------------------------------------------------------------
 
-    def miss(self, row: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor | None:
-        """On the device, without a host read: bool [], True where the layer must select anew (no entry,
-        or cos(q, its query) < theta), counted in ``device_counts``. row: int64 []; q: [n_heads, head_dim]
-        (any float dtype: the kernel computes in fp32). None when the cache is off (always select)."""
-        return self.decide(row, layer, q)[0]
-
     def decide(self, row: torch.Tensor, layer: int, q: torch.Tensor,
                live: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(``miss``, the selection's candidates): with ``live`` (int64 []), the candidates are ``live`` on a miss
-        and 0 on a hit, which gates the selection's kernels (they read nothing then), made by the check itself (no
-        ``live * miss`` node); without it None. With the cache off: (None, live).
+        """(miss, the selection's candidates). miss: bool [] on the device (no host read), True where the layer must
+        select anew (no entry, or cos(q, its query) < theta), counted in ``device_counts``; None with the cache off
+        (always select). row: int64 []; q: [n_heads, head_dim] (any float dtype: the kernel computes in fp32).
+        With ``live`` (int64 []), the candidates are ``live`` on a miss and 0 on a hit, which gates the selection's
+        kernels (they read nothing then), made by the check itself (no ``live * miss`` node); without it None. With
+        the cache off: (None, live).
         A batch in one launch: row [B], q [B, n_heads, head_dim], live [B] -> miss and candidates [B]."""
         if self.theta is None:
             return None, live
@@ -89,8 +86,8 @@ class SelectionCache:
         return miss, candidates
 
     def _miss_across_ranks(self, q: torch.Tensor, row: torch.Tensor, layer: int) -> torch.Tensor:
-        """``miss`` for a query split across tensor-parallel ranks by heads: each rank's unit entry is its part of
-        the cached query over the whole query's norm, so the dot products and squared norms summed over the
+        """``decide``'s miss for a query split across tensor-parallel ranks by heads: each rank's unit entry is its
+        part of the cached query over the whole query's norm, so the dot products and squared norms summed over the
         ranks give the one-GPU cosine (``selection_check_ref``'s test, in PyTorch, one all-reduce)."""
         index = row.view(1)
         dot = torch.dot(self.unit[:, layer].index_select(0, index)[0], q)
@@ -100,27 +97,10 @@ class SelectionCache:
         self.device_counts += torch.stack([~miss, miss])
         return miss
 
-    def lookup(self, seq_id: int, layer: int, q: torch.Tensor) -> torch.Tensor | None:
-        """The eager check (one host read). q: [n_heads, head_dim] fp32. Returns the stored selection
-        [width] on a hit, None on a miss."""
-        if self.theta is None:
-            return None
-        row = self.row(seq_id, q.numel(), q.device)
-        if self.miss(torch.tensor(row, device=q.device), layer, q).item():
-            return None
-        return self.selection[row, layer]
-
-    def store(self, row: int, layer: int, q: torch.Tensor, selection: torch.Tensor) -> None:
-        """The eager store. q: [n_heads, head_dim]; selection: [width] int64, what a later hit returns."""
-        q = q.flatten().float()
-        self.unit[row, layer] = q / torch.linalg.vector_norm(q).clamp_min(EPS)
-        self.selection[row, layer] = selection
-        self.valid[row, layer] = True
-
     def update(self, row: torch.Tensor, layer: int, q: torch.Tensor, selection: torch.Tensor,
                miss: torch.Tensor) -> torch.Tensor:
         """A decode step's store-or-reuse, without a branch or a host read: where ``miss`` (bool [] on the
-        device, from ``miss``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
+        device, from ``decide``) store q: [n_heads, head_dim] and selection: [width] in ``row`` (int64 [] on the
         device). Returns the entry after that, [width] (``selection`` on a miss, the cached one on a hit).
         A batch in one launch: row [B], q [B, n_heads, head_dim], selection [B, width], miss [B] -> [B, width]."""
         if self.heads.spans_ranks:  # the entry is the rank's part of the query over the whole query's norm
@@ -141,14 +121,6 @@ class SelectionCache:
     def counts(self) -> tuple[int, int]:
         """(hits, misses) so far (a host read of the device's counters)."""
         return (0, 0) if self.device_counts is None else tuple(self.device_counts.tolist())
-
-    @property
-    def hits(self) -> int:
-        return self.counts()[0]
-
-    @property
-    def misses(self) -> int:
-        return self.counts()[1]
 
 
 def _flat(q: torch.Tensor) -> torch.Tensor:
