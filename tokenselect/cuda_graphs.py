@@ -29,8 +29,8 @@ kernels per layer as by the GPU's work. ``GraphCache`` keeps two kinds of graph,
 Each whole-step graph is checked when it is recorded (``_WholeStep.record``): if recording fails or the replay
 differs from the eager step, a warning says why, the step is answered from the eager run and every later step
 goes back to the pieces. The final norm and the vocabulary projection run eagerly on the rows that need logits.
-Without CUDA (or with ``capture=False``) the same step functions run eagerly over the same buffers, which is how
-the tests exercise them on a CPU. Every graph is recorded in two calls, ``warm_up(fn)`` then ``capture(fn,
+Without CUDA the same step functions run eagerly over the same buffers, which is how the tests exercise them on a
+CPU. Every graph is recorded in two calls, ``warm_up(fn)`` then ``capture(fn,
 pool)``; graphs of one kind share a memory pool (``GraphPool``).
 """
 
@@ -101,14 +101,13 @@ class GraphCache:
     """The graphs of one model runner by key (see the module): ``run_layers(ids, ctx)`` runs a step's layers
     through the pieces; ``whole(chunks)`` says whether a step runs as one graph, ``run_whole(...)`` runs it."""
 
-    def __init__(self, model: CausalLM, cache, kernels, rope, device: torch.device, chunk_size: int,
-                 capture: bool | None = None):
-        """chunk_size: the engine's prefill chunk, a piecewise size of its own and the only chunk length run whole;
-        capture: record CUDA graphs (default: when ``device`` is a GPU)."""
+    def __init__(self, model: CausalLM, cache, kernels, rope, device: torch.device, chunk_size: int):
+        """chunk_size: the engine's prefill chunk, a piecewise size of its own and the only chunk length run whole.
+        CUDA graphs are recorded on a GPU; elsewhere the same pieces run eagerly."""
         self.model, self.cache, self.kernels, self.rope, self.device = model, cache, kernels, rope, device
         self.chunk_size = chunk_size
         self.sizes = tuple(sorted(set(DECODE_BUCKETS) | ({chunk_size} if chunk_size else set())))
-        self.capture = device.type == "cuda" if capture is None else capture
+        self.capture = device.type == "cuda"
         # the pieces are never dropped; whole-step graphs are, as tables grow: each kind records into its own pool
         self.layer_pool, self.step_pool = (GraphPool(), GraphPool()) if self.capture else (None, None)
         self.graphs: dict[tuple, _Pieces | _WholeStep] = {}

@@ -95,15 +95,15 @@ class PrefixCache:
     """The tree of cached prompt prefixes over the slots of ``cache``. Counters: ``cached_tokens`` (tokens
     held), ``locked_tokens`` (held for running sequences), ``hit_tokens`` (prompt tokens served from here
     instead of computed), ``evicted_tokens``, ``state_bytes`` (what the policies' snapshots hold, at most
-    ``max_state_bytes``: default a sixteenth of the KV pool's bytes)."""
+    ``max_state_bytes``: a sixteenth of the KV pool's bytes)."""
 
-    def __init__(self, cache: KVCache, max_state_bytes: int | None = None):
+    def __init__(self, cache: KVCache):
         self.cache = cache
         self._roots: dict[Hashable, Node] = {}
         self._clock = itertools.count(1)
         self.cached_tokens = self.locked_tokens = self.hit_tokens = self.evicted_tokens = 0
         pool = 2 * cache.k.numel() * cache.k.element_size()
-        self.max_state_bytes = pool // STATE_SHARE if max_state_bytes is None else max_state_bytes
+        self.max_state_bytes = pool // STATE_SHARE
         self.state_bytes = 0
         self._states: dict[Node, int] = {}  # the nodes with a snapshot -> its bytes
 
