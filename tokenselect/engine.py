@@ -85,6 +85,13 @@ def kv_label(dtype: torch.dtype, offload: str, select_dtype: torch.dtype | None 
     return names[dtype] + (", V on host" if offload == "values" else "") + copy
 
 
+def split_settings(settings: dict) -> tuple[EngineSettings, dict]:
+    """The keyword settings of an engine -> (its ``EngineSettings``, checked; the rest: the policy's)."""
+    engine = {f.name for f in dataclasses.fields(EngineSettings)}
+    return (EngineSettings(**{key: value for key, value in settings.items() if key in engine}),
+            {key: value for key, value in settings.items() if key not in engine})
+
+
 def token_ids(chunks: list[Chunk]) -> list[int]:
     """The token ids a step's chunks run, flat (host list)."""
     return [t for ch in chunks for t in ch.seq.token_slice(ch.past, ch.length)]
@@ -159,13 +166,11 @@ class LLM:
         """With ``tensor_parallel_size`` N > 1, this process's place among N ranks (``parallel.start``: rank 0
         starts the others, each of which builds its engine with ``build``), its device the rank's; None for 1.
         The settings are checked first, so that a mistake raises here rather than in every rank."""
-        engine = {f.name for f in dataclasses.fields(EngineSettings)}
-        checked = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
+        checked, policy_settings = split_settings(settings)
         world = checked.tensor_parallel_size
         if world == 1:
             return None
-        fitted_settings(attention, {key: value for key, value in settings.items() if key not in engine},
-                        self.config.window)
+        fitted_settings(attention, policy_settings, self.config.window)
         parallel.check_shape(self.config, world)
         tp = parallel.start(world, self.device.type, build)
         self.device = tp.device
@@ -184,9 +189,8 @@ class LLM:
 
     def _start(self, attention: str, **settings) -> None:
         """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
-        engine = {f.name for f in dataclasses.fields(EngineSettings)}
-        self.settings = s = EngineSettings(**{key: value for key, value in settings.items() if key in engine})
-        policy_settings = {key: value for key, value in settings.items() if key not in engine}
+        s, policy_settings = split_settings(settings)
+        self.settings = s
         cfg = self.model.config  # a tensor-parallel rank's: its share of the heads (``parallel.local_config``)
         self.window = self.config.window
         rope = cfg.rope
