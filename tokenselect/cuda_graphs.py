@@ -30,8 +30,8 @@ Each whole-step graph is checked when it is recorded (``_WholeStep.record``): if
 differs from the eager step, a warning says why, the step is answered from the eager run and every later step
 goes back to the pieces. The final norm and the vocabulary projection run eagerly on the rows that need logits.
 Without CUDA the same step functions run eagerly over the same buffers, which is how the tests exercise them on a
-CPU. Every graph is recorded in two calls, ``warm_up(fn)`` then ``capture(fn,
-pool)``; graphs of one kind share a memory pool (``GraphPool``).
+CPU. Every graph is recorded in two calls, ``warm_up(fn)`` then ``capture(fn, pool)``; graphs of one kind share a
+memory pool (``GraphPool``).
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..cuda_graphs import capture, warm_up
 from ..eval.runner import parse_length
-from ..models.loader import resolve_device
 from ..kernels import get_kernels
 from ..kv_cache import KVCache
+from ..models.loader import resolve_device
 from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate

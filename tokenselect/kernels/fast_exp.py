@@ -4,8 +4,8 @@ Triton lowers ``tl.exp2`` to PTX ``ex2.approx.f32``, which ptxas expands to four
 and two multiplies keep results below 2^-126 as denormals); ``tl.exp`` adds the multiply by log2(e). A softmax's
 exponentials never need those denormals: each sum holds a term of 1 (the row's max), beside which 2^-126 is lost
 anyway. ``ex2.approx.ftz.f32`` flushes them to zero in one instruction. Over fp8 keys the scores kernel's softmax
-statistics issue a quarter of its instructions, and the kernel is bound by instruction issue there: the flushed
-exponential takes it from 54.2 to 51.4 us a layer at 128K on an H200
+statistics issue a quarter of its instructions, and timed on its own the kernel is bound by instruction issue: the
+flushed exponential takes it from 54.2 to 51.4 us a layer at 128K on an H200
 (``benchmarks/results/supporting/scores_epilogue_157b2aa_h200.md``); the vote uses it too. The attention kernels
 keep ``tl.exp2``: bound by memory or latency, they gained nothing from it (``decode_attention_ftz_h200.md`` there).
 The CPU interpreter runs the plain ones.

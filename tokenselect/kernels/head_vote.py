@@ -92,6 +92,8 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_val
                     mask=head_ok[:, None] & col_ok[None, :], other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
+        # a head's share below 2^-126 counts 0 (exp_ftz): tokens with no larger share tie at 0, and the top-k takes
+        # tied tokens in order where denormals would have ranked them by shares under 1e-38
         vote = tl.sum(exp_ftz(s - m[:, None]) * inv_l[:, None], axis=0)
         if MASKED:
             vote = tl.where(col_ok, vote, float("-inf"))
