@@ -21,7 +21,7 @@ Variants, each the shipped ``_scores_kernel``'s source with the lines named belo
   show);
 - ``real rows, plain exp``: both.
 
-The table of the tree 157b2aa (``results/supporting/scores_epilogue_h200.md``) names the variants as they were
+The table of the tree 157b2aa (``results/supporting/scores_epilogue_157b2aa_h200.md``) names the variants as they were
 then: its ``shipped`` ran ``tl.exp``, its ``ftz exp`` is today's ``shipped``.
 
 Each runs as a decode step runs it (``scores_with_stats``' launch: 32 query heads, 8 kv heads, d 128, the live length
@@ -42,13 +42,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import linecache
 import sys
 import textwrap
 import types
 
 import torch
 import triton
-import triton.language as tl
 
 # (benchmarks/: this script's folder)
 from scores_tile_gpu import copy_bandwidth, save
@@ -101,8 +101,8 @@ def edited_kernel(edits: list[tuple[str, str]]):
     module = types.ModuleType("scores_epilogue_variant")
     module.__dict__.update(vars(paged_dot))
     module.__file__ = __file__ + f".variant{abs(hash(src))}.py"  # Triton keys its cache on the source itself
-    import linecache
     text = ROWS_HELPER + "\n" + src
+    # Triton's jit reads a kernel's source through inspect, which finds exec'd text only in linecache
     linecache.cache[module.__file__] = (len(text), None, text.splitlines(True), module.__file__)
     exec(compile(text, module.__file__, "exec"), module.__dict__)
     return module._scores_kernel

@@ -5,10 +5,14 @@ end to end on the CPU (where nothing compiles)."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import torch
 
-from benchmark_scripts import load
+from benchmark_scripts import BENCHMARKS, load
 
 
 def frame(path: str, line: int, name: str) -> dict:
@@ -56,3 +60,42 @@ def test_prefill_reuse_replays_the_selection_caches_rule_per_layer():
     assert reused(queries, 0.8) == (3, 6)  # layer 0: miss, hit at 0.8, miss (b the reference), hit; layer 1: hit
     assert reused(queries, 0.97) == (1, 6)  # only layer 1's equal queries
     assert reused(queries, 0.5) == (4, 6)
+
+
+def test_the_scores_kernels_instructions_counted_without_a_gpu():
+    """kernel_sass compiles the scores kernel for sm_90 on a machine without a GPU (run as a script: the tests'
+    interpreter mode compiles nothing) and counts its key-block loop: the shipped statistics' flushed exponentials
+    issue fewer instructions than tl.exp's (one MUFU.EX2 an element against four instructions), and no statistics
+    fewer still; the loop holds the tensor-core products of a 16 x 128 x 128 block over 4 warps (32 HMMA a thread)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS.parent), env.get("PYTHONPATH", "")])
+    counts = {}
+    for variant in ("shipped", "plain-exp", "no-stats"):
+        out = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_sass.py"), "--variant", variant], env=env,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+        counts[variant] = int(re.search(r"sm_90: (\d+) instructions a thread a block of 128 keys", out[0]).group(1))
+        histogram = dict((op, int(n)) for op, n in (item.split() for item in out[1].split(", ")))
+        assert histogram["HMMA"] == 32 and histogram.get("MUFU", 0) == (0 if variant == "no-stats" else 16), out
+    assert counts["no-stats"] < counts["shipped"] < counts["plain-exp"], counts
+
+
+def test_the_scores_epilogue_variants_compute_the_shipped_kernels_scores_and_statistics(monkeypatch):
+    """Each variant the epilogue bench times is the shipped kernel's computation (checked here in the interpreter,
+    fp8 and bf16 keys, a ragged length), and a tile's statistics agree once combined into each head's totals."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load("scores_epilogue_gpu")
+    gen = torch.Generator().manual_seed(0)
+    n = 300
+    q = torch.randn(32, 128, generator=gen).to(torch.bfloat16)
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        pool = torch.randn(n + 24, 8, 128, generator=gen).to(dtype)
+        slots, live = torch.randperm(n + 24, generator=gen)[:n], torch.tensor(n)
+        shipped = bench.launcher(bench.paged_dot._scores_kernel, True, {})(q, pool, slots, live)
+        for edits, extra in ((bench.REAL_ROWS, {"G_P": 4}), (bench.KEYS_AS_A, {}), (bench.PLAIN_EXP, {})):
+            got = bench.launcher(bench.edited_kernel(edits), True, extra)(q, pool, slots, live)
+            for g, w in zip(got, shipped):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+        tiled = bench.at_tile((64, 2, 8, 3))(q, pool, slots, live)
+        assert tiled[1].shape[1] == 5 and shipped[1].shape[1] == 3  # blocks of 64 keys against 128
+        for g, w in zip((tiled[0], *bench.head_totals(*tiled[1:])), (shipped[0], *bench.head_totals(*shipped[1:]))):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
