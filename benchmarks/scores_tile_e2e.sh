@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The scores kernel's tile timed where it counts: `bench e2e` at 128K, TokenSelect's selecting step, with the
 # shipped tile and with TILE (e.g. 256,4,4,3), alternated ROUNDS times in one call (the GPU's drift shows as the
-# spread between rounds of one tile). Writes OUTDIR/tile_<tile>_<round>.{md,json}.
-# Usage: PYTHONPATH=$PWD [CONFIG=tiny] benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]
+# spread between rounds of one tile). Writes OUTDIR/tile_<tile>_<round>.{md,json}. PROFILE=1 also profiles two
+# prefill chunks and two decode steps of each run (--profile-steps 2) and prints each run's scores-kernel line of its
+# decode profile: the kernel's own time inside the step, for a tile that runs faster alone than in the step.
+# Usage: PYTHONPATH=$PWD [CONFIG=tiny] [PROFILE=1] benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]
 set -euo pipefail
 out=${1:?usage: benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]}
 tile=${2:?usage: benchmarks/scores_tile_e2e.sh OUTDIR TILE [ROUNDS] [LENGTH]}
@@ -12,7 +14,7 @@ shipped=$(python3 -c "from tokenselect.kernels.paged_dot import SCORES_TILE as t
 for round in $(seq 1 "$rounds"); do
   for t in "$shipped" "$tile"; do
     python3 - "$t" bench e2e --lengths "$length" --policies tokenselect --decode-steps 32 --output "$out" \
-      --tag "tile_${t//,/_}_$round" --config "${CONFIG:-llama3-8b}" <<'PY'
+      --tag "tile_${t//,/_}_$round" --config "${CONFIG:-llama3-8b}" ${PROFILE:+--profile-steps 2} <<'PY'
 import runpy, sys
 import tokenselect.kernels.paged_dot as paged_dot
 paged_dot.SCORES_TILE = tuple(int(x) for x in sys.argv[1].split(","))  # read at each launch (scores_block)
@@ -22,3 +24,8 @@ PY
   done
 done
 grep -h "| tokenselect |" "$out"/e2e_tile_*.md
+if [ -n "${PROFILE:-}" ]; then
+  for f in "$out"/e2e_tile_*_profile.txt; do
+    echo "$(basename "$f"): $(awk '/, decode$/{d=1} d && /_scores_kernel/{print; exit}' "$f" | tr -s ' ')"
+  done
+fi
