@@ -2,7 +2,13 @@
 records those queries on a real model over real prose and replays the Selection Cache's rule on them (a layer reuses
 its last selection while cos(q, the query it was made for) >= theta), for several theta.
 
-    PYTHONPATH=$PWD python3 benchmarks/prefill_selection_reuse.py MODEL TOKENS CHUNK [--device cpu]
+It also prices an incremental prefill selection: each chunk votes only over the previous chunk's incremental picks
+and the tokens that entered the middle since (about k + chunk candidates, not the whole context), its soft vote
+normalised over those candidates; with ``--refresh R`` every R-th selecting chunk of a layer votes over the whole
+middle instead (the exact picks, from which the next chunks go on). Printed: how many of the exact selection's k
+tokens the incremental one keeps (quantiles over chunks and layers), and the share of the middle it scores.
+
+    PYTHONPATH=$PWD python3 benchmarks/prefill_selection_reuse.py MODEL TOKENS CHUNK [--device cpu] [--refresh R]
 
 Prints the share of prefill selections that would be reused and the quantiles of consecutive chunks' cosine.
 """
@@ -39,16 +45,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("tokens", type=int)
     ap.add_argument("chunk", type=int)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--refresh", type=int, default=0, help="every R-th selecting chunk of a layer selects exactly")
     args = ap.parse_args(argv)
     from real_model_checks import prose_ids  # benchmarks/, beside this script
 
     queries: dict[int, list[torch.Tensor]] = {}
+    kept: list[float] = []  # per chunk and layer: the exact picks the incremental selection keeps, a share of k
+    scored: list[float] = []  # per chunk and layer: its candidates, a share of the live middle
+    last: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (its last incremental picks, the live middle then)
+    chunks: dict[int, int] = {}  # layer -> its selecting chunks so far
     select = TokenSelect.select
 
     def recording(self, layer, row, query, middle, live, decode):
+        picks = select(self, layer, row, query, middle, live, decode)
         if not decode:
             queries.setdefault(layer, []).append(query.float().flatten().cpu())
-        return select(self, layer, row, query, middle, live, decode)
+            n = int(live)
+            chunks[layer] = chunks.get(layer, 0) + 1
+            ours = picks.reshape(-1)[:min(n, self.k)]
+            if layer in last and n > self.k:
+                before, n_before = last[layer]
+                candidates = torch.unique(torch.cat([before, torch.arange(n_before, n, device=before.device)]))
+                votes = self.votes(query, self.cache.k_select[layer], middle[candidates])
+                incremental = candidates[torch.topk(votes, min(self.k, candidates.numel())).indices]
+                kept.append(len(set(incremental.tolist()) & set(picks.tolist())) / picks.numel())
+                if not (args.refresh and chunks[layer] % args.refresh == 0):
+                    ours = incremental
+                scored.append((n if ours is not incremental else candidates.numel()) / n)
+            last[layer] = (ours, n)
+        return picks
 
     TokenSelect.select = recording
     try:
@@ -65,6 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     cos = sorted(F.cosine_similarity(qs[i], qs[i - 1], dim=0).item() for qs in queries.values()
                  for i in range(1, len(qs)))
     print("consecutive chunks' cosine, 10/50/90%:", *(f"{cos[len(cos) * p // 10]:.4f}" for p in (1, 5, 9)))
+    if kept:
+        kept.sort()
+        print(f"incremental selection over {len(kept)} chunk-layers: keeps of the exact picks, 10/50/90%:",
+              *(f"{kept[len(kept) * p // 10]:.3f}" for p in (1, 5, 9)), f"(mean {sum(kept) / len(kept):.3f});",
+              f"scores {sum(scored) / len(scored):.1%} of the live middle on average")
 
 
 if __name__ == "__main__":
