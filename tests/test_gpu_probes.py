@@ -99,3 +99,20 @@ def test_the_scores_epilogue_variants_compute_the_shipped_kernels_scores_and_sta
         assert tiled[1].shape[1] == 5 and shipped[1].shape[1] == 3  # blocks of 64 keys against 128
         for g, w in zip((tiled[0], *bench.head_totals(*tiled[1:])), (shipped[0], *bench.head_totals(*shipped[1:]))):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+
+
+def test_the_incremental_prefill_selection_probe_scores_the_whole_middle_only_when_refreshed(monkeypatch, capsys):
+    """The embedded model over 3,000 tokens of prose in 128-token chunks: chained incremental picks score about a
+    third of the middle and keep most of the exact picks; refreshed every chunk (--refresh 1) they score all of it."""
+    from tokenselect.data import default_model_path
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the probe imports real_model_checks, beside it
+    probe = load("prefill_selection_reuse")
+    shares = {}
+    for refresh in (0, 1):
+        probe.main([str(default_model_path()), "3000", "128", "--refresh", str(refresh)])
+        line = capsys.readouterr().out.splitlines()[-1]
+        found = re.search(r"\(mean ([0-9.]+)\); scores ([0-9.]+)% of the live middle", line)
+        shares[refresh] = float(found.group(1)), float(found.group(2))
+    assert shares[1][1] == 100.0 and 10.0 < shares[0][1] < 60.0, shares
+    assert all(0.5 < kept <= 1.0 for kept, _ in shares.values()), shares
