@@ -5,10 +5,12 @@ its last selection while cos(q, the query it was made for) >= theta), for severa
 It also prices an incremental prefill selection: each chunk votes only over the previous chunk's incremental picks
 and the tokens that entered the middle since (about k + chunk candidates, not the whole context), its soft vote
 normalised over those candidates; with ``--refresh R`` every R-th selecting chunk of a layer votes over the whole
-middle instead (the exact picks, from which the next chunks go on). Printed: how many of the exact selection's k
+middle instead (the exact picks, from which the next chunks go on); with ``--pages E`` the candidates also take the
+E tokens of the pages QUEST's bound ranks highest (``page_candidates``), so that tokens outside the last picks may
+come back. Printed: how many of the exact selection's k
 tokens the incremental one keeps (quantiles over chunks and layers), and the share of the middle it scores.
 
-    PYTHONPATH=$PWD python3 benchmarks/prefill_selection_reuse.py MODEL TOKENS CHUNK [--device cpu] [--refresh R]
+    PYTHONPATH=$PWD python3 benchmarks/prefill_selection_reuse.py MODEL TOKENS CHUNK [--device cpu] [--refresh R] [--pages E]
 
 Prints the share of prefill selections that would be reused and the quantiles of consecutive chunks' cosine.
 """
@@ -39,6 +41,26 @@ def reused(queries: dict[int, list[torch.Tensor]], theta: float) -> tuple[int, i
     return hits, total
 
 
+PAGE = 16  # tokens a page of the --pages proxy
+
+
+def page_candidates(query: torch.Tensor, k_pool: torch.Tensor, middle: torch.Tensor, n: int, extra: int,
+                    scale: float) -> torch.Tensor:
+    """Indices into middle[:n] of the tokens of the ``extra // PAGE`` pages (of PAGE consecutive middle tokens) that
+    QUEST's bound ranks highest: per head, sum_d max(q_d * min_d, q_d * max_d) over the page's keys, softmaxed over
+    the pages and summed over the heads as TokenSelect's soft vote sums its tokens'. query: [n_heads, d]."""
+    pages = n // PAGE
+    keys = k_pool[middle[:pages * PAGE]].float()  # [pages * PAGE, n_kv, d]
+    keys = keys.view(pages, PAGE, *keys.shape[1:])
+    lo, hi = keys.amin(dim=1), keys.amax(dim=1)  # [pages, n_kv, d]
+    n_kv, d = lo.shape[1], lo.shape[2]
+    q = query.float().view(n_kv, -1, d)  # [n_kv, group, d]
+    bound = torch.maximum(q[None] * lo[:, :, None], q[None] * hi[:, :, None]).sum(dim=-1)  # [pages, n_kv, group]
+    vote = torch.softmax(bound.reshape(pages, -1) * scale, dim=0).sum(dim=1)
+    top = torch.topk(vote, min(pages, extra // PAGE)).indices
+    return (top[:, None] * PAGE + torch.arange(PAGE, device=top.device)).flatten()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -46,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("chunk", type=int)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--refresh", type=int, default=0, help="every R-th selecting chunk of a layer selects exactly")
+    ap.add_argument("--pages", type=int, default=0, help="also this many candidate tokens from the pages QUEST's "
+                    "bound ranks highest (page_candidates), for the exact selection's turnover")
     args = ap.parse_args(argv)
     from real_model_checks import prose_ids  # benchmarks/, beside this script
 
@@ -65,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             ours = picks.reshape(-1)[:min(n, self.k)]
             if layer in last and n > self.k:
                 before, n_before = last[layer]
-                candidates = torch.unique(torch.cat([before, torch.arange(n_before, n, device=before.device)]))
+                parts = [before, torch.arange(n_before, n, device=before.device)]
+                if args.pages:
+                    parts.append(page_candidates(query, self.cache.k_select[layer], middle, n, args.pages, self.scale))
+                candidates = torch.unique(torch.cat(parts))
                 votes = self.votes(query, self.cache.k_select[layer], middle[candidates])
                 incremental = candidates[torch.topk(votes, min(self.k, candidates.numel())).indices]
                 kept.append(len(set(incremental.tolist()) & set(picks.tolist())) / picks.numel())
