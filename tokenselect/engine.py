@@ -62,6 +62,11 @@ def selection_keys_dtype(setting: str, attention: str, kv_dtype: torch.dtype, de
     return kv_dtype
 
 
+def pool_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for the ``kv_dtype`` setting: "auto" is the model's own."""
+    return model_dtype if setting == "auto" else KV_DTYPES[setting]
+
+
 def token_bytes(cfg: ModelConfig, kv_dtype: torch.dtype, select_dtype: torch.dtype) -> tuple[int, int]:
     """(bytes of one token's K, or V, in the pool; bytes of its selection keys' copy, 0 without one) over every
     layer."""
@@ -206,7 +211,7 @@ class LLM:
         self.chunk_size = s.chunk_size or default_chunk(self.window)
         if s.tail_chunk > self.chunk_size:
             raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
-        self.kv_dtype = KV_DTYPES[s.kv_dtype] if s.kv_dtype != "auto" else self.dtype
+        self.kv_dtype = pool_dtype(s.kv_dtype, self.dtype)
         self.select_dtype = selection_keys_dtype(s.select_dtype, attention, self.kv_dtype, self.device, s.kv_offload)
         n_slots = s.kv_cache_tokens or self._default_pool_tokens(s.kv_offload, cfg)
         if self.tp is not None:  # every rank schedules alike, so every rank's pool has the smallest one's slots

@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 
 from ..config import ModelConfig
-from ..engine import KV_DTYPES, LLM, kv_label, selection_keys_dtype, token_bytes
+from ..engine import LLM, kv_label, pool_dtype, selection_keys_dtype, token_bytes
 from ..eval.runner import parse_length
 from ..models.loader import resolve_device, resolve_dtype
 from ..policies import POLICIES, policy_spec
@@ -260,7 +260,7 @@ def pool_tokens(config: dict, args, attention: str) -> int | None:
     if args.kv_cache_tokens is None:
         return None
     device = resolve_device(args.device)
-    kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype != "auto" else resolve_dtype("auto", device)
+    kv_dtype = pool_dtype(args.kv_dtype, resolve_dtype("auto", device))  # the engine's model dtype: LLM.random's auto
     select = selection_keys_dtype(args.select_dtype, attention, kv_dtype, device, "none")
     kv, copy = token_bytes(ModelConfig.from_dict(config), kv_dtype, select)
     return args.kv_cache_tokens * 2 * kv // (2 * kv + copy)
