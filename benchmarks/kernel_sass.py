@@ -28,7 +28,7 @@ from scores_epilogue_gpu import KEYS_AS_A, PLAIN_EXP, REAL_ROWS, edited_kernel
 
 paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")
 VARIANTS = {"shipped": [], "no-stats": [], "real-rows": REAL_ROWS, "plain-exp": PLAIN_EXP, "keys-as-a": KEYS_AS_A,
-            "real-rows-plain-exp": REAL_ROWS + PLAIN_EXP}  # each variant's edits of the shipped kernel  # each variant's edits of the shipped kernel
+            "real-rows-plain-exp": REAL_ROWS + PLAIN_EXP}  # each variant's edits of the shipped kernel
 MULTIPLES_OF_16 = ["q_ptr", "k_ptr", "slot_ptr", "out_ptr", "m_ptr", "l_ptr", "n_valid_ptr", "N", "n_blocks",
                    "stride_slot", "stride_kvh", "stride_qb"]
 

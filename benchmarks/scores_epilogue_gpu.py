@@ -39,6 +39,7 @@ here, and the step from 8.23 to 8.22-8.23 ms in ``scores_tile_e2e.sh`` (``result
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -48,7 +49,6 @@ import textwrap
 import types
 
 import torch
-import triton
 
 # (benchmarks/: this script's folder)
 from scores_tile_gpu import copy_bandwidth, save
@@ -108,24 +108,37 @@ def edited_kernel(edits: list[tuple[str, str]]):
     return module._scores_kernel
 
 
+@contextlib.contextmanager
+def swapped(name: str, value):
+    """``paged_dot``'s global ``name`` is ``value`` inside the block (``scores_with_stats`` reads its kernel and its
+    tile at each launch, so a graph captured inside records the swapped one)."""
+    before = getattr(paged_dot, name)
+    setattr(paged_dot, name, value)
+    try:
+        yield
+    finally:
+        setattr(paged_dot, name, before)
+
+
+class WithConstants:
+    """A jit kernel that ``scores_with_stats`` launches with more constexpr arguments (an edited kernel's own)."""
+
+    def __init__(self, kernel, **constants):
+        self.kernel, self.constants = kernel, constants
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **kwargs, **self.constants)
+
+
 def launcher(kernel, stats: bool, extra: dict):
-    """A function (q, pool, slots, live) -> (scores, m, l) launching ``kernel`` exactly as ``scores_with_stats`` does."""
+    """A function (q, pool, slots, live) -> (scores, m, l): ``scores_with_stats`` as a decode step calls it, launching
+    ``kernel`` (with the constexpr arguments ``extra``) in place of the shipped one."""
+    runs = WithConstants(kernel, **extra) if extra else kernel
+
     def call(q, pool, slots, live):
-        batch, n = 1, slots.numel()
-        group = N_HEADS // N_KV
-        out = torch.empty(1, N_HEADS, n, dtype=torch.float32, device=q.device)
-        dot_ty, ieee = paged_dot.exact_dot_type(q.dtype, pool.dtype)
-        _, warps, blocks, stages = paged_dot.SCORES_TILE
-        block_n = paged_dot.scores_block(q, pool)
-        n_blocks = triton.cdiv(n, block_n)
-        m = torch.empty(1, N_HEADS, n_blocks, dtype=torch.float32, device=q.device) if stats else None
-        l = torch.empty_like(m) if stats else None
-        kernel[(triton.cdiv(n_blocks, blocks) * N_KV, batch)](
-            q[None], pool, slots[None], out, m, l, live.reshape(-1), n, group, N_KV, n_blocks, 1.0,
-            pool.stride(0), pool.stride(1), 0, 0, 1, D=D, D_P=D, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=block_n, BLOCKS=blocks, DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=True, num_warps=warps,
-            num_stages=stages, **extra)
-        return out[0], None if m is None else m[0], None if l is None else l[0]
+        with swapped("_scores_kernel", runs):
+            return paged_dot.scores_with_stats(q, pool, slots, 1.0, stats=stats, n_valid=live)
     return call
 
 
@@ -162,11 +175,8 @@ def at_tile(tile):
     shipped = launcher(paged_dot._scores_kernel, True, {})
 
     def call(*args):
-        before, paged_dot.SCORES_TILE = paged_dot.SCORES_TILE, tile
-        try:
+        with swapped("SCORES_TILE", tile):
             return shipped(*args)
-        finally:
-            paged_dot.SCORES_TILE = before
     return call
 
 
