@@ -47,8 +47,18 @@ def main(argv: list[str] | None = None) -> None:
                          "key": str(key), "attrs": str(compile.get("configs"))})
         print(f"  [{phase[0]}] compiled {fn.name} in {took:.2f} s", flush=True)
 
-    knobs.runtime.jit_cache_hook = on_miss
-    knobs.runtime.jit_post_compile_hook = on_compiled
+    hooks = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_miss, on_compiled
+    try:
+        phases = run(args, phase, compiles)
+    finally:  # Triton's hooks are the process's: a caller (a test) must not log into this run's lists after it
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = hooks
+    gpu = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu"
+    write(args, gpu, phases, compiles)
+
+
+def run(args: argparse.Namespace, phase: list[str], compiles: list[dict]) -> list[dict]:
+    """The warm-up and the timed prefills, each a phase (``phase[0]`` names the one running, for the hooks)."""
     config = CONFIGS[args.config]
     llm = LLM.random(config, args.policy, device=args.device, kv_cache_tokens=args.length + 64, prefix_cache=False)
     ids = text_prompt(args.length, config["vocab_size"])
@@ -63,7 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         phases.append({"phase": name, "seconds": took, "prefill_s": row and row["prefill_s"],
                        "compiles": len(mine), "compile_s": sum(c["seconds"] for c in mine)})
         print(json.dumps(phases[-1]), flush=True)
-    gpu = torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu"
+    return phases
+
+
+def write(args: argparse.Namespace, gpu: str, phases: list[dict], compiles: list[dict]) -> None:
+    """OUTDIR/first_prefill_compiles.{json,md}."""
     result = {"length": args.length, "policy": args.policy, "gpu": gpu, "phases": phases, "compiles": compiles}
     (args.output / "first_prefill_compiles.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Kernel variants compiled after the warm-up, {args.length} tokens, {args.policy}, "
