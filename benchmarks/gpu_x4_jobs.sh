@@ -29,6 +29,8 @@
 #   benchmarks/gpu_x4_jobs.sh fp8_keys_qwen    # tables' cells past the window (each once its model is carried)
 #   benchmarks/gpu_x4_jobs.sh chunk_smol       # #28: TokenSelect with 512- and 2048-token prefill chunks on SmolLM2's
 #                                              # cells past the window (GPU CHUNK_GPU, default 0)
+#   benchmarks/gpu_x4_jobs.sh groups_smol      # #28: TokenSelect in 2048-token chunks of 512-query groups, chunk_smol's
+#                                              # prompts (GPU CHUNK_GPU, default 0)
 #   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
 #   benchmarks/gpu_x4_jobs.sh vote             # #27/#28 on GPU 2: ReAttention's vote kernel's tiles, a profiled prefill
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
@@ -254,9 +256,15 @@ chunk_smol() {  # #28: TokenSelect's prefill chunk of 512 tokens (the default) a
       LIMIT=${CHUNK_LIMIT:-480} GPUS=1 GPU_FIRST=${CHUNK_GPU:-0}
   done
 }
+groups_smol() {  # #28: TokenSelect in 2048-token prefill chunks whose groups of 512 queries choose (prefill_group), on
+  # chunk_smol's prompts: paired with its 512-token run (benchmarks/paired_answers.py)
+  job smol_groups2048 MODEL=$smol TASKS=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1 \
+    LENGTHS=2x,4x,8x,16x POLICIES=tokenselect FLAGS="--chunk-size 2048" PER_TASK=1 KV=140000 \
+    LIMIT=${CHUNK_LIMIT:-480} GPUS=1 GPU_FIRST=${CHUNK_GPU:-0}
+}
 
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings|fp8_keys_smol|fp8_keys_qwen|chunk_smol) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings|fp8_keys_smol|fp8_keys_qwen|chunk_smol|groups_smol) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     copy_tree /tmp/repo_tests .carry

@@ -42,7 +42,7 @@ def compile_scores(kernel, keys: str, stats: bool, arch: int, extra: dict):
     block_n, warps, blocks, stages = paged_dot.SCORES_TILE
     constants = {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": block_n, "BLOCKS": blocks,
                  "DOT_TY": tl.float16 if keys == "fp8" else tl.bfloat16, "IEEE": False, "STATS": stats,
-                 "MASKED": True, "stride_slot_row": 0, **extra}
+                 "MASKED": True, "FOLD": 1, "stride_slot_row": 0, **extra}
     signature.update({name: "constexpr" for name in constants})
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in MULTIPLES_OF_16}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),

@@ -206,7 +206,7 @@ def test_check_names_the_settings_a_kind_takes_and_fitted_keeps_a_zero_default()
     from tokenselect.settings import PAPER_WINDOW, NoSettings, check, fitted, scaled
 
     with pytest.raises(ValueError, match=r"^attention 'x' takes no setting a, b \(it takes: k, n_init, n_local, theta, "
-                                         r"selector, neighbours, score_scale, positions, dense_until\)$"):
+                                         r"selector, neighbours, prefill_group, score_scale, positions, dense_until\)$"):
         check(TokenSelectSettings, {"b": 1, "a": 2, "k": 3}, "attention 'x'")
     with pytest.raises(ValueError, match=r"^attention 'full' takes no setting k \(it takes: none\)$"):
         check(NoSettings, {"k": 1}, "attention 'full'")
@@ -266,7 +266,9 @@ def test_engine_flags_help_carries_each_settings_help_default_and_range():
     parser = argparse.ArgumentParser()
     add_flags(parser, EngineSettings)
     helps = {a.option_strings[0]: a.help for a in parser._actions}
-    assert helps["--chunk-size"] == "prefill chunk (default 512, or window/4 if smaller; [1, inf] tokens)"
+    assert helps["--chunk-size"] == ("prefill chunk (default 512, or window/4 if smaller; 4 times that for TokenSelect, "
+                                     "whose groups of prefill_group queries choose as chunks of that size would; "
+                                     "[1, inf] tokens)")
     assert helps["--kv-offload"].startswith("values: keep the V pool") and \
         helps["--kv-offload"].endswith("(default none; none, values)")
     assert helps["--dtype"].endswith("bfloat16, float16 (default auto)")  # no range: closed after the default

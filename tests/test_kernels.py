@@ -24,7 +24,7 @@ from tokenselect.kernels.dot import exact_dot_type, query_dot_type
 from tokenselect.kernels.fast_exp import exp2_ftz, exp_ftz
 from tokenselect.kernels.head_vote import head_soft_vote_ref
 from tokenselect.kernels.page_bounds import page_scores, page_scores_ref
-from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref
+from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref, scores_block, scores_with_stats
 from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from tokenselect.kv_cache import KVCache
@@ -36,6 +36,7 @@ from tokenselect.rope import RopeSpec
 from policy_steps import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+paged_dot_module = importlib.import_module("tokenselect.kernels.paged_dot")  # (the package's name is the function)
 TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
 N_KV = 2
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -1236,7 +1237,7 @@ def test_selection_update_of_a_batch_is_each_sequence_alone(batch, dtype):
 def test_head_soft_vote_of_a_batch_is_each_sequence_alone(batch, group, dtype):
     """Queries [B, H, d] over slot lists that are rows of a wider table, each with its own live prefix (ragged,
     none and all among them): every sequence's vote is the one it gets alone (the same kernels: bit for bit) and
-    the reference's; one shared list (``[N]``) votes as the rows would."""
+    the reference's; one shared list (``[N]``) votes as the rows would (folded into one tile: to rounding)."""
     gen = torch.Generator().manual_seed(batch * 10 + group)
     n, n_slots = 700, 2000
     q, k_pool = query((batch, N_KV * group, 128), dtype, gen), pool(n_slots, 128, dtype, gen)
@@ -1252,7 +1253,55 @@ def test_head_soft_vote_of_a_batch_is_each_sequence_alone(batch, group, dtype):
     torch.testing.assert_close(TORCH.head_soft_vote(q, k_pool, slots, 0.125, live), got, atol=1e-5, rtol=1e-4)
     shared = TRITON.head_soft_vote(q, k_pool, slots[0], 0.125)
     for b in range(batch):
-        assert torch.equal(shared[b], TRITON.head_soft_vote(q[b], k_pool, slots[0], 0.125))
+        alone = TRITON.head_soft_vote(q[b], k_pool, slots[0], 0.125)
+        torch.testing.assert_close(shared[b], alone, atol=1e-6, rtol=1e-5)  # measured 2e-7 (votes up to 0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_kv, group", [(4, 1), (2, 4), (1, 8)])
+def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n_kv, group):
+    """A batch of queries over one slot list (stride-0 rows: a prefill chunk's groups of queries) runs as one program
+    row whose tile holds every sequence's query group; its scores and vote equal each sequence's alone, each with
+    its own live count (0, a partial block, every slot)."""
+    torch.manual_seed(0)
+    n_heads, d, n, batch = n_kv * group, 32, 333, 4
+    pool = torch.randn(600, n_kv, d).to(DEVICE, dtype)
+    slots = torch.randperm(600)[:n].to(DEVICE)
+    q = torch.randn(batch, n_heads, d).to(DEVICE, dtype)
+    live = torch.tensor([100, n, 0, 257], device=DEVICE)
+    launches = []
+    kernel = paged_dot_module._scores_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs["FOLD"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(paged_dot_module, "_scores_kernel", Recording())
+    shared = slots.as_strided((batch, n), (0, 1))
+    vote = get_kernels("triton").head_soft_vote(q, pool, shared, 0.3, live)
+    assert launches[-1] == (launches[-1][0], batch) and launches[-1][0][1] == 1
+    want = head_soft_vote_ref(q, pool, slots, 0.3, live)
+    assert torch.equal(torch.isfinite(vote), torch.isfinite(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(vote[finite], want[finite], rtol=0, atol=1e-5)  # measured 1.5e-7
+    scores, m, l = scores_with_stats(q, pool, shared, 1.0, stats=True)
+    for b in range(batch):
+        torch.testing.assert_close(scores[b], paged_dot_ref(q[b], pool, slots), rtol=0, atol=2e-5)  # measured 5e-6
+        full = scores[b].view(n_heads, -1)
+        block = scores_block(q[b], pool)
+        first = full[:, :block]
+        torch.testing.assert_close(m[b, :, 0], first.max(dim=1).values)
+        torch.testing.assert_close(l[b, :, 0], (first - m[b, :, 0, None]).exp().sum(dim=1), rtol=1e-5, atol=1e-5)
+    # distinct lists, or more rows than a tile holds, run a program row a sequence
+    scores_with_stats(q, pool, torch.stack([slots, slots.flip(0), slots, slots]), 1.0, stats=False)
+    assert launches[-1][1] == 1 and launches[-1][0][1] == batch
+    many = torch.randn(MAX_GROUP_ROWS // group + 1, n_heads, d).to(DEVICE, dtype)
+    scores_with_stats(many, pool, slots, 1.0, stats=False)
+    assert launches[-1][1] == 1 and launches[-1][0][1] == many.shape[0]
+
 
 
 @pytest.mark.parametrize("batch", [1, 3, 6])

@@ -573,6 +573,22 @@ def test_default_chunk_is_512_or_a_quarter_of_a_small_window_and_at_least_16():
     chunks = [default_chunk(w) for w in windows]
     assert chunks == [16, 16, 17, 32, 64, 512, 512, 512, 512]
     assert all(type(c) is int for c in chunks)
+    # four chunks' worth for a policy choosing per group of queries, where the group is no longer than the chunk
+    assert [default_chunk(w, 512) for w in windows] == [16, 16, 17, 32, 64, 2048, 2048, 2048, 2048]
+    assert [default_chunk(w, 16) for w in windows] == [64, 64, 68, 128, 256, 2048, 2048, 2048, 2048]
+    assert default_chunk(8192, 513) == 512 and default_chunk(8192, 0) == 512
+
+
+def test_the_engine_prefills_tokenselect_in_four_groups_a_chunk_by_default(tiny_llama):
+    """tiny_llama's window of 256: chunks of 64; TokenSelect's with groups of 16 take 4 of them, and its default
+    groups of 512 are longer than a chunk: 64. Other policies, and an explicit chunk, are left as they are."""
+    from tokenselect import LLM
+
+    assert LLM(tiny_llama, "tokenselect", prefill_group=16).chunk_size == 256
+    assert LLM(tiny_llama, "tokenselect").chunk_size == 64
+    assert LLM(tiny_llama, "tokenselect", prefill_group=0).chunk_size == 64
+    assert LLM(tiny_llama, "tokenselect", prefill_group=16, chunk_size=100).chunk_size == 100
+    assert LLM(tiny_llama, "quest").chunk_size == 64
 
 
 def test_policy_stats_add_subtract_and_give_the_hit_rate():

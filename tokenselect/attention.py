@@ -123,7 +123,19 @@ def attend_batch(policy: AttentionPolicy, cache: KVCache, kernels: Kernels, rope
     """``attend`` for B sequences of one policy and mode, whose lists have one length (a whole-step graph's
     batch): q: [B, w, n_heads, d], own: [B, w] -> [B, w, n_heads, d], the policy's choices made for the
     batch (``AttentionPolicy.attend_batch``: TokenSelect's decode steps in one launch of each selection kernel) and
-    one attention launch for all (one node a layer in a graph, not B, and a grid over every sequence)."""
+    one attention launch for all (one node a layer in a graph, not B, and a grid over every sequence). A prefill
+    chunk whose policy chooses for groups of its queries (``AttentionPolicy.query_groups``) runs its full groups as
+    such a batch, then the rest as one more."""
+    groups = policy.query_groups(steps[0], q.shape[1]) if len(steps) == 1 else None
+    if groups is not None:
+        g, groups = groups
+        full = q.shape[1] // g * g  # the queries of the full groups
+        outs = [attend_batch(policy, cache, kernels, rope, layer, groups[:full // g], q[0, :full].reshape(
+            -1, g, *q.shape[2:]), own[0, :full].reshape(-1, g)).reshape(1, full, *q.shape[2:])]
+        if full < q.shape[1]:
+            outs.append(attend_batch(policy, cache, kernels, rope, layer, groups[full // g:], q[:, full:],
+                                     own[:, full:]))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     # one sequence: its policy's ``attend``, what every policy implements (and tools that record lists wrap)
     lists = [policy.attend(layer, steps[0], q[0], own[0])] if len(steps) == 1 else policy.attend_batch(
         layer, steps, q, own)

@@ -208,7 +208,8 @@ class LLM:
             raise ValueError("triton kernels on the CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
                              "before starting (slow; meant for tests), or use kernels='torch'")
         self.kernels = get_kernels(kernels)
-        self.chunk_size = s.chunk_size or default_chunk(self.window)
+        group = fitted_settings(attention, policy_settings, self.window).get("prefill_group", 0)
+        self.chunk_size = s.chunk_size or default_chunk(self.window, group)
         if s.tail_chunk > self.chunk_size:
             raise ValueError(f"tail_chunk ({s.tail_chunk}) must not exceed the prefill chunk ({self.chunk_size})")
         self.kv_dtype = pool_dtype(s.kv_dtype, self.dtype)

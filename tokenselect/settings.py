@@ -168,7 +168,8 @@ class EngineSettings(Validated):
     rope_scaling: str | None = setting(None, "override RoPE scaling, e.g. dynamic:4, ntk:8, yarn:4, linear:2",
                                        none="the checkpoint's")
     chunk_size: int | None = setting(None, "prefill chunk", unit="tokens", low=1, kind=int,
-                                     none="512, or window/4 if smaller")
+                                     none="512, or window/4 if smaller; 4 times that for TokenSelect, whose groups "
+                                          "of prefill_group queries choose as chunks of that size would")
     dtype: str = setting("auto", "weights' and activations' dtype: auto (fp32 on CPU, bf16 on GPU), float32, "
                                  "bfloat16, float16")
     device: str | None = setting(None, "cpu or cuda", none="cuda if available")

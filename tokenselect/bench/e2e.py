@@ -52,7 +52,8 @@ from ..kv_cache import HostMemoryError
 from ..models import load_tokenizer
 from ..models.loader import resolve_device
 from ..parallel import SELECTIONS
-from ..policies import POLICIES, PolicyStats, policy_spec
+from ..policies import POLICIES, PolicyStats, default_chunk, policy_spec
+from ..policies.tokenselect import TokenSelectSettings
 from ..sampling import SamplingParams
 from .dense import DenseRunner
 from .floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
@@ -252,6 +253,16 @@ def dense_chunk(spec: str, length: int, default: int) -> int:
     return chunk
 
 
+def chunk_label(chunk_size: int | None, config: dict) -> str:
+    """The title's prefill chunk: the run's --chunk-size, or the engine's defaults on this model (TokenSelect's own
+    where its prefill groups make it another)."""
+    if chunk_size:
+        return f"chunk {chunk_size}"
+    window, group = int(config.get("max_position_embeddings", 2048)), TokenSelectSettings().prefill_group
+    plain, grouped = default_chunk(window), default_chunk(window, group)
+    return f"chunk {plain}" + (f" (TokenSelect {grouped}, in groups of {group})" if grouped != plain else "")
+
+
 def measure_dense(config: dict, ids: list[int], args, chunk: int) -> dict:
     """Prefill (in chunks of ``chunk`` tokens) and decode with the dense baseline on an engine of the same
     weights (its own KV pool left empty: the contiguous dense cache is the one that holds the sequence)."""
@@ -307,7 +318,8 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
     ids = text_prompt(length, config["vocab_size"])
     try:
         row.update(measure_hf(config, ids, args) if spec == "transformers"
-                   else measure_dense(config, ids, args, dense_chunk(spec, length, args.chunk_size)))
+                   else measure_dense(config, ids, args, dense_chunk(spec, length, args.chunk_size or default_chunk(
+                       int(config.get("max_position_embeddings", 2048))))))
     except torch.OutOfMemoryError:
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
     size = KV_DTYPES[row["kv"]].itemsize
@@ -488,8 +500,8 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandw
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
     title = (f"{args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, KV offload {args.kv_offload}, "
-             f"selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} decode steps, "
-             f"{'CUDA graphs' if graphs else 'eager'}"
+             f"selection keys {args.select_dtype}, {chunk_label(args.chunk_size, config)}, {args.decode_steps} "
+             f"decode steps, {'CUDA graphs' if graphs else 'eager'}"
              + (f", tensor parallel over {args.tensor_parallel_size} ({args.tp_selection} selection)"
                if getattr(args, "tensor_parallel_size", 1) > 1 else "")
              + (f", copy bandwidth {bandwidth / 1e9:,.0f} GB/s" if bandwidth else ""))
@@ -550,7 +562,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown policy {policy!r}: use {', '.join(DENSE)} or one of {', '.join(POLICIES)}")
         if name == "dense":
             try:
-                dense_chunk(policy, 1, args.chunk_size)
+                dense_chunk(policy, 1, args.chunk_size or 1)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
     check_hit_rate(args)
@@ -602,7 +614,8 @@ def add_parser(subparsers) -> None:
                    help="add, where tokenselect and tokenselect:theta=-1 both ran, the decode step of a model whose "
                         "Selection Cache reuses this share of its lookups (an estimate: the mix of the two rows), "
                         "e.g. a real model's rate from an eval table")
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="every row's prefill chunk (default: each policy's engine default, dense's 512)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
     p.add_argument("--kv-offload", default="none", choices=["none", "values"],
                    help="values: V pool in pinned host memory, K on the GPU (what fits 1M tokens of Llama-3-8B)")

@@ -36,7 +36,7 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                    stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, D: tl.constexpr,
                    D_P: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
-                   STATS: tl.constexpr, MASKED: tl.constexpr):
+                   STATS: tl.constexpr, MASKED: tl.constexpr, FOLD: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
     ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
     after the sequences' before it): for each block b of
@@ -45,7 +45,9 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
-    kernel does nothing)."""
+    kernel does nothing). FOLD > 1: the tile's rows are the query groups of FOLD sequences (a program_id(1) of 0)
+    that share the slot list, which is then read once for all: row r is head kvh * G + r % G of sequence r // G
+    (queries [FOLD, n_heads, D] contiguous), live up to that sequence's n_valid."""
     group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
     seq = tl.program_id(1).to(tl.int64)
     q_ptr += seq * stride_qb
@@ -56,15 +58,23 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     if STATS:
         m_ptr += seq * G * n_kv * n_blocks
         l_ptr += seq * G * n_kv * n_blocks
-    n_live = N
-    last = n_blocks
-    if MASKED:
-        n_live = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
-        last = tl.cdiv(n_live, BLOCK_N)
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
+    if FOLD > 1:  # heads numbered across the sequences, as the queries, scores and stats lie
+        row_ok = rows < G * FOLD
+        heads = (rows // G) * (G * n_kv) + kvh * G + rows % G
+    n_live = N
+    last = n_blocks
+    if MASKED:
+        if FOLD > 1:  # the slots are read up to the longest live row
+            row_live = tl.minimum(tl.load(n_valid_ptr + (rows // G) * stride_valid, mask=row_ok, other=0).to(tl.int32),
+                                  N)
+            n_live = tl.max(row_live, axis=0)
+        else:
+            n_live = tl.minimum(tl.load(n_valid_ptr).to(tl.int32), N)
+        last = tl.cdiv(n_live, BLOCK_N)
     if group_id * BLOCKS < last:  # (a program past the live blocks reads nothing, not even the query)
         q = as_dot_type(tl.load(q_ptr + heads[:, None] * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
                                 other=0.0), DOT_TY)
@@ -76,7 +86,10 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                         mask=dim_ok[:, None] & live[None, :], other=0.0)
             s = mma(q, k.to(DOT_TY), IEEE) * scale  # [BLOCK_G, BLOCK_N]
             if MASKED:
-                s = tl.where(live[None, :], s, float("-inf"))
+                if FOLD > 1:
+                    s = tl.where(cols[None, :] < row_live[:, None], s, float("-inf"))
+                else:
+                    s = tl.where(live[None, :], s, float("-inf"))
             tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s,
                      mask=row_ok[:, None] & col_ok[None, :])
             if STATS:
@@ -108,11 +121,11 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
     of the blocks past them are left unwritten (see the kernel).
     A batch in one launch: q [B, n_heads, d], slots [B, N] and n_valid [B] (views of any row stride) -> scores
-    [B, n_heads, N], m, l [B, n_heads, n_blocks]."""
+    [B, n_heads, N], m, l [B, n_heads, n_blocks]. A batch whose sequences share one slot list (slots [N], or rows at
+    stride 0: a prefill chunk's groups of queries) is folded into the tile's query rows where they fit
+    (MAX_GROUP_ROWS), so that each key is read once for the batch."""
     batched = q.dim() == 3
     qs = q if batched else q[None]
-    if not qs[0].is_contiguous():
-        qs = qs.contiguous()
     batch, n_heads, d = qs.shape
     slot_rows = slots if slots.dim() == 2 else slots[None]  # one list for every sequence: read at row stride 0
     if slot_rows.shape[0] not in (1, batch):
@@ -120,6 +133,10 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     slot_rows = rows_in_place(slot_rows)
     n_kv, n = k_pool.shape[1], slot_rows.shape[1]
     group = n_heads // n_kv
+    shared = slot_rows.shape[0] == 1 or slot_rows.stride(0) == 0
+    fold = batch if batch > 1 and shared and batch * group <= MAX_GROUP_ROWS else 1
+    if not (qs.is_contiguous() if fold > 1 else qs[0].is_contiguous()):
+        qs = qs.contiguous()
     out = torch.empty(batch, n_heads, n, dtype=torch.float32, device=q.device)
     dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
     _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
@@ -129,12 +146,13 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     l = torch.empty_like(m) if stats else None
     valid = None if n_valid is None else n_valid.reshape(-1)
     if n and batch:
-        _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv, batch)](
+        _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv, batch // fold)](
             qs, k_pool, slot_rows, out, m, l, valid, n, group, n_kv, n_blocks, float(scale),
             k_pool.stride(0), k_pool.stride(1), qs.stride(0), slot_rows.stride(0) if slot_rows.shape[0] > 1 else 0,
             0 if valid is None else valid.stride(0), D=d, D_P=max(16, triton.next_power_of_2(d)),
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCKS=blocks,
-            DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
+            BLOCK_G=max(16, triton.next_power_of_2(group * fold)), BLOCK_N=block_n, BLOCKS=blocks,
+            DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLD=fold, num_warps=warps,
+            num_stages=stages,
         )
     if batched:
         return out, m, l

@@ -157,6 +157,12 @@ class AttentionPolicy:
         """What the queries q: [w, n_heads, head_dim] (un-rotated), cached at slots own: [w], attend."""
         raise NotImplementedError
 
+    def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
+        """(g, the SeqSteps of a prefill chunk's groups of g queries, the last one w - g * (len - 1) long) where the
+        policy chooses for each group of a chunk's w queries as a chunk of g queries would (``attention.attend_batch``
+        runs the groups as a batch); None where the chunk chooses once."""
+        return None
+
     def attend_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor, own: torch.Tensor) -> list[Attended]:
         """``attend`` for B >= 2 sequences stepping together in one mode (a whole-step graph's batch; one sequence
         goes to ``attend``), q: [B, w, n_heads, head_dim], own: [B, w]; each list of one length. Here each sequence's

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
-from .base import (PolicyStats, SelectivePolicy, SeqStep, batch_lengths, batch_once, dense_until_setting,
+from .base import (SELECT, PolicyStats, SelectivePolicy, SeqStep, batch_lengths, batch_once, dense_until_setting,
                    n_init_setting, n_local_setting, positions_setting, rows, selection_query)
 from .selection_cache import SelectionCache
 
@@ -46,6 +46,12 @@ class TokenSelectSettings(Validated):
     neighbours: int = setting(0, "a token's vote is the best within this many tokens on either side, so runs of "
                                  "tokens around the best-voted are selected (0: each token on its own vote)",
                               unit="tokens", low=0)
+    prefill_group: int = setting(512, "prefill queries that choose together, with their mean query: a prefill chunk "
+                                      "longer than this chooses for each group of this many of its queries, as "
+                                      "chunks of this size would (the groups' choices in one launch of each "
+                                      "selection kernel), so that a longer --chunk-size runs the model's matrix "
+                                      "products on more rows without coarsening the choice; 0: a chunk chooses once",
+                                 unit="tokens", low=0)
     score_scale: str = setting("raw", "per-head softmax scale for the vote: raw, sqrt_d or a number")
     positions: str = positions_setting()
     dense_until: int | None = dense_until_setting()
@@ -61,7 +67,7 @@ class TokenSelect(SelectivePolicy):
         s = self.Settings(**settings)
         super().__init__(cache, kernels, n_init=s.n_init, n_local=s.n_local, budget=s.k, positions=s.positions,
                          dense_until=s.dense_until)
-        self.k, self.selector, self.neighbours = s.k, s.selector, s.neighbours
+        self.k, self.selector, self.neighbours, self.prefill_group = s.k, s.selector, s.neighbours, s.prefill_group
         self.scale = resolve_score_scale(s.score_scale, cache.k.shape[-1])
         # an entry: a miss's choice, [k] indices into the middle
         self.selection_cache = SelectionCache(s.theta, cache.k.shape[0], s.k, kernels.selection_check,
@@ -77,17 +83,33 @@ class TokenSelect(SelectivePolicy):
         return self.select(layer, step.row, query, middle, live, step.decode), None
 
     def choose_batch(self, layer: int, steps: list[SeqStep], q: torch.Tensor) -> torch.Tensor | None:
-        """``choose`` for a batch of decode steps: the Selection Cache's check, the vote, the top-k and the
-        store-or-reuse each in one launch for the batch (the sequences' tables, lengths and rows read as strided
-        views of the graph's inputs), not one a sequence. A prefill chunk, another selector, or a cache whose queries
-        span tensor-parallel ranks chooses per sequence (None)."""
-        if not steps[0].decode or self.selector != "soft_vote" or self.selection_cache.heads.spans_ranks:
+        """``choose`` for a batch of decode steps, or of a prefill chunk's groups of queries (``query_groups``): the
+        Selection Cache's check (decode), the vote, the top-k and the store-or-reuse (decode) each in one launch for
+        the batch (the sequences' tables, lengths and rows read as strided views of the graph's inputs; a chunk's
+        groups share one slot list, which the scores kernel reads once for all), not one a sequence. Another
+        selector, or a cache whose queries span tensor-parallel ranks, chooses per sequence (None)."""
+        if self.selector != "soft_vote" or self.selection_cache.heads.spans_ranks:
             return None
         middles = rows([self.middle(step)[0] for step in steps])
         live = batch_once(steps, f"length - {self.n_init + self.n_local}",
                           lambda: batch_lengths(steps) - (self.n_init + self.n_local))
         seq_rows = rows([step.row.view(1) for step in steps]).view(-1)
-        return self.select(layer, seq_rows, q[:, 0], middles, live, decode=True)
+        decode = steps[0].decode
+        query = q[:, 0] if decode else q.mean(dim=1, dtype=torch.float32).to(q.dtype)  # ``selection_query``'s
+        return self.select(layer, seq_rows, query, middles, live, decode)
+
+    def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
+        """A selecting prefill chunk of more than ``prefill_group`` queries: its groups, each a SeqStep whose length
+        counts the chunk's tokens before the group (the chunk's keys are all cached before a layer attends, and a
+        group's list holds none past its own), made once a step."""
+        g = self.prefill_group
+        if step.decode or step.mode != SELECT or not 0 < g < w:
+            return None
+
+        def groups():
+            lengths = step.length + self.cache.arange(-(-w // g)) * g
+            return [SeqStep(step.table, length, step.row, False, SELECT, step.buffers) for length in lengths]
+        return g, step.once(f"groups of {g} of {w}", groups)
 
     def select(self, layer: int, row: torch.Tensor, query: torch.Tensor, middle: torch.Tensor, live: torch.Tensor,
                decode: bool) -> torch.Tensor:
