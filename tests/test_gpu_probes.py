@@ -116,3 +116,20 @@ def test_the_incremental_prefill_selection_probe_scores_the_whole_middle_only_wh
         shares[refresh] = float(found.group(1)), float(found.group(2))
     assert shares[1][1] == 100.0 and 10.0 < shares[0][1] < 60.0, shares
     assert all(0.5 < kept <= 1.0 for kept, _ in shares.values()), shares
+
+
+def test_the_chunk_tile_sweep_swaps_the_tile_and_draws_a_prefill_groups_lists():
+    """The sweep's tile is the one ``sparse_attention`` launches inside the block, and the shipped one after; each
+    group's list is LIST distinct slots, its own queries' last, the others outside every group's own."""
+    sweep = load("chunk_attention_tiles_gpu")
+    attention = sweep.attention
+    shipped = attention.CHUNK_TILE
+    with sweep.chunk_tile((128, 128, 8, 2)):
+        assert attention.CHUNK_TILE == (128, 128, 8, 2)
+    assert attention.CHUNK_TILE == shipped
+    lists = sweep.lists(torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert lists.shape == (sweep.GROUPS, sweep.LIST)
+    own = torch.arange(sweep.POOL - sweep.QUERIES * sweep.GROUPS, sweep.POOL).view(sweep.GROUPS, sweep.QUERIES)
+    assert torch.equal(lists[:, -sweep.QUERIES:], own)
+    assert all(row.unique().numel() == sweep.LIST for row in lists)
+    assert int(lists[:, :-sweep.QUERIES].max()) < sweep.POOL - sweep.QUERIES * sweep.GROUPS

@@ -69,3 +69,21 @@ def test_which_chunks_are_split_into_groups(tiny_llama):
 def test_a_negative_group_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="prefill_group"):
         LLM(tiny_llama, "tokenselect", prefill_group=-1)
+
+
+def test_groups_choose_alike_beside_other_sequences(tiny_llama, batch_invariant_matmuls):
+    """Two prompts generated together (continuous batching: one decodes while the other's chunks prefill, in steps of
+    both): in 64-token chunks of 16-query groups each gets the tokens that 16-token chunks give it."""
+    from tokenselect import SamplingParams
+
+    prompts = [PROMPT[:700], PROMPT[300:1100]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def tokens(chunk: int, **settings) -> list[list[int]]:
+        llm = LLM(tiny_llama, "tokenselect", chunk_size=chunk, kernels="torch", cuda_graphs=False, prefix_cache=False,
+                  max_num_seqs=2, **SELECTING, **settings)
+        return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = tokens(16)
+    assert tokens(64, prefill_group=16) == want
+    assert tokens(64, prefill_group=0) != want  # (the chunks choosing once answer otherwise)

@@ -101,7 +101,9 @@ class TokenSelect(SelectivePolicy):
     def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
         """A selecting prefill chunk of more than ``prefill_group`` queries: its groups, each a SeqStep whose length
         counts the chunk's tokens before the group (the chunk's keys are all cached before a layer attends, and a
-        group's list holds none past its own), made once a step."""
+        group's list holds none past its own), made once a step. The groups take the chunk's mode: where chunks of
+        the group's size would change from attending every token to selecting inside this chunk (a ``dense_until``
+        that is not a multiple of the chunk, or the papers' rule, 0), all of its groups select."""
         g = self.prefill_group
         if step.decode or step.mode != SELECT or not 0 < g < w:
             return None
