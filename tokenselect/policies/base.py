@@ -411,5 +411,6 @@ def batch_lengths(steps: list[SeqStep]) -> torch.Tensor:
 
 def selection_query(q: torch.Tensor) -> torch.Tensor:
     """The query a chunk selects with: the mean of its un-rotated queries (TokenSelect 5.2).
-    q: [c, n_heads, head_dim] -> [n_heads, head_dim] fp32 (one kernel: the mean accumulates in fp32)."""
-    return q.mean(dim=0, dtype=torch.float32)
+    q: [c, n_heads, head_dim] -> [n_heads, head_dim] fp32 (one kernel: the mean accumulates in fp32); a batch's
+    [B, c, n_heads, head_dim] -> [B, n_heads, head_dim]."""
+    return q.mean(dim=-3, dtype=torch.float32)

@@ -95,7 +95,7 @@ class TokenSelect(SelectivePolicy):
                           lambda: batch_lengths(steps) - (self.n_init + self.n_local))
         seq_rows = rows([step.row.view(1) for step in steps]).view(-1)
         decode = steps[0].decode
-        query = q[:, 0] if decode else q.mean(dim=1, dtype=torch.float32).to(q.dtype)  # ``selection_query``'s
+        query = q[:, 0] if decode else selection_query(q).to(q.dtype)
         return self.select(layer, seq_rows, query, middles, live, decode)
 
     def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
