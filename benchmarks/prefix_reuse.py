@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", help='policy settings as JSON, e.g. \'{"k": 4096}\'')
     p.add_argument("--doc-tokens", type=parse_length, default=131000,
                    help="document length (default 131000: 128K less 72, so that a follow-up computes the document's "
-                        "last partial chunk again, 440 tokens, as it would for a document of any length; 128k = "
-                        "131072 would be a multiple of the chunk)")
+                        "last partial chunk again, 440 tokens of a 512-token chunk, 1976 of a 2048-token one, as it "
+                        "would for a document of any length; 128k = 131072 would be a multiple of the chunk)")
     p.add_argument("--questions", type=int, default=10, help="questions asked (default 10)")
     p.add_argument("--question-tokens", type=int, default=64, help="tokens of each question (default 64)")
     p.add_argument("--max-tokens", type=int, default=8, help="new tokens per question (default 8)")
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill chunk (default: the engine's for the policy, 2048 for TokenSelect)")
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: what fits)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
     p.add_argument("--device", default=None)
