@@ -38,11 +38,11 @@ def compile_scores(kernel, keys: str, stats: bool, arch: int, extra: dict):
     signature = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv" if keys == "fp8" else "*bf16", "slot_ptr": "*i64",
                  "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "n_valid_ptr": "*i64", "N": "i32", "G": "i32",
                  "n_kv": "i32", "n_blocks": "i32", "scale": "fp32", "stride_slot": "i32", "stride_kvh": "i32",
-                 "stride_qb": "i32", "stride_slot_row": "constexpr", "stride_valid": "i32"}
+                 "stride_qb": "i32", "stride_slot_row": "constexpr", "stride_valid": "i32", "fold": "i32"}
     block_n, warps, blocks, stages = paged_dot.SCORES_TILE
     constants = {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": block_n, "BLOCKS": blocks,
                  "DOT_TY": tl.float16 if keys == "fp8" else tl.bfloat16, "IEEE": False, "STATS": stats,
-                 "MASKED": True, "FOLD": 1, "stride_slot_row": 0, **extra}
+                 "MASKED": True, "FOLDED": False, "stride_slot_row": 0, **extra}
     signature.update({name: "constexpr" for name in constants})
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in MULTIPLES_OF_16}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),

@@ -77,7 +77,7 @@ KEYS_AS_A = [  # the keys as the product's first operand: scores^T [keys, query 
 ]
 PLAIN_EXP = [("exp_ftz(s - tl.where(", "tl.exp(s - tl.where(")]
 REAL_ROWS = [
-    ("MASKED: tl.constexpr, FOLD: tl.constexpr):", "MASKED: tl.constexpr, FOLD: tl.constexpr, G_P: tl.constexpr):"),
+    ("MASKED: tl.constexpr, FOLDED: tl.constexpr):", "MASKED: tl.constexpr, FOLDED: tl.constexpr, G_P: tl.constexpr):"),
     ("    heads = kvh * G + rows\n",
      "    heads = kvh * G + rows\n    rows_p = tl.arange(0, G_P)\n    heads_p, row_ok_p = kvh * G + rows_p, rows_p < G\n"),
     ("s = mma(q, k.to(DOT_TY), IEEE) * scale", "s = first_rows(mma(q, k.to(DOT_TY), IEEE), BLOCK_G, G_P) * scale"),

@@ -36,14 +36,15 @@ def main() -> None:
     i32, f32, i64p = "i32", "fp32", "*i64"
     for kv, dot, ieee in (("bf16", tl.bfloat16, False), ("fp8e4nv", tl.float16, False), ("fp32", tl.float32, True)):
         q = "fp32" if ieee else "bf16"
-        # (a prefill chunk's four groups of queries folded into one tile over their shared slot list: FOLD 4)
-        for stats, masked, fold in ((True, True, 1), (True, False, 1), (False, False, 1), (True, True, 4)):
+        # (a prefill chunk's groups of queries folded into one tile over their shared slot list: FOLDED)
+        for stats, masked, folded in ((True, True, False), (True, False, False), (False, False, False), (True, True, True)):
             compile_one("paged_dot", "_scores_kernel", {
                 "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
-                "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32},
+                "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32,
+                "fold": i32},
                 {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "DOT_TY": dot,
-                 "IEEE": ieee, "STATS": stats, "MASKED": masked, "FOLD": fold}, num_warps=8 if ieee else 4,
+                 "IEEE": ieee, "STATS": stats, "MASKED": masked, "FOLDED": folded}, num_warps=8 if ieee else 4,
                 num_stages=2 if ieee else 3)
         argmax = mods["paged_argmax"]
         for tile in ((argmax.FP32_ARGMAX_TILE,) if ieee else (argmax.ARGMAX_TILE, argmax.FEW_ROWS_ARGMAX_TILE)):

@@ -1258,31 +1258,31 @@ def test_head_soft_vote_of_a_batch_is_each_sequence_alone(batch, group, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_kv, group", [(4, 1), (2, 4), (1, 8)])
-def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n_kv, group):
+@pytest.mark.parametrize("n_kv, group, batch", [(4, 1, 4), (2, 4, 4), (2, 4, 3), (1, 8, 4)])
+def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n_kv, group, batch):
     """A batch of queries over one slot list (stride-0 rows: a prefill chunk's groups of queries) runs as one program
     row whose tile holds every sequence's query group; its scores and vote equal each sequence's alone, each with
     its own live count (0, a partial block, every slot)."""
     torch.manual_seed(0)
-    n_heads, d, n, batch = n_kv * group, 32, 333, 4
+    n_heads, d, n = n_kv * group, 32, 333
     pool = torch.randn(600, n_kv, d).to(DEVICE, dtype)
     slots = torch.randperm(600)[:n].to(DEVICE)
     q = torch.randn(batch, n_heads, d).to(DEVICE, dtype)
-    live = torch.tensor([100, n, 0, 257], device=DEVICE)
-    launches = []
+    live = torch.tensor([100, n, 0, 257][:batch], device=DEVICE)
+    launches = []  # (grid, folded, the count folded: a runtime argument, so no count compiles a kernel of its own)
     kernel = paged_dot_module._scores_kernel
 
     class Recording:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((grid, kwargs["FOLD"]))
+                launches.append((grid, kwargs["FOLDED"], args[-1]))
                 return kernel[grid](*args, **kwargs)
             return launch
 
     monkeypatch.setattr(paged_dot_module, "_scores_kernel", Recording())
     shared = slots.as_strided((batch, n), (0, 1))
     vote = get_kernels("triton").head_soft_vote(q, pool, shared, 0.3, live)
-    assert launches[-1] == (launches[-1][0], batch) and launches[-1][0][1] == 1
+    assert launches[-1][1:] == (True, batch) and launches[-1][0][1] == 1
     want = head_soft_vote_ref(q, pool, slots, 0.3, live)
     assert torch.equal(torch.isfinite(vote), torch.isfinite(want))
     finite = torch.isfinite(want)
@@ -1296,12 +1296,11 @@ def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n
         torch.testing.assert_close(m[b, :, 0], first.max(dim=1).values)
         torch.testing.assert_close(l[b, :, 0], (first - m[b, :, 0, None]).exp().sum(dim=1), rtol=1e-5, atol=1e-5)
     # distinct lists, or more rows than a tile holds, run a program row a sequence
-    scores_with_stats(q, pool, torch.stack([slots, slots.flip(0), slots, slots]), 1.0, stats=False)
-    assert launches[-1][1] == 1 and launches[-1][0][1] == batch
+    scores_with_stats(q, pool, torch.stack([slots.flip(0)] + [slots] * (batch - 1)), 1.0, stats=False)
+    assert launches[-1][1:] == (False, 1) and launches[-1][0][1] == batch
     many = torch.randn(MAX_GROUP_ROWS // group + 1, n_heads, d).to(DEVICE, dtype)
     scores_with_stats(many, pool, slots, 1.0, stats=False)
-    assert launches[-1][1] == 1 and launches[-1][0][1] == many.shape[0]
-
+    assert launches[-1][1:] == (False, 1) and launches[-1][0][1] == many.shape[0]
 
 
 @pytest.mark.parametrize("batch", [1, 3, 6])

@@ -33,10 +33,10 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
 
 @triton.jit
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
-                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, D: tl.constexpr,
+                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, fold, D: tl.constexpr,
                    D_P: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
-                   STATS: tl.constexpr, MASKED: tl.constexpr, FOLD: tl.constexpr):
+                   STATS: tl.constexpr, MASKED: tl.constexpr, FOLDED: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
     ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
     after the sequences' before it): for each block b of
@@ -45,9 +45,10 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
-    kernel does nothing). FOLD > 1: the tile's rows are the query groups of FOLD sequences (a program_id(1) of 0)
+    kernel does nothing). FOLDED: the tile's rows are the query groups of ``fold`` sequences (a program_id(1) of 0)
     that share the slot list, which is then read once for all: row r is head kvh * G + r % G of sequence r // G
-    (queries [FOLD, n_heads, D] contiguous), live up to that sequence's n_valid."""
+    (queries [fold, n_heads, D] contiguous), live up to that sequence's n_valid. (A runtime count: a chunk's last
+    groups, 1 to 4 of them, would otherwise each compile a kernel of their own on first use.)"""
     group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
     seq = tl.program_id(1).to(tl.int64)
     q_ptr += seq * stride_qb
@@ -62,13 +63,13 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     dims = tl.arange(0, D_P)  # D padded to a power of two
     row_ok, dim_ok = rows < G, dims < D
     heads = kvh * G + rows
-    if FOLD > 1:  # heads numbered across the sequences, as the queries, scores and stats lie
-        row_ok = rows < G * FOLD
+    if FOLDED:  # heads numbered across the sequences, as the queries, scores and stats lie
+        row_ok = rows < G * fold
         heads = (rows // G) * (G * n_kv) + kvh * G + rows % G
     n_live = N
     last = n_blocks
     if MASKED:
-        if FOLD > 1:  # the slots are read up to the longest live row
+        if FOLDED:  # the slots are read up to the longest live row
             row_live = tl.minimum(tl.load(n_valid_ptr + (rows // G) * stride_valid, mask=row_ok, other=0).to(tl.int32),
                                   N)
             n_live = tl.max(row_live, axis=0)
@@ -86,7 +87,7 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                         mask=dim_ok[:, None] & live[None, :], other=0.0)
             s = mma(q, k.to(DOT_TY), IEEE) * scale  # [BLOCK_G, BLOCK_N]
             if MASKED:
-                if FOLD > 1:
+                if FOLDED:
                     s = tl.where(cols[None, :] < row_live[:, None], s, float("-inf"))
                 else:
                     s = tl.where(live[None, :], s, float("-inf"))
@@ -149,9 +150,9 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
         _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv, batch // fold)](
             qs, k_pool, slot_rows, out, m, l, valid, n, group, n_kv, n_blocks, float(scale),
             k_pool.stride(0), k_pool.stride(1), qs.stride(0), slot_rows.stride(0) if slot_rows.shape[0] > 1 else 0,
-            0 if valid is None else valid.stride(0), D=d, D_P=max(16, triton.next_power_of_2(d)),
+            0 if valid is None else valid.stride(0), fold, D=d, D_P=max(16, triton.next_power_of_2(d)),
             BLOCK_G=max(16, triton.next_power_of_2(group * fold)), BLOCK_N=block_n, BLOCKS=blocks,
-            DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLD=fold, num_warps=warps,
+            DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLDED=fold > 1, num_warps=warps,
             num_stages=stages,
         )
     if batched:
