@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenselect import LLM
+from tokenselect import LLM, SamplingParams
 from tokenselect.policies.base import ALL, SELECT, SeqStep
 
 SELECTING = dict(dense_until=0, k=32, n_init=4, n_local=16)  # selects from the prompt's 53rd token on
@@ -59,7 +59,7 @@ def test_which_chunks_are_split_into_groups(tiny_llama):
     assert all(s.mode == SELECT and not s.decode and s.table is table for s in groups)
     assert policy.query_groups(step, 40) == (16, groups)  # made once a step, for every layer
     assert policy.query_groups(SeqStep(table, torch.tensor(100), torch.tensor(0), False, SELECT), 16) is None
-    assert policy.query_groups(SeqStep(table, torch.tensor(100), torch.tensor(0), False, SELECT), 17)[1].__len__() == 2
+    assert len(policy.query_groups(SeqStep(table, torch.tensor(100), torch.tensor(0), False, SELECT), 17)[1]) == 2
     assert policy.query_groups(SeqStep(table, torch.tensor(100), torch.tensor(0), False, ALL), 64) is None
     assert policy.query_groups(SeqStep(table, torch.tensor(100), torch.tensor(0), True, SELECT), 64) is None
     policy.prefill_group = 0
@@ -74,8 +74,6 @@ def test_a_negative_group_is_refused(tiny_llama):
 def test_groups_choose_alike_beside_other_sequences(tiny_llama, batch_invariant_matmuls):
     """Two prompts generated together (continuous batching: one decodes while the other's chunks prefill, in steps of
     both): in 64-token chunks of 16-query groups each gets the tokens that 16-token chunks give it."""
-    from tokenselect import SamplingParams
-
     prompts = [PROMPT[:700], PROMPT[300:1100]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
