@@ -85,3 +85,54 @@ def test_groups_choose_alike_beside_other_sequences(tiny_llama, batch_invariant_
     want = tokens(16)
     assert tokens(64, prefill_group=16) == want
     assert tokens(64, prefill_group=0) != want  # (the chunks choosing once answer otherwise)
+
+
+def prefill_sizes(llm: LLM, prompt: list[int]) -> list[int]:
+    """The prefill chunk sizes the scheduler gives ``prompt``."""
+    sizes, schedule = [], llm.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        sizes.extend(n for seq, n in batch if seq.prefilling)
+        return batch
+
+    llm.scheduler.schedule = recording
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    llm.scheduler.schedule = schedule
+    return sizes
+
+
+def test_a_chunk_ends_where_its_groups_would_change_mode(tiny_llama, batch_invariant_matmuls, monkeypatch):
+    """dense_until 100: 16-token chunks attend every token up to 96 and select from the chunk at 96 on (its end
+    passes 100), so the 64-token chunk from 64 stops at 96 and the next runs to the chunk boundary at 128. Its groups
+    then choose as 16-token chunks do; run whole, the chunk from 64 would select at 64 and 80 too."""
+    settings = dict(SELECTING, dense_until=100)
+    prompt = PROMPT[:300]
+    kw = dict(kernels="torch", cuda_graphs=False, prefix_cache=False, **settings)
+    grouped = LLM(tiny_llama, "tokenselect", chunk_size=64, prefill_group=16, **kw)
+    assert prefill_sizes(grouped, prompt) == [64, 32, 32, 64, 64, 44]
+    assert [grouped.policy.prefill_cut(t, 64) for t in (0, 64, 96, 128)] == [64, 32, 64, 64]
+    assert grouped.policy.prefill_cut(64, 16) == 16  # one group: nothing to cut
+    want = LLM(tiny_llama, "tokenselect", chunk_size=16, **kw).prompt_logits(prompt)
+    torch.testing.assert_close(grouped.prompt_logits(prompt), want, rtol=0, atol=1e-4)
+    uncut = LLM(tiny_llama, "tokenselect", chunk_size=64, prefill_group=16, **kw)
+    monkeypatch.setattr(uncut.policy, "prefill_cut", lambda t, n: n)
+    assert (uncut.prompt_logits(prompt) - want).abs().max() > 1e-2
+
+
+def test_a_prefix_reused_at_a_groups_start_answers_as_without_reuse(tiny_llama, batch_invariant_matmuls):
+    """A second prompt sharing 440 tokens with the first reuses 432 of them (27 groups of 16; 6.75 chunks of 64) and
+    answers as an engine without a prefix cache; chunks of 64 choosing once reuse only 384."""
+    first = PROMPT[:500]
+    second = PROMPT[:440] + PROMPT[600:660]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kw = dict(kernels="torch", cuda_graphs=False, chunk_size=64, **SELECTING)
+    want = LLM(tiny_llama, "tokenselect", prefix_cache=False, prefill_group=16, **kw).generate(
+        [second], params, use_tqdm=False)[0].token_ids
+    for group, reused in ((16, 432), (0, 384)):
+        llm = LLM(tiny_llama, "tokenselect", prefix_cache=True, prefill_group=group, **kw)
+        llm.generate([first], params, use_tqdm=False)
+        out = llm.generate([second], params, use_tqdm=False)[0]
+        assert out.cached_tokens == reused
+        if group:
+            assert out.token_ids == want

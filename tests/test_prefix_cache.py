@@ -100,6 +100,14 @@ def test_reuse_rules():
     assert reuse_rule("infllm", {}, "default", 512) == Reuse(("infllm", "[]"), 512, stateful=True)
     assert reuse_rule("full", {}, "default", 512).generated and not reuse_rule("full", {}, "dynamic", 512).generated
     assert not any(reuse_rule(p, {}, "default", 512).generated for p in ("tokenselect", "quest", "infllm"))
+    # TokenSelect's query groups choose alone: a prefix may end at any group's start, where the group divides the chunk
+    assert reuse_rule("tokenselect", {}, "default", 2048).grain == 512
+    assert reuse_rule("tokenselect", {"prefill_group": 256}, "default", 2048).grain == 256
+    assert reuse_rule("tokenselect", {"prefill_group": 0}, "default", 2048).grain == 2048
+    assert reuse_rule("tokenselect", {"prefill_group": 300}, "default", 2048).grain == 2048
+    assert reuse_rule("tokenselect", {}, "default", 512).grain == 512  # a group as long as the chunk
+    assert reuse_rule("tokenselect", {}, "dynamic", 2048).grain == 2048
+    assert reuse_rule("quest", {}, "default", 2048).grain == 2048
 
 
 class FakeState:

@@ -15,7 +15,8 @@ What may be reused depends on how the keys and values were computed (``reuse_rul
   is not the KV another would compute. The pool's dtype, offload and RoPE are fixed for an engine.
 - the *grain*: a match is cut to a multiple of it. A selective policy chooses per prefill chunk with the
   chunk's mean query (and StreamingLLM's window, and dynamic NTK's frequencies, follow the chunk's end), so
-  the KV of a prompt is the same only if the chunks start at the same tokens: grain = the prefill chunk.
+  the KV of a prompt is the same only if the chunks start at the same tokens: grain = the prefill chunk
+  (TokenSelect's query groups where they divide it, ``prefix_grain``: each group chooses alone).
   Full attention computes each query row alone: grain 1. So only whole chunks are shared: a sequence gives the
   cache nothing past cached tokens that end inside a chunk (another prompt's chunk: its KV is not this one's),
   nor its ``tail_chunk`` (chunked unlike a longer prompt there; ``Scheduler._cacheable``).
@@ -63,7 +64,10 @@ def reuse_rule(attention: str, settings: dict, rope_kind: str, chunk: int) -> Re
     policy = POLICIES[attention]
     if policy.prefix_reuse is None:
         return None
-    grain = 1 if policy.prefix_reuse == "token" and rope_kind != "dynamic" else chunk  # dynamic NTK: each chunk's end
+    if rope_kind == "dynamic":  # dynamic NTK's frequencies: each chunk's end
+        grain = chunk
+    else:
+        grain = 1 if policy.prefix_reuse == "token" else policy.prefix_grain(settings, chunk)
     return Reuse((attention, repr(sorted(settings.items()))), grain, policy.prefix_state,
                  policy.generated_reuse and grain == 1)
 

@@ -4,7 +4,9 @@ Every running sequence that is generating contributes one token; prompts are pre
 that share a per-step token budget. Chunk boundaries of a prompt are always multiples of the chunk
 size (a prefill that starts after a reused prefix first runs up to the next multiple), so a sequence
 is processed the same way whatever else is running and whatever it reused; with ``tail_chunk`` the
-prompt's last tokens are one more chunk of their own (the boundary before them is the only other one).
+prompt's last tokens are one more chunk of their own (the boundary before them is the only other one), and a
+policy may end a chunk early at a point of its own settings (``AttentionPolicy.prefill_cut``: where TokenSelect's
+query groups change mode).
 
 With a prefix cache (``prefix_cache.py``) a sequence starts after the longest cached prefix of its prompt
 (looked up when it is admitted, and again before each prefill chunk while it has computed nothing of its
@@ -82,6 +84,7 @@ class Scheduler:
                     n = min(n, left - self.tail_chunk)
                 elif self.tail_chunk:  # the tail itself: one chunk, wherever it starts
                     n = min(self.chunk_size, left)
+                n = seq.policy.prefill_cut(seq.n_cached, n)
                 if n > budget:
                     break
                 batch.append((seq, n))

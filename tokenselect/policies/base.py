@@ -157,6 +157,17 @@ class AttentionPolicy:
         """What the queries q: [w, n_heads, head_dim] (un-rotated), cached at slots own: [w], attend."""
         raise NotImplementedError
 
+    def prefill_cut(self, t: int, n: int) -> int:
+        """How many of the next ``n`` prompt tokens after ``t`` cached ones the scheduler runs as one prefill chunk:
+        fewer where the chunk's query groups (``query_groups``) would not all attend in one mode."""
+        return n
+
+    @classmethod
+    def prefix_grain(cls, settings: dict, chunk: int) -> int:
+        """The multiple a reused prefix is cut to (``prefix_cache.reuse_rule``) for a policy that chooses per chunk:
+        where its choices are its queries' alone, a prompt's KV is the same only up to a chunk boundary."""
+        return chunk
+
     def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
         """(g, the SeqSteps of a prefill chunk's groups of g queries, the last one w - g * (len - 1) long) where the
         policy chooses for each group of a chunk's w queries as a chunk of g queries would (``attention.attend_batch``

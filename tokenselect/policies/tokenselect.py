@@ -101,9 +101,9 @@ class TokenSelect(SelectivePolicy):
     def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
         """A selecting prefill chunk of more than ``prefill_group`` queries: its groups, each a SeqStep whose length
         counts the chunk's tokens before the group (the chunk's keys are all cached before a layer attends, and a
-        group's list holds none past its own), made once a step. The groups take the chunk's mode: where chunks of
-        the group's size would change from attending every token to selecting inside this chunk (a ``dense_until``
-        that is not a multiple of the chunk, or the papers' rule, 0), all of its groups select."""
+        group's list holds none past its own), made once a step. Every group selects, as the chunk does: the
+        scheduler ends a chunk where chunks of the group's size would change from attending every token to
+        selecting (``prefill_cut``)."""
         g = self.prefill_group
         if step.decode or step.mode != SELECT or not 0 < g < w:
             return None
@@ -122,6 +122,24 @@ class TokenSelect(SelectivePolicy):
         miss, candidates = sc.decide(row, layer, query, live) if decode else (None, live)
         picks = self.top(query, self.cache.k_select[layer], middle, candidates)
         return picks if miss is None else sc.update(row, layer, query, picks, miss)
+
+    def prefill_cut(self, t: int, n: int) -> int:
+        """Up to the first group that selects where the chunk's first group attends every token (``mode``: a group
+        selects once the context outgrows sinks + k + window and its end passes ``dense_until``), so that a chunk's
+        groups all attend in the mode a chunk of the group's size would."""
+        g = self.prefill_group
+        if not 0 < g < n or self.mode(t, g) == SELECT:
+            return n
+        return next((start - t for start in range(t + g, t + n, g) if self.mode(start, min(g, t + n - start)) == SELECT),
+                    n)
+
+    @classmethod
+    def prefix_grain(cls, settings: dict, chunk: int) -> int:
+        """The group where it divides the chunk: each group's choice is its own queries', as a chunk of its size
+        would make it (``prefill_cut`` keeps the modes), so a prefix ending at any group's start is what a prompt
+        computes there."""
+        g = settings.get("prefill_group", cls.Settings.prefill_group)
+        return g if 0 < g < chunk and chunk % g == 0 else chunk
 
     def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
                 q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
