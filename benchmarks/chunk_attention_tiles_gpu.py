@@ -89,7 +89,8 @@ def main() -> None:
     (out / "chunk_attention_tiles.json").write_text(json.dumps(rows, indent=1))
     lines = [f"# Sparse attention's chunk tile: {GROUPS} groups x {QUERIES} queries, {HEADS}/{KV} heads, d {D}, bf16, "
              f"lists of {LIST}, {LAYERS} layers in one CUDA graph, on {torch.cuda.get_device_name()}", "",
-             "| tile (rows, keys, warps, stages) | us a layer | TFLOP/s | max diff from the first |", "|---|---|---|---|"]
+             "| tile (rows, keys, warps, stages) | us a layer | TFLOP/s | max diff from the first |",
+             "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['tile']} | {r['error']} | | |" if "error" in r else
                      f"| {r['tile']} | {r['us_per_layer']:.1f} | {r['tflops']:.0f} | {r['max_diff']:.1e} |")

@@ -116,8 +116,8 @@ class TokenSelect(SelectivePolicy):
     def select(self, layer: int, row: torch.Tensor, query: torch.Tensor, middle: torch.Tensor, live: torch.Tensor,
                decode: bool) -> torch.Tensor:
         """The choice of one sequence (row int64 [], query [n_heads, d], middle [M], live int64 []) or of a batch
-        of decode steps (row [B], query [B, n_heads, d], middle [B, M], live [B]): [k] or [B, k] indices into the
-        middle. A decode step goes through the Selection Cache."""
+        (decode steps, or a prefill chunk's groups: row [B], query [B, n_heads, d], middle [B, M], live [B]): [k] or
+        [B, k] indices into the middle. A decode step goes through the Selection Cache."""
         sc = self.selection_cache
         miss, candidates = sc.decide(row, layer, query, live) if decode else (None, live)
         picks = self.top(query, self.cache.k_select[layer], middle, candidates)
@@ -130,8 +130,8 @@ class TokenSelect(SelectivePolicy):
         g = self.prefill_group
         if not 0 < g < n or self.mode(t, g) == SELECT:
             return n
-        return next((start - t for start in range(t + g, t + n, g) if self.mode(start, min(g, t + n - start)) == SELECT),
-                    n)
+        starts = range(t + g, t + n, g)
+        return next((start - t for start in starts if self.mode(start, min(g, t + n - start)) == SELECT), n)
 
     @classmethod
     def prefix_grain(cls, settings: dict, chunk: int) -> int:
