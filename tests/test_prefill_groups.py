@@ -10,6 +10,8 @@ import torch
 from tokenselect import LLM, SamplingParams
 from tokenselect.policies.base import ALL, SELECT, SeqStep
 
+from test_tail_chunk import chunks_of
+
 SELECTING = dict(dense_until=0, k=32, n_init=4, n_local=16)  # selects from the prompt's 53rd token on
 PROMPT = torch.randint(2, 300, (1100,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -87,21 +89,6 @@ def test_groups_choose_alike_beside_other_sequences(tiny_llama, batch_invariant_
     assert tokens(64, prefill_group=0) != want  # (the chunks choosing once answer otherwise)
 
 
-def prefill_sizes(llm: LLM, prompt: list[int]) -> list[int]:
-    """The prefill chunk sizes the scheduler gives ``prompt``."""
-    sizes, schedule = [], llm.scheduler.schedule
-
-    def recording():
-        batch = schedule()
-        sizes.extend(n for seq, n in batch if seq.prefilling)
-        return batch
-
-    llm.scheduler.schedule = recording
-    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    llm.scheduler.schedule = schedule
-    return sizes
-
-
 def test_a_chunk_ends_where_its_groups_would_change_mode(tiny_llama, batch_invariant_matmuls, monkeypatch):
     """dense_until 100: 16-token chunks attend every token up to 96 and select from the chunk at 96 on (its end
     passes 100), so the 64-token chunk from 64 stops at 96 and the next runs to the chunk boundary at 128. Its groups
@@ -110,7 +97,7 @@ def test_a_chunk_ends_where_its_groups_would_change_mode(tiny_llama, batch_invar
     prompt = PROMPT[:300]
     kw = dict(kernels="torch", cuda_graphs=False, prefix_cache=False, **settings)
     grouped = LLM(tiny_llama, "tokenselect", chunk_size=64, prefill_group=16, **kw)
-    assert prefill_sizes(grouped, prompt) == [64, 32, 32, 64, 64, 44]
+    assert chunks_of(grouped, prompt)[0] == [64, 32, 32, 64, 64, 44]
     assert [grouped.policy.prefill_cut(t, 64) for t in (0, 64, 96, 128)] == [64, 32, 64, 64]
     assert grouped.policy.prefill_cut(64, 16) == 16  # one group: nothing to cut
     want = LLM(tiny_llama, "tokenselect", chunk_size=16, **kw).prompt_logits(prompt)
