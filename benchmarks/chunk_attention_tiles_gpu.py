@@ -11,10 +11,10 @@ OUT/chunk_attention_tiles.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -28,15 +28,9 @@ TILES = ["64,64,4,3", "128,64,8,3", "128,64,4,3", "128,128,8,2", "64,128,4,2", "
          "128,64,8,2"]
 
 
-@contextlib.contextmanager
 def chunk_tile(tile: tuple[int, int, int, int]):
     """``sparse_attention`` launches chunks with ``tile`` inside the block (it reads CHUNK_TILE at each call)."""
-    before = attention.CHUNK_TILE
-    attention.CHUNK_TILE = tile
-    try:
-        yield
-    finally:
-        attention.CHUNK_TILE = before
+    return mock.patch.object(attention, "CHUNK_TILE", tile)
 
 
 def lists(gen: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -39,7 +39,6 @@ here, and the step from 8.23 to 8.22-8.23 ms in ``scores_tile_e2e.sh`` (``result
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import json
@@ -47,6 +46,7 @@ import linecache
 import sys
 import textwrap
 import types
+from unittest import mock
 
 import torch
 
@@ -108,16 +108,10 @@ def edited_kernel(edits: list[tuple[str, str]]):
     return module._scores_kernel
 
 
-@contextlib.contextmanager
 def swapped(name: str, value):
     """``paged_dot``'s global ``name`` is ``value`` inside the block (``scores_with_stats`` reads its kernel and its
     tile at each launch, so a graph captured inside records the swapped one)."""
-    before = getattr(paged_dot, name)
-    setattr(paged_dot, name, value)
-    try:
-        yield
-    finally:
-        setattr(paged_dot, name, before)
+    return mock.patch.object(paged_dot, name, value)
 
 
 class WithConstants:

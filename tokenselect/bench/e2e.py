@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..config import ModelConfig
 from ..data import default_model_path, prose_text
 from ..engine import KV_DTYPES, LLM, auto_fp8_keys, kv_label, token_bytes
 from ..eval.runner import parse_length
@@ -258,7 +259,7 @@ def chunk_label(chunk_size: int | None, config: dict) -> str:
     where its prefill groups make it another)."""
     if chunk_size:
         return f"chunk {chunk_size}"
-    window, group = int(config.get("max_position_embeddings", 2048)), TokenSelectSettings().prefill_group
+    window, group = ModelConfig.from_dict(config).window, TokenSelectSettings().prefill_group
     plain, grouped = default_chunk(window), default_chunk(window, group)
     return f"chunk {plain}" + (f" (TokenSelect {grouped}, in groups of {group})" if grouped != plain else "")
 
@@ -319,7 +320,7 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
     try:
         row.update(measure_hf(config, ids, args) if spec == "transformers"
                    else measure_dense(config, ids, args, dense_chunk(spec, length, args.chunk_size or default_chunk(
-                       int(config.get("max_position_embeddings", 2048))))))
+                       ModelConfig.from_dict(config).window))))
     except torch.OutOfMemoryError:
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
     size = KV_DTYPES[row["kv"]].itemsize

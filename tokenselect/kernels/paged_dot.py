@@ -149,7 +149,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     if n and batch:
         _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv, batch // fold)](
             qs, k_pool, slot_rows, out, m, l, valid, n, group, n_kv, n_blocks, float(scale),
-            k_pool.stride(0), k_pool.stride(1), qs.stride(0), slot_rows.stride(0) if slot_rows.shape[0] > 1 else 0,
+            k_pool.stride(0), k_pool.stride(1), qs.stride(0), 0 if shared else slot_rows.stride(0),
             0 if valid is None else valid.stride(0), fold, D=d, D_P=max(16, triton.next_power_of_2(d)),
             BLOCK_G=max(16, triton.next_power_of_2(group * fold)), BLOCK_N=block_n, BLOCKS=blocks,
             DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLDED=fold > 1, num_warps=warps,
