@@ -39,7 +39,7 @@ def main() -> None:
         # (a prefill chunk's groups of queries folded into one tile over their shared slot list: FOLDED)
         for stats, masked, folded in ((True, True, False), (True, False, False), (False, False, False), (True, True, True)):
             compile_one("paged_dot", "_scores_kernel", {
-                "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
+                "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp16" if stats else "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
                 "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32,
                 "fold": i32},
@@ -103,8 +103,9 @@ def main() -> None:
             "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_valid_ptr": i64p,
             "n_blocks": i32, "block_n": i32, "n_heads": i32, "stride_valid": i32}, {"BLOCK": 1024, "MASKED": masked})
         compile_one("head_vote", "_vote_kernel", {
-            "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
-            "H": i32, "N": i32, "stride_valid": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
+            "s_ptr": "*fp16", "m_block_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32",
+            "n_valid_ptr": i64p, "H": i32, "N": i32, "n_blocks": i32, "block_n": i32, "stride_valid": i32},
+            {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
     for dt in ("bf16", "fp32"):
         for add in (False, True):
             compile_one("rms_norm", "_rms_norm_kernel", {
@@ -145,11 +146,18 @@ def main() -> None:
     for word in ("*i32", "*u8"):
         compile_one("row_copy", "_gather_kernel", {"src_ptr": word, "dst_ptr": word, "index_ptr": i64p, "n": i32,
                                                    "words": i32}, {"BLOCK_R": 16, "BLOCK_W": 256})
+        compile_one("row_copy", "_stage_kernel", {"pool_ptr": word, "kept_ptr": word, "kept_slot_ptr": i64p,
+                                                  "row_of_ptr": "*i32", "index_ptr": i64p, "out_ptr": word,
+                                                  "counts_ptr": i64p, "n": i32, "words": i32},
+                    {"BLOCK_R": 16, "BLOCK_W": 256})
+        compile_one("row_copy", "_keep_kernel", {"out_ptr": word, "index_ptr": i64p, "kept_ptr": word,
+                                                 "kept_slot_ptr": i64p, "row_of_ptr": "*i32", "m": i32, "words": i32},
+                    {"BLOCK_R": 16, "BLOCK_W": 256})
     pair = {"src": "*i32", "dst": "*i32", "stride": i32, "words": i32}  # K and V as words, the fp8 copy as bytes
     pairs = {f"{name}{i}": ("*u8" if i == 2 and name in ("src", "dst") else t) for i in range(3) for name, t in pair.items()}
-    for n_pairs in (1, 2, 3):
-        compile_one("row_copy", "_scatter_kernel", {"index_ptr": i64p, "n": i32, **pairs},
-                    {"PAIRS": n_pairs, "BLOCK_R": 16, "BLOCK_W": 256})
+    for n_pairs, forget in ((1, False), (2, False), (3, False), (2, True), (3, True)):  # with value offload: FORGET
+        compile_one("row_copy", "_scatter_kernel", {"index_ptr": i64p, "n": i32, **pairs, "forget_ptr": "*i32"},
+                    {"PAIRS": n_pairs, "FORGET": forget, "BLOCK_R": 16, "BLOCK_W": 256})
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,8 @@ import torch
 from tokenselect import LLM, SamplingParams
 from tokenselect import cuda_graphs, engine, kv_cache
 from tokenselect.bench import e2e
-from tokenselect.kernels.row_copy import gather_rows_ref
+from tokenselect.kernels.row_copy import (Kept, gather_rows_ref, scatter_rows, scatter_rows_ref, stage_rows,
+                                         stage_rows_ref)
 from tokenselect.kv_cache import HostMemoryError, KVCache
 from tokenselect.policies import add_policy_args, policy_kwargs
 
@@ -27,6 +28,7 @@ from checkpoints import distinct_tokens, small_sizes
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 CPU = torch.device("cpu")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -126,6 +128,131 @@ def test_written_values_are_in_the_host_pool_at_once():
     torch.testing.assert_close(cache.v[1, slots], v1, atol=0, rtol=0)
 
 
+def host_pool(rows: torch.Tensor) -> torch.Tensor:
+    """rows as a V pool in host memory: on a GPU, page-locked and mapped for it (as ``KVCache`` makes it)."""
+    if DEVICE == "cpu":
+        return rows
+    pool = kv_cache.pinned_empty(rows.shape, rows.dtype)
+    pool.copy_(rows)
+    return pool
+
+
+def kept(n_rows: int, pool: torch.Tensor) -> Kept:
+    """Nothing kept yet, room for n_rows rows of pool [S, *row], on the tests' device."""
+    return Kept(torch.empty(n_rows, *pool.shape[1:], dtype=pool.dtype, device=DEVICE),
+                torch.full((n_rows,), -1, dtype=torch.int64, device=DEVICE),
+                torch.full((pool.shape[0],), -1, dtype=torch.int32, device=DEVICE),
+                torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("stage", [stage_rows, stage_rows_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype,row", [(torch.float32, (2, 8)), (torch.bfloat16, (8, 16)), (torch.float8_e4m3fn, (3, 5))])
+def test_staged_rows_are_kept_on_the_device_and_copied_from_there(stage, dtype, row):
+    """Three stagings of one layer (a repeated slot, more rows than are kept, slots in and out of the kept ones): each
+    returns pool[index]; the rows kept are the first R staged, found again by slot (counted), and read from the
+    device, not the pool: a pool row changed behind the kept copy comes back as kept until its slot is forgotten
+    (``row_of`` set to -1, as ``KVCache.write`` has it done)."""
+    gen = torch.Generator().manual_seed(3)
+    host = host_pool(torch.randn(40, *row, generator=gen).to(dtype))
+    state = kept(6, host)
+    first = torch.tensor([5, 9, 9, 30, 2, 17, 11, 3], device=DEVICE)  # 8 rows, 6 kept; 9 twice
+    assert torch.equal(stage(host, first, state).view(torch.uint8).cpu(), host[first.cpu()].view(torch.uint8))
+    assert state.slot.tolist() == first[:6].tolist() and state.counts.tolist() == [8, 0]
+    assert all(first[state.row_of[s]].item() == s for s in first[:6].tolist())
+    assert (state.row_of[[11, 3, 0]] == -1).all()
+    second = torch.tensor([17, 11, 30, 0, 5, 9], device=DEVICE)  # 17, 30, 5, 9 kept; 11 past the kept rows; 0 new
+    assert torch.equal(stage(host, second, state).view(torch.uint8).cpu(), host[second.cpu()].view(torch.uint8))
+    assert state.counts.tolist() == [14, 4] and state.slot.tolist() == second.tolist()
+    before = host.clone()
+    host[[17, 0, 40 - 1]] = torch.randn(3, *row, generator=gen).to(dtype)  # behind the kept rows of 17 and 0
+    state.row_of[0] = -1  # 0 written (``scatter_rows`` forgets it): its new row must be fetched
+    third = torch.tensor([0, 17, 39], device=DEVICE)
+    got = stage(host, third, state).view(torch.uint8).cpu()
+    assert torch.equal(got[0], host[0].view(torch.uint8)) and torch.equal(got[2], host[39].view(torch.uint8))
+    assert torch.equal(got[1], before[17].view(torch.uint8))  # found kept: the pool was not read
+    assert state.counts.tolist() == [17, 5] and state.slot.tolist()[:3] == [0, 17, 39]
+
+
+def test_the_kept_rows_kernels_keep_what_the_reference_keeps():
+    """Random stagings of random slot lists (repeats, lengths past the rows kept): the Triton kernels' outputs and
+    kept state equal the reference's after every call."""
+    gen = torch.Generator().manual_seed(4)
+    host = host_pool(torch.randn(300, 2, 8, generator=gen).to(torch.bfloat16))
+    states = kept(64, host), kept(64, host)
+    written = 0  # kept rows written so far (the others are uninitialised memory)
+    for n in (50, 30, 64, 90, 1, 77):
+        index = torch.randint(0, 120, (n,), generator=gen).to(DEVICE)
+        outs = [stage(host, index, state) for stage, state in zip((stage_rows, stage_rows_ref), states)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0].cpu(), host[index.cpu()])
+        written = max(written, min(n, 64))
+        assert torch.equal(states[0].rows[:written], states[1].rows[:written])
+        assert torch.equal(states[0].slot, states[1].slot) and torch.equal(states[0].counts, states[1].counts)
+        # where a slot was kept: a repeated slot's entry is either of its rows (which store lands last is the GPU's)
+        found = [kept_at(state) for state in states]
+        assert found[0].keys() == found[1].keys() == set(states[0].slot.tolist()) - {-1}
+    assert states[0].counts[1] > 0
+
+
+def kept_at(state: Kept) -> dict[int, int]:
+    """{slot: the kept row its row_of entry names} for the entries that name a row holding that slot."""
+    rows = state.row_of.tolist()
+    slots = state.slot.tolist()
+    return {s: j for s, j in enumerate(rows) if j >= 0 and slots[j] == s}
+
+
+def test_a_written_slot_is_not_found_kept():
+    """A staged slot freed, staged again while free (a graph's padded list may name it), handed out again and written:
+    the next staging returns its new values; the write forgot it in the layer it wrote, not in the other."""
+    cache = KVCache(2, 16, 2, 8, torch.float32, CPU, offload="values", kept_rows=8)
+    slots = cache.allocate(6)
+    for layer in (0, 1):
+        cache.write(layer, slots, torch.randn(6, 2, 8), torch.randn(6, 2, 8))
+        cache.stage(layer, slots)
+    assert cache.kept_counts() == (12, 0)
+    cache.stage(1, slots[:3])
+    assert cache.kept_counts() == (15, 3)
+    cache.free(slots[3:])
+    cache.stage(1, slots)  # the freed ones too, kept again
+    assert cache.kept_counts() == (21, 9)
+    again = cache.allocate(3)
+    assert set(again.tolist()) == set(slots[3:].tolist())
+    new_values = torch.randn(3, 2, 8)
+    cache.write(1, again, torch.randn(3, 2, 8), new_values)
+    assert (cache.kept[1].row_of[again] == -1).all() and (cache.kept[0].row_of[again] >= 0).all()
+    _, v = cache.stage(1, again)
+    torch.testing.assert_close(v, new_values, atol=0, rtol=0)
+    assert cache.kept_counts() == (24, 9)
+
+
+@pytest.mark.parametrize("scatter", [scatter_rows, scatter_rows_ref], ids=["triton", "torch"])
+def test_writing_rows_forgets_their_slots_kept_rows(scatter):
+    """``scatter_rows`` with ``forget`` sets it to -1 at the written slots, and only there (one launch: every pair
+    written too)."""
+    pools = [torch.zeros(12, 2, 4, device=DEVICE), torch.zeros(12, 2, 4, device=DEVICE)]
+    rows = [torch.randn(3, 2, 4, device=DEVICE) for _ in pools]
+    forget = torch.arange(12, dtype=torch.int32, device=DEVICE)
+    index = torch.tensor([7, 2, 10], device=DEVICE)
+    scatter(list(zip(rows, pools)), index, forget)
+    assert forget.tolist() == [-1 if i in (7, 2, 10) else i for i in range(12)]
+    assert all(torch.equal(pool[index], r) for pool, r in zip(pools, rows))
+
+
+def test_decode_steps_find_most_of_their_values_kept(tiny_llama):
+    """A TokenSelect decode over offloaded values: most rows a step stages were kept from the step before (its sinks
+    and window at least), and the tokens are the plain path's."""
+    ids = prompt(300, 5)
+    plain = LLM(tiny_llama, "tokenselect", chunk_size=32, select_dtype="kv").generate([ids], GREEDY)[0].token_ids
+    llm = LLM(tiny_llama, "tokenselect", chunk_size=32, kv_offload="values")
+    prefill = llm.add_request(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while llm.scheduler.has_work():
+        llm.step()
+    staged_prefill, found_prefill = llm.cache.kept_counts()
+    assert prefill.finish_reason is not None
+    assert llm.generate([ids], GREEDY)[0].token_ids == plain
+    staged, found = llm.cache.kept_counts()
+    assert found - found_prefill > 0.5 * (staged - staged_prefill)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs host memory mapped for a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_the_gpu_writes_and_gathers_the_host_value_pool_in_place(dtype):
@@ -205,7 +332,8 @@ def test_default_pool_counts_only_keys_against_gpu_memory_with_offload(monkeypat
     monkeypatch.setattr(engine, "host_memory_available", lambda: 1 << 40)
     on_gpu = int((40 << 30) * engine.GPU_MEMORY_FRACTION)
     assert LLM._default_pool_tokens(gpu, "none") == on_gpu // (2 * per_pool)
-    assert LLM._default_pool_tokens(gpu, "values") == on_gpu // per_pool
+    kept_index = 32 * 4  # where each layer last kept the token's values on the device (int32)
+    assert LLM._default_pool_tokens(gpu, "values") == on_gpu // (per_pool + kept_index)
     monkeypatch.setattr(engine, "host_memory_available", lambda: 16 << 30)  # now the host is the limit
     assert LLM._default_pool_tokens(gpu, "values") == int((16 << 30) * engine.HOST_MEMORY_FRACTION) // per_pool
 
@@ -221,7 +349,7 @@ def test_default_pool_counts_the_fp8_selection_keys_on_the_gpu(monkeypatch):
     monkeypatch.setattr(engine, "host_memory_available", lambda: 1 << 40)
     on_gpu = int((40 << 30) * engine.GPU_MEMORY_FRACTION)
     assert LLM._default_pool_tokens(gpu, "none") == on_gpu // (2 * per_pool + copy)
-    assert LLM._default_pool_tokens(gpu, "values") == on_gpu // (per_pool + copy)
+    assert LLM._default_pool_tokens(gpu, "values") == on_gpu // (per_pool + copy + 32 * 4)
 
 
 def test_kv_offload_flag_reaches_the_engine_settings():
@@ -245,5 +373,8 @@ def test_bench_e2e_with_offload_measures_sparse_policies_and_skips_full(tmp_path
     full, sparse = result["rows"]
     assert result["kv_offload"] == "values" and full["error"].startswith("skipped: would copy")
     assert sparse["policy"] == "tokenselect" and sparse["prefill_s"] > 0 and sparse["decode_ms"] > 0
-    assert "KV offload values" in (tmp_path / "e2e_t.md").read_text()
+    assert 0 < sparse["values_kept"] <= 1 and "values_kept" not in full
+    report = (tmp_path / "e2e_t.md").read_text()
+    assert "KV offload values" in report
+    assert f"1K tokenselect: {sparse['values_kept']:.0%} of the values its decode steps staged were found" in report
     assert re.search(r"\bkv_cache\.stage\b", (tmp_path / "e2e_t_profile.txt").read_text())  # the label, whole

@@ -27,7 +27,7 @@ from .config import ModelConfig
 from .data import default_model_path
 from .errors import ContextTooLong, TokenSelectError
 from .kernels import get_kernels
-from .kv_cache import KVCache, host_memory_available
+from .kv_cache import KEPT_INDEX_BYTES, KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_device, resolve_dtype
 from .models.registry import resolve_model
 from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
@@ -305,7 +305,8 @@ class LLM:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if kv_offload == "values":
-                return min(int(free * GPU_MEMORY_FRACTION) // (per_pool + copy),
+                on_device = per_pool + copy + (cfg or self.config).n_layers * KEPT_INDEX_BYTES
+                return min(int(free * GPU_MEMORY_FRACTION) // on_device,
                            int(host_memory_available() * HOST_MEMORY_FRACTION) // per_pool)
             return int(free * GPU_MEMORY_FRACTION) // (2 * per_pool + copy)
         return min(131072, CPU_POOL_BYTES // (2 * per_pool + copy))

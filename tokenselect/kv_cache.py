@@ -7,7 +7,9 @@ the allocator hands out and takes back slots through a free list.
 
 Value offload (``offload="values"``) keeps the V pool in host memory and only K on the device:
 selection reads every key, but attention needs the values of the attended slots alone, so ``stage``
-gathers just those rows for each chunk and layer. Policies read ``k`` only, never ``v``. With a GPU
+gathers just those rows for each chunk and layer. Policies read ``k`` only, never ``v``. Each layer's last
+staged rows (up to ``kept_rows``) stay on the device, and a row staged again is copied from there rather than
+over the bus (``row_copy.stage_rows``): a decode step attends mostly what the step before it attended. With a GPU
 the host pool is page-locked and mapped into the GPU's address space, and the GPU itself writes new
 values into it and gathers the attended rows from it (``kernels/row_copy.py``), in the step's stream:
 the host never waits, and a step with offloaded values can run as one CUDA graph. (These copies use the
@@ -28,10 +30,14 @@ import weakref
 import torch
 
 from .errors import KVPoolFull
-from .kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
+from .kernels.row_copy import Kept, gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref, stage_rows, stage_rows_ref
 from .transfer import Aranges
 
 OFFLOAD_MODES = ("none", "values")
+# rows of a layer's staged values kept on the device with value offload: a decode step's 2,689 (TokenSelect's
+# defaults) for 3 sequences; 8 MiB a layer of Llama-3-8B's fp8 values
+KEPT_ROWS = 8192
+KEPT_INDEX_BYTES = 4  # a slot's device bytes a layer with value offload: where its values were last kept (int32)
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may read and write the memory in place
 
 
@@ -77,9 +83,10 @@ def _unpin(address: int) -> None:
 class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, offload: str = "none",
-                 select_dtype: torch.dtype | None = None):
-        """offload: "none" (K and V on ``device``) or "values" (V in host memory, see the module).
-        select_dtype: None, or the dtype of the selection keys' own copy (see the module)."""
+                 select_dtype: torch.dtype | None = None, kept_rows: int = KEPT_ROWS):
+        """offload: "none" (K and V on ``device``) or "values" (V in host memory, see the module; ``kept_rows``
+        staged rows a layer stay on the device). select_dtype: None, or the dtype of the selection keys' own copy
+        (see the module)."""
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"kv_offload must be one of {', '.join(OFFLOAD_MODES)}, not {offload!r}")
         shape = (n_layers, n_slots, n_kv_heads, head_dim)
@@ -89,6 +96,11 @@ class KVCache:
                          else torch.empty(shape, dtype=select_dtype, device=device))  # [n_layers, n_slots, n_kv, d]
         if offload == "values":
             self.v = self._host_pool(shape, dtype)
+            rows = torch.empty(n_layers, kept_rows, n_kv_heads, head_dim, dtype=dtype, device=device)
+            slot = torch.full((n_layers, kept_rows), -1, dtype=torch.int64, device=device)
+            row_of = torch.full((n_layers, n_slots), -1, dtype=torch.int32, device=device)
+            counts = torch.zeros(2, dtype=torch.int64, device=device)
+            self.kept = [Kept(rows[i], slot[i], row_of[i], counts) for i in range(n_layers)]
         else:
             self.v = torch.empty(shape, dtype=dtype, device=device)
         self.n_slots = n_slots
@@ -139,15 +151,23 @@ class KVCache:
         pairs = [(k.to(self.k.dtype), self.k[layer]), (v.to(self.v.dtype), self.v[layer])]
         if self.k_select is not self.k:
             pairs.append((k.to(self.k_select.dtype), self.k_select[layer]))
-        (scatter_rows if slots.is_cuda else scatter_rows_ref)(pairs, slots)
+        # values kept on the device for these slots are not theirs any more (``stage``)
+        forget = self.kept[layer].row_of if self.offload == "values" else None
+        (scatter_rows if slots.is_cuda else scatter_rows_ref)(pairs, slots, forget)
 
     def stage(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device tensors
         ``[n, n_kv_heads, head_dim]`` in the pools' dtype, i.e. pools that attention reads at slots
-        ``arange(n)``. Each V row crosses the bus once; the host takes no part."""
-        gather = gather_rows if slots.is_cuda else gather_rows_ref
+        ``arange(n)``. A V row the layer's last staging kept is copied on the device, the others cross the bus
+        once; the host takes no part."""
+        gather, stage = (gather_rows, stage_rows) if slots.is_cuda else (gather_rows_ref, stage_rows_ref)
         with torch.profiler.record_function("kv_cache.stage"):
-            return gather(self.k[layer], slots), gather(self.v[layer], slots)
+            return gather(self.k[layer], slots), stage(self.v[layer], slots, self.kept[layer])
+
+    def kept_counts(self) -> tuple[int, int]:
+        """With value offload: (V rows staged, of them found kept on the device) since the cache was made."""
+        staged, found = self.kept[0].counts.tolist()
+        return staged, found
 
     def attention_pools(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What attention reads for the attended ``slots`` ([n], or [B, n] for a batch): (K pool, V pool, slots to

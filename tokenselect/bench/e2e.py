@@ -180,12 +180,16 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     llm.step()  # untimed: the first decode step at this length records its CUDA graph (cuda_graphs.py)
     sync(dev)
     whole = whole_steps(llm)
+    kept = llm.cache.kept_counts() if llm.cache.offload == "values" else None
     start = time.perf_counter()
     while len(seq.output_ids) <= decode_steps + 1:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
     whole = whole_steps(llm, since=whole)
+    if kept is not None:  # of the values the timed steps staged, those found on the device (``KVCache.stage``)
+        staged, found = (b - a for a, b in zip(kept, llm.cache.kept_counts()))
+        kept = found / staged if staged else None
     after = llm.policy.stats() or PolicyStats()
     counted = after - before
     if profile_steps:
@@ -209,6 +213,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         "whole_graph_chunks": chunks_whole,  # of the prompt's chunks, those run as one graph
         "prefill_chunks": -(-len(ids) // llm.chunk_size),
         "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
+        "values_kept": kept,
     }
     return {**row, "profile": profile} if profile else row
 
@@ -468,8 +473,13 @@ def table(rows: list[dict]) -> str:
                   else "-")
         lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} "
                      f"| {dx} | {fl} | {of} | {hit} | {chunks} | {whole} | {peak} |")
-    if best:
+    kept = [r for r in rows if r.get("values_kept") is not None]
+    if best or kept:
         lines.append("")
+    for r in kept:
+        lines.append(f"V on host, {r['length'] // 1024}K {r['policy']}: {r['values_kept']:.0%} of the values its "
+                     "decode steps staged were found on the device (kept from the step before), the rest came over "
+                     "the bus.")
     for length, b in best.items():
         lines.append(f"x at {length // 1024}K: prefill against {b['prefill']['policy']} "
                      f"({b['prefill']['prefill_s']:.2f} s), decode against {b['decode']['policy']} "

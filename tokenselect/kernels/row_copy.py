@@ -17,6 +17,13 @@ the GPU's address space, so a kernel reads and writes it in place over the bus. 
 rows this way needs no host read of the slot list and no copy on the CPU: a step stays on the device
 (and fits in a CUDA graph).
 
+``stage_rows`` is such a gather for a policy's attended rows, from a step to the next: the rows it stages are kept on
+the device (``kept``: a layer's last staged rows, the slot each holds, and for each slot the kept row that last held
+it), and a slot found there is copied from the device instead of over the bus. A decode step's choice shares most of
+its tokens with the step before it (always its sinks and window), so most rows cross the bus once, not every step.
+
+    stage_rows(pool, index, kept) -> out [n, *row] = pool[index];  kept.rows[:m] = out[:m], m = min(n, kept rows)
+
 ``gather_into`` is a selective layer's one gather, the chosen tokens' slots out of the middle of the slot table
 into the attended list: 1.5 us in a decode graph on an H100, where ``torch.index_select(..., out=)`` runs as a
 ``gather`` kernel of 4.6 us (``benchmarks/middle_gather_gpu.py``), once a layer and step.
@@ -26,6 +33,8 @@ a block of rows per program. Pools must be contiguous, as a layer of the KV pool
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,10 +74,45 @@ def gather_into_ref(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -
     return torch.index_select(src, 0, index, out=out)
 
 
-def scatter_rows_ref(pairs, index: torch.Tensor) -> None:
+@dataclass
+class Kept:
+    """A layer's staged rows kept on the device for the next ``stage_rows``: ``rows [R, *row]`` (the pool's row), the
+    slot each holds (``slot [R]`` int64, -1: none), where a slot was last kept (``row_of [S]`` int32 over the pool's
+    slots, -1: nowhere; a stale entry is caught by ``slot``), and the counts staged and found kept so far
+    (``counts [2]`` int64, for the benches). A slot written since must not be found: ``scatter_rows`` sets its
+    ``row_of`` to -1 (``forget``) where it writes the pool. (Not when it is freed: a graph's padded list may stage a
+    freed slot's old row, and keep it, before the slot is written again.)"""
+
+    rows: torch.Tensor
+    slot: torch.Tensor
+    row_of: torch.Tensor
+    counts: torch.Tensor
+
+
+def stage_rows_ref(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch.Tensor:
+    """pool: [S, *row] (any device), index: [n] int64 on kept's device -> pool[index]: [n, *row] there, each row found
+    in ``kept`` copied from it, the others gathered from the pool; then the first min(n, R) rows are kept."""
+    at = kept.row_of[index].long()
+    held = (at >= 0) & (kept.slot[at.clamp(min=0)] == index)
+    out = torch.empty(index.numel(), *pool.shape[1:], dtype=pool.dtype, device=index.device)
+    out[held] = kept.rows[at[held]]
+    out[~held] = gather_rows_ref(pool, index[~held])
+    m = min(index.numel(), kept.slot.numel())
+    kept.rows[:m], kept.slot[:m] = out[:m], index[:m]
+    kept.row_of[index[:m]] = torch.arange(m, dtype=torch.int32, device=index.device)
+    kept.counts[0] += index.numel()
+    kept.counts[1] += held.sum()
+    return out
+
+
+def scatter_rows_ref(pairs, index: torch.Tensor, forget: torch.Tensor | None = None) -> None:
     """For each (rows, pool) of pairs: pool[index] = rows. rows: [n, *row] of pool's dtype (each row contiguous);
-    pool: [S, *row] contiguous; index: [n] int64 without repeats."""
-    for rows, pool in _checked(pairs, index):
+    pool: [S, *row] contiguous; index: [n] int64 without repeats. forget: None, or a ``Kept.row_of`` [S]: the
+    written slots are no longer found kept (forget[index] = -1)."""
+    pairs = _checked(pairs, index)
+    if forget is not None:
+        forget[index] = -1
+    for rows, pool in pairs:
         _raw(pool)[index.to(pool.device)] = _raw_rows(rows).to(pool.device)
 
 
@@ -105,10 +149,51 @@ def _gather_kernel(src_ptr, dst_ptr, index_ptr, n, words, BLOCK_R: tl.constexpr,
 
 
 @triton.jit
+def _stage_kernel(pool_ptr, kept_ptr, kept_slot_ptr, row_of_ptr, index_ptr, out_ptr, counts_ptr, n, words,
+                  BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program = block of BLOCK_R of the n rows: out[r] = kept[j] if the slot index[r] was last kept at a row j that
+    still holds it, else pool[index[r]] (rows ``words`` elements long; a kept row is not read from the pool); counts
+    += (rows, rows found kept)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n
+    slot = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    at = tl.load(row_of_ptr + slot, mask=row_ok, other=-1).to(tl.int64)
+    held = row_ok & (at >= 0)
+    held = held & (tl.load(kept_slot_ptr + at, mask=held, other=-1) == slot)
+    fetched = row_ok & ~held
+    out_row = rows.to(tl.int64) * words
+    for start in range(0, words, BLOCK_W):
+        cols = start + tl.arange(0, BLOCK_W)
+        col_ok = (cols < words)[None, :]
+        from_kept = tl.load(kept_ptr + at[:, None] * words + cols[None, :], mask=held[:, None] & col_ok)
+        from_pool = tl.load(pool_ptr + slot[:, None] * words + cols[None, :], mask=fetched[:, None] & col_ok)
+        tl.store(out_ptr + out_row[:, None] + cols[None, :], tl.where(held[:, None], from_kept, from_pool),
+                 mask=row_ok[:, None] & col_ok)
+    tl.atomic_add(counts_ptr, tl.sum(row_ok.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(held.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _keep_kernel(out_ptr, index_ptr, kept_ptr, kept_slot_ptr, row_of_ptr, m, words, BLOCK_R: tl.constexpr,
+                 BLOCK_W: tl.constexpr):
+    """Program = block of BLOCK_R of the first m rows: kept[r] = out[r], kept_slot[r] = index[r],
+    row_of[index[r]] = r (a separate launch from ``_stage_kernel``, which reads the rows this overwrites)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < m
+    slot = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    rows64 = rows.to(tl.int64) * words
+    _copy_block(out_ptr, kept_ptr, rows64, rows64, row_ok, words, BLOCK_W)
+    tl.store(kept_slot_ptr + rows, slot, mask=row_ok)
+    tl.store(row_of_ptr + slot, rows, mask=row_ok)
+
+
+@triton.jit
 def _scatter_kernel(index_ptr, n, src0, dst0, stride0, words0, src1, dst1, stride1, words1, src2, dst2, stride2,
-                    words2, PAIRS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                    words2, forget_ptr, PAIRS: tl.constexpr, FORGET: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_W: tl.constexpr):
     """Program (block of BLOCK_R of the n rows, pair p < PAIRS): dst_p[index[r]] = src_p[r], rows ``words_p``
-    elements long, src_p's rows ``stride_p`` elements apart (the pairs a launch does not use are not read)."""
+    elements long, src_p's rows ``stride_p`` elements apart (the pairs a launch does not use are not read);
+    FORGET: pair 0's programs also set forget[index[r]] = -1."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n
     picked = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -116,6 +201,8 @@ def _scatter_kernel(index_ptr, n, src0, dst0, stride0, words0, src1, dst1, strid
     rows = rows.to(tl.int64)
     if pair == 0:
         _copy_block(src0, dst0, rows * stride0, picked * words0, row_ok, words0, BLOCK_W)
+        if FORGET:
+            tl.store(forget_ptr + picked, tl.full((BLOCK_R,), -1, tl.int32), mask=row_ok)
     if PAIRS > 1:
         if pair == 1:
             _copy_block(src1, dst1, rows * stride1, picked * words1, row_ok, words1, BLOCK_W)
@@ -166,6 +253,22 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def stage_rows(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch.Tensor:
+    """Triton version of :func:`stage_rows_ref`; pool may be page-locked host memory mapped for the GPU."""
+    _check_index(index)
+    out = torch.empty(index.numel(), *pool.shape[1:], dtype=pool.dtype, device=index.device)
+    n, m = index.numel(), min(index.numel(), kept.slot.numel())
+    if n:
+        src, dst = _words(_raw(pool), _raw(out))
+        rows = _raw(kept.rows).view(dst.dtype)
+        words = src.shape[1]
+        _stage_kernel[(triton.cdiv(n, BLOCK_ROWS),)](src, rows, kept.slot, kept.row_of, index, dst, kept.counts, n,
+                                                     words, BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+        _keep_kernel[(triton.cdiv(m, BLOCK_ROWS),)](dst, index, rows, kept.slot, kept.row_of, m, words,
+                                                    BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+    return out
+
+
 def gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`gather_into_ref` (src and out may be strided; index's rows must be contiguous)."""
     _check_index(index)
@@ -185,7 +288,7 @@ def gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> to
     return out
 
 
-def scatter_rows(pairs, index: torch.Tensor) -> None:
+def scatter_rows(pairs, index: torch.Tensor, forget: torch.Tensor | None = None) -> None:
     """Triton version of :func:`scatter_rows_ref`, one launch for every pair; a pool may be page-locked host
     memory mapped for the GPU."""
     pairs = _checked(pairs, index)
@@ -198,4 +301,5 @@ def scatter_rows(pairs, index: torch.Tensor) -> None:
         args += [src, dst, src.stride(0), src.shape[1]]
     args += args[:4] * (MAX_PAIRS - len(pairs))  # the unused pairs' arguments: never read
     _scatter_kernel[(triton.cdiv(index.numel(), BLOCK_ROWS), len(pairs))](
-        index, index.numel(), *args, PAIRS=len(pairs), BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+        index, index.numel(), *args, forget, PAIRS=len(pairs), FORGET=forget is not None, BLOCK_R=BLOCK_ROWS,
+        BLOCK_W=BLOCK_WORDS)
