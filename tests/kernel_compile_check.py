@@ -104,7 +104,7 @@ def main() -> None:
             "n_blocks": i32, "block_n": i32, "n_heads": i32, "stride_valid": i32}, {"BLOCK": 1024, "MASKED": masked})
         compile_one("head_vote", "_vote_kernel", {
             "s_ptr": "*fp16", "m_block_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32",
-            "n_valid_ptr": i64p, "H": i32, "N": i32, "n_blocks": i32, "block_n": i32, "stride_valid": i32},
+            "n_valid_ptr": i64p, "H": i32, "N": i32, "n_blocks": i32, "stride_valid": i32},
             {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
     for dt in ("bf16", "fp32"):
         for add in (False, True):

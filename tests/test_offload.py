@@ -187,9 +187,11 @@ def test_the_kept_rows_kernels_keep_what_the_reference_keeps():
         written = max(written, min(n, 64))
         assert torch.equal(states[0].rows[:written], states[1].rows[:written])
         assert torch.equal(states[0].slot, states[1].slot) and torch.equal(states[0].counts, states[1].counts)
-        # where a slot was kept: a repeated slot's entry is either of its rows (which store lands last is the GPU's)
-        found = [kept_at(state) for state in states]
-        assert found[0].keys() == found[1].keys() == set(states[0].slot.tolist()) - {-1}
+        # where a slot was kept: the slots this call kept are found, and only kept slots are; a repeated slot's entry
+        # is either of its rows (which store lands last is the GPU's), so an older row holding it may be found in one
+        # state and not the other
+        for state in states:
+            assert set(index[:64].tolist()) <= kept_at(state).keys() <= set(state.slot.tolist()) - {-1}
     assert states[0].counts[1] > 0
 
 

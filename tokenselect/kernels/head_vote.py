@@ -54,28 +54,31 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
     if MASKED:
         n_valid_ptr += tl.program_id(1).to(tl.int64) * stride_valid
         n_blocks = tl.minimum(tl.cdiv(tl.load(n_valid_ptr).to(tl.int32), block_n), n_blocks)
+    # one pass, each lane's sum kept relative to its own running max (the 32 programs of a decode step at 1M tokens
+    # walk 8,192 blocks a head: a second pass doubled their dependent loads)
     top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-    for start in range(0, n_blocks, BLOCK):
-        b = start + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.load(m_ptr + row + b, mask=b < n_blocks, other=float("-inf")))
-    m_head = tl.max(top, axis=0)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_blocks, BLOCK):
         b = start + tl.arange(0, BLOCK)
         m = tl.load(m_ptr + row + b, mask=b < n_blocks, other=float("-inf"))
-        total += tl.load(l_ptr + row + b, mask=b < n_blocks, other=0.0) * exp_ftz(m - m_head)
-    total = tl.sum(total, axis=0)
+        l = tl.load(l_ptr + row + b, mask=b < n_blocks, other=0.0)
+        new = tl.maximum(top, m)
+        base = tl.where(new == float("-inf"), 0.0, new)
+        total = total * exp_ftz(top - base) + l * exp_ftz(m - base)
+        top = new
+    m_head = tl.max(top, axis=0)
+    total = tl.sum(total * exp_ftz(top - tl.where(m_head == float("-inf"), 0.0, m_head)), axis=0)
     # no live token (a decode graph's Selection Cache hit): 0 and 0, so that the vote computes no inf - inf
     tl.store(m_out_ptr + h, tl.where(total > 0, m_head, 0.0))
     tl.store(inv_l_out_ptr + h, tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0))
 
 
 @triton.jit
-def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, n_blocks, block_n, stride_valid,
+def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, n_blocks, stride_valid,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 2, program = (block of tokens, sequence b of the batch): with the scores stored relative to their block's
-    max, s[h, t] - m_block[h, t // block_n] (fp16, ``scores_with_stats``),
-    vote[t] = sum_h exp(s[h, t] - m_block[h, t // block_n] + m_block[h, t // block_n] - m[h]) * inv_l[h];
+    """Pass 2, program = (block b of the scores kernel's BLOCK_N tokens, sequence of the batch): with the scores stored
+    relative to their block's max, s[h, t] - m_block[h, b] (fp16, ``scores_with_stats``),
+    vote[t] = sum_h exp(s[h, t] - m_block[h, b] + m_block[h, b] - m[h]) * inv_l[h];
     MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
     seq = tl.program_id(1).to(tl.int64)
     s_ptr += seq * H * N
@@ -84,7 +87,8 @@ def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, 
     inv_l_ptr += seq * H
     out_ptr += seq * N
     heads = tl.arange(0, BLOCK_H)
-    first = tl.program_id(0) * BLOCK_N
+    block = tl.program_id(0)
+    first = block * BLOCK_N
     cols = first + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
     n_live = N
@@ -92,14 +96,14 @@ def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, 
         n_live = tl.load(n_valid_ptr + seq * stride_valid).to(tl.int32)
         col_ok = col_ok & (cols < n_live)
     if first < n_live:
-        ok = head_ok[:, None] & col_ok[None, :]
-        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], mask=ok, other=float("-inf"))
-        m_block = tl.load(m_block_ptr + heads[:, None] * n_blocks + cols[None, :] // block_n, mask=ok, other=0.0)
+        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                    other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
+        shift = tl.load(m_block_ptr + heads * n_blocks + block, mask=head_ok, other=0.0) - m
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
         # a head's share below 2^-126 counts 0 (exp_ftz): tokens with no larger share tie at 0, and the top-k takes
         # tied tokens in order where denormals would have ranked them by shares under 1e-38
-        vote = tl.sum(exp_ftz(s.to(tl.float32) + (m_block - m[:, None])) * inv_l[:, None], axis=0)
+        vote = tl.sum(exp_ftz(s.to(tl.float32) + shift[:, None]) * inv_l[:, None], axis=0)
         if MASKED:
             vote = tl.where(col_ok, vote, float("-inf"))
         tl.store(out_ptr + cols, vote, mask=cols < N)
@@ -123,9 +127,7 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
         stride_valid = 0 if valid is None else valid.stride(0)
         _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
                                               n_heads, stride_valid, BLOCK=1024, MASKED=valid is not None)
-        block_h = triton.next_power_of_2(n_heads)
-        block_n = max(16, 4096 // block_h)
-        _vote_kernel[(triton.cdiv(n, block_n), batch)](scores, m, m_head, inv_l, out, valid, n_heads, n, m.shape[2],
-                                                       scores_block(q, k_pool), stride_valid, BLOCK_H=block_h,
-                                                       BLOCK_N=block_n, MASKED=valid is not None)
+        _vote_kernel[(m.shape[2], batch)](scores, m, m_head, inv_l, out, valid, n_heads, n, m.shape[2], stride_valid,
+                                          BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_N=scores_block(q, k_pool),
+                                          MASKED=valid is not None)
     return out if q.dim() == 3 else out[0]
