@@ -105,7 +105,7 @@ def main() -> None:
         compile_one("head_vote", "_vote_kernel", {
             "s_ptr": "*fp16", "m_block_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32",
             "n_valid_ptr": i64p, "H": i32, "N": i32, "n_blocks": i32, "stride_valid": i32},
-            {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
+            {"BLOCK_H": 32, "BLOCK_N": 128, "BLOCKS": mods["head_vote"].VOTE_BLOCKS, "MASKED": masked})
     for dt in ("bf16", "fp32"):
         for add in (False, True):
             compile_one("rms_norm", "_rms_norm_kernel", {

@@ -174,24 +174,20 @@ def test_staged_rows_are_kept_on_the_device_and_copied_from_there(stage, dtype, 
 
 
 def test_the_kept_rows_kernels_keep_what_the_reference_keeps():
-    """Random stagings of random slot lists (repeats, lengths past the rows kept): the Triton kernels' outputs and
-    kept state equal the reference's after every call."""
+    """Random stagings of random slot lists (lengths past the rows kept): the Triton kernels' outputs and kept state
+    equal the reference's after every call."""
     gen = torch.Generator().manual_seed(4)
     host = host_pool(torch.randn(300, 2, 8, generator=gen).to(torch.bfloat16))
     states = kept(64, host), kept(64, host)
     written = 0  # kept rows written so far (the others are uninitialised memory)
     for n in (50, 30, 64, 90, 1, 77):
-        index = torch.randint(0, 120, (n,), generator=gen).to(DEVICE)
+        index = torch.randperm(120, generator=gen)[:n].to(DEVICE)  # distinct (a repeat's row_of is either row)
         outs = [stage(host, index, state) for stage, state in zip((stage_rows, stage_rows_ref), states)]
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0].cpu(), host[index.cpu()])
         written = max(written, min(n, 64))
         assert torch.equal(states[0].rows[:written], states[1].rows[:written])
         assert torch.equal(states[0].slot, states[1].slot) and torch.equal(states[0].counts, states[1].counts)
-        # where a slot was kept: the slots this call kept are found, and only kept slots are; a repeated slot's entry
-        # is either of its rows (which store lands last is the GPU's), so an older row holding it may be found in one
-        # state and not the other
-        for state in states:
-            assert set(index[:64].tolist()) <= kept_at(state).keys() <= set(state.slot.tolist()) - {-1}
+        assert kept_at(states[0]) == kept_at(states[1])
     assert states[0].counts[1] > 0
 
 

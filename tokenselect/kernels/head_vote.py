@@ -75,11 +75,11 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 
 @triton.jit
 def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, n_blocks, stride_valid,
-                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 2, program = (block b of the scores kernel's BLOCK_N tokens, sequence of the batch): with the scores stored
-    relative to their block's max, s[h, t] - m_block[h, b] (fp16, ``scores_with_stats``),
-    vote[t] = sum_h exp(s[h, t] - m_block[h, b] + m_block[h, b] - m[h]) * inv_l[h];
-    MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 2, program = (BLOCKS consecutive blocks of the scores kernel's BLOCK_N tokens, sequence of the batch): with
+    the scores stored relative to their block's max, s[h, t] - m_block[h, b] (fp16, ``scores_with_stats``),
+    vote[t] = sum_h exp(s[h, t] - m_block[h, b] + m_block[h, b] - m[h]) * inv_l[h] for t in block b;
+    MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a program without live tokens only stores -inf)."""
     seq = tl.program_id(1).to(tl.int64)
     s_ptr += seq * H * N
     m_block_ptr += seq * H * n_blocks
@@ -87,28 +87,34 @@ def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, 
     inv_l_ptr += seq * H
     out_ptr += seq * N
     heads = tl.arange(0, BLOCK_H)
-    block = tl.program_id(0)
-    first = block * BLOCK_N
-    cols = first + tl.arange(0, BLOCK_N)
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    first = tl.program_id(0) * BLOCKS * BLOCK_N
+    cols = blocks[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [BLOCKS, BLOCK_N]
     head_ok, col_ok = heads < H, cols < N
     n_live = N
     if MASKED:
         n_live = tl.load(n_valid_ptr + seq * stride_valid).to(tl.int32)
         col_ok = col_ok & (cols < n_live)
     if first < n_live:
-        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                    other=float("-inf"))
+        s = tl.load(s_ptr + heads[:, None, None].to(tl.int64) * N + cols[None, :, :],
+                    mask=head_ok[:, None, None] & col_ok[None, :, :], other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
-        shift = tl.load(m_block_ptr + heads * n_blocks + block, mask=head_ok, other=0.0) - m
+        shift = tl.load(m_block_ptr + heads[:, None] * n_blocks + blocks[None, :],
+                        mask=head_ok[:, None] & (blocks < n_blocks)[None, :], other=0.0) - m[:, None]
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
         # a head's share below 2^-126 counts 0 (exp_ftz): tokens with no larger share tie at 0, and the top-k takes
         # tied tokens in order where denormals would have ranked them by shares under 1e-38
-        vote = tl.sum(exp_ftz(s.to(tl.float32) + shift[:, None]) * inv_l[:, None], axis=0)
+        vote = tl.sum(exp_ftz(s.to(tl.float32) + shift[:, :, None]) * inv_l[:, None, None], axis=0)
         if MASKED:
             vote = tl.where(col_ok, vote, float("-inf"))
         tl.store(out_ptr + cols, vote, mask=cols < N)
     else:
-        tl.store(out_ptr + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < N)
+        tl.store(out_ptr + cols, tl.full((BLOCKS, BLOCK_N), float("-inf"), tl.float32), mask=cols < N)
+
+
+# scores blocks a vote program reads: one block of fp16 scores is half the bytes of the fp32 block it read before, and
+# a program's fixed work (its heads' totals and block maxes) then showed (a decode step at 1M tokens on an H200)
+VOTE_BLOCKS = 2
 
 
 def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
@@ -127,7 +133,8 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
         stride_valid = 0 if valid is None else valid.stride(0)
         _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
                                               n_heads, stride_valid, BLOCK=1024, MASKED=valid is not None)
-        _vote_kernel[(m.shape[2], batch)](scores, m, m_head, inv_l, out, valid, n_heads, n, m.shape[2], stride_valid,
-                                          BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_N=scores_block(q, k_pool),
-                                          MASKED=valid is not None)
+        _vote_kernel[(triton.cdiv(m.shape[2], VOTE_BLOCKS), batch)](
+            scores, m, m_head, inv_l, out, valid, n_heads, n, m.shape[2], stride_valid,
+            BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_N=scores_block(q, k_pool), BLOCKS=VOTE_BLOCKS,
+            MASKED=valid is not None)
     return out if q.dim() == 3 else out[0]
