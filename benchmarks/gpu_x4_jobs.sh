@@ -31,8 +31,6 @@
 #                                              # cells past the window (GPU CHUNK_GPU, default 0)
 #   benchmarks/gpu_x4_jobs.sh groups_smol      # #28: TokenSelect in 2048-token chunks of 512-query groups, chunk_smol's
 #                                              # prompts (GPU CHUNK_GPU, default 0)
-#   benchmarks/gpu_x4_jobs.sh vote_smol        # #28: TokenSelect at its defaults on chunk_smol's prompts, this tree and
-#                                              # the packed one (.carry/before) side by side (GPU CHUNK_GPU, default 0)
 #   benchmarks/gpu_x4_jobs.sh timings          # #28 on GPU 0: the 128K before/after (both orders), the 32K batch sweep
 #   benchmarks/gpu_x4_jobs.sh vote             # #27/#28 on GPU 2: ReAttention's vote kernel's tiles, a profiled prefill
 #   benchmarks/gpu_x4_jobs.sh prompts GROUP    # here, before the session: build GROUP's prompts (to carry them)
@@ -264,19 +262,9 @@ groups_smol() {  # #28: TokenSelect in 2048-token prefill chunks whose groups of
     LENGTHS=2x,4x,8x,16x POLICIES=tokenselect FLAGS="--chunk-size 2048" PER_TASK=1 KV=140000 \
     LIMIT=${CHUNK_LIMIT:-480} GPUS=1 GPU_FIRST=${CHUNK_GPU:-0}
 }
-vote_smol() {  # #28: a change to TokenSelect's choice (the vote's scores stored as fp16 differences from their block's
-  # max) paired with the tree before it: this tree's run, and the packed tree's (.carry/before, its tokenselect/ in a
-  # copy of this tree) in /tmp/repo_before, at the defaults on chunk_smol's prompts (benchmarks/paired_answers.py)
-  local cells=(MODEL=$smol TASKS=passkey,number_string,niah_single_1,niah_single_2,niah_multikey_1 LENGTHS=2x,4x,8x,16x
-               POLICIES=tokenselect PER_TASK=1 KV=140000 LIMIT=${CHUNK_LIMIT:-480} GPUS=1 GPU_FIRST=${CHUNK_GPU:-0})
-  job smol_vote_after "${cells[@]}"
-  copy_tree /tmp/repo_before .carry/parts tokenselect
-  cp -r .carry/before/tokenselect /tmp/repo_before/ && ln -s "$PWD/tokenselect/data" /tmp/repo_before/tokenselect/data
-  (cd /tmp/repo_before && job smol_vote_before "${cells[@]}")
-}
 
 case "${1:-}" in
-  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings|fp8_keys_smol|fp8_keys_qwen|chunk_smol|groups_smol|vote_smol) "$1" ;;
+  sixth_qwen|seventh_qwen|eighth_qwen|smollm2_holes|theta07|neighbours_smol|neighbours_smol_rest|neighbours_qwen|eleventh_timings|fp8_keys_smol|fp8_keys_qwen|chunk_smol|groups_smol) "$1" ;;
   tests)  # the GPU tests on GPUs 0 and 1 (or TESTS_GPUS="2 3"), in the background, from a copy of the tree with the
     # embedded model
     copy_tree /tmp/repo_tests .carry

@@ -39,7 +39,7 @@ def main() -> None:
         # (a prefill chunk's groups of queries folded into one tile over their shared slot list: FOLDED)
         for stats, masked, folded in ((True, True, False), (True, False, False), (False, False, False), (True, True, True)):
             compile_one("paged_dot", "_scores_kernel", {
-                "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp16" if stats else "*fp32", "m_ptr": "*fp32",
+                "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
                 "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32,
                 "fold": i32},
@@ -103,9 +103,8 @@ def main() -> None:
             "m_ptr": "*fp32", "l_ptr": "*fp32", "m_out_ptr": "*fp32", "inv_l_out_ptr": "*fp32", "n_valid_ptr": i64p,
             "n_blocks": i32, "block_n": i32, "n_heads": i32, "stride_valid": i32}, {"BLOCK": 1024, "MASKED": masked})
         compile_one("head_vote", "_vote_kernel", {
-            "s_ptr": "*fp16", "m_block_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32",
-            "n_valid_ptr": i64p, "H": i32, "N": i32, "n_blocks": i32, "stride_valid": i32},
-            {"BLOCK_H": 32, "BLOCK_N": 128, "BLOCKS": mods["head_vote"].VOTE_BLOCKS, "MASKED": masked})
+            "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
+            "H": i32, "N": i32, "stride_valid": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
     for dt in ("bf16", "fp32"):
         for add in (False, True):
             compile_one("rms_norm", "_rms_norm_kernel", {

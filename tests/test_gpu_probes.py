@@ -97,11 +97,7 @@ def test_the_scores_epilogue_variants_compute_the_shipped_kernels_scores_and_sta
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
         tiled = bench.at_tile((64, 2, 8, 3))(q, pool, slots, live)
         assert tiled[1].shape[1] == 5 and shipped[1].shape[1] == 3  # blocks of 64 keys against 128
-        assert bench.scores_block("(64, 2, 8, 3)") == 64 and bench.scores_block("shipped") == 128
-        # the scores, stored relative to their block's max in fp16, compared as such (each 2^-11 of |s - m| apart)
-        torch.testing.assert_close(bench.paged_dot.absolute_scores(tiled[0], tiled[1], 64),
-                                   bench.paged_dot.absolute_scores(shipped[0], shipped[1], 128), rtol=0, atol=0.1)
-        for g, w in zip(bench.head_totals(*tiled[1:]), bench.head_totals(*shipped[1:])):
+        for g, w in zip((tiled[0], *bench.head_totals(*tiled[1:])), (shipped[0], *bench.head_totals(*shipped[1:]))):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
 
 

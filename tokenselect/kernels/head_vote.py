@@ -4,12 +4,11 @@ candidate tokens, then summed over heads, so each head has one vote of equal wei
     vote[t] = sum_h softmax_t(scale * <q[h], k_pool[slots[t], h // group]>)
 
 The Triton version reads every key exactly once. Pass 1 is the paged dot product, which also keeps
-per head and key block the max and sum of exponentials, and stores each score relative to its block's
-max in fp16; a small kernel combines the blocks' stats into per-head totals; pass 2 turns the scores
-into normalised probabilities and sums them over heads. Pass 2 reads the stored scores (n_heads * 2 =
-64 bytes per token for 32 heads) instead of re-reading the keys (n_kv * head_dim = 1 KB per token for
-Llama-3-8B's fp8 selection keys): recomputing the scores would double the bytes of the whole selection
-step, storing them adds 1/16 (1/8 in fp32).
+per head and key block the max and sum of exponentials; a small kernel combines them into per-head
+totals; pass 2 turns the scores into normalised probabilities and sums them over heads. Pass 2
+reads the fp32 scores (n_heads * 4 = 128 bytes per token for 32 heads) instead of re-reading the
+keys (n_kv * head_dim * 2 = 2 KB per token for Llama-3-8B in bf16): recomputing the scores would
+double the bytes of the whole selection step, storing them adds about 1/8.
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
     if MASKED:
         n_valid_ptr += tl.program_id(1).to(tl.int64) * stride_valid
         n_blocks = tl.minimum(tl.cdiv(tl.load(n_valid_ptr).to(tl.int32), block_n), n_blocks)
-    # one pass, each lane's sum kept relative to its own running max (the 32 programs of a decode step at 1M tokens
-    # walk 8,192 blocks a head: a second pass doubled their dependent loads)
+    # one pass, each lane's sum kept relative to its own running max: the 32 programs of a decode step at 1M tokens
+    # walk 8,192 blocks a head, and a second pass took them from 7.3 to 10.3 us a layer (benchmarks/head_vote_gpu.py)
     top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_blocks, BLOCK):
@@ -74,47 +73,36 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 
 
 @triton.jit
-def _vote_kernel(s_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, n_blocks, stride_valid,
-                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 2, program = (BLOCKS consecutive blocks of the scores kernel's BLOCK_N tokens, sequence of the batch): with
-    the scores stored relative to their block's max, s[h, t] - m_block[h, b] (fp16, ``scores_with_stats``),
-    vote[t] = sum_h exp(s[h, t] - m_block[h, b] + m_block[h, b] - m[h]) * inv_l[h] for t in block b;
-    MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a program without live tokens only stores -inf)."""
+def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_valid, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 2, program = (block of tokens, sequence b of the batch): vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h];
+    MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
     seq = tl.program_id(1).to(tl.int64)
     s_ptr += seq * H * N
-    m_block_ptr += seq * H * n_blocks
     m_ptr += seq * H
     inv_l_ptr += seq * H
     out_ptr += seq * N
     heads = tl.arange(0, BLOCK_H)
-    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    first = tl.program_id(0) * BLOCKS * BLOCK_N
-    cols = blocks[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [BLOCKS, BLOCK_N]
+    first = tl.program_id(0) * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
     n_live = N
     if MASKED:
         n_live = tl.load(n_valid_ptr + seq * stride_valid).to(tl.int32)
         col_ok = col_ok & (cols < n_live)
     if first < n_live:
-        s = tl.load(s_ptr + heads[:, None, None].to(tl.int64) * N + cols[None, :, :],
-                    mask=head_ok[:, None, None] & col_ok[None, :, :], other=float("-inf"))
+        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :],
+                    mask=head_ok[:, None] & col_ok[None, :], other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
-        shift = tl.load(m_block_ptr + heads[:, None] * n_blocks + blocks[None, :],
-                        mask=head_ok[:, None] & (blocks < n_blocks)[None, :], other=0.0) - m[:, None]
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
         # a head's share below 2^-126 counts 0 (exp_ftz): tokens with no larger share tie at 0, and the top-k takes
         # tied tokens in order where denormals would have ranked them by shares under 1e-38
-        vote = tl.sum(exp_ftz(s.to(tl.float32) + shift[:, :, None]) * inv_l[:, None, None], axis=0)
+        vote = tl.sum(exp_ftz(s - m[:, None]) * inv_l[:, None], axis=0)
         if MASKED:
             vote = tl.where(col_ok, vote, float("-inf"))
         tl.store(out_ptr + cols, vote, mask=cols < N)
     else:
-        tl.store(out_ptr + cols, tl.full((BLOCKS, BLOCK_N), float("-inf"), tl.float32), mask=cols < N)
-
-
-# scores blocks a vote program reads: one block of fp16 scores is half the bytes of the fp32 block it read before, and
-# a program's fixed work (its heads' totals and block maxes) then showed (a decode step at 1M tokens on an H200)
-VOTE_BLOCKS = 2
+        tl.store(out_ptr + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < N)
 
 
 def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float = 1.0,
@@ -133,8 +121,8 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
         stride_valid = 0 if valid is None else valid.stride(0)
         _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
                                               n_heads, stride_valid, BLOCK=1024, MASKED=valid is not None)
-        _vote_kernel[(triton.cdiv(m.shape[2], VOTE_BLOCKS), batch)](
-            scores, m, m_head, inv_l, out, valid, n_heads, n, m.shape[2], stride_valid,
-            BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_N=scores_block(q, k_pool), BLOCKS=VOTE_BLOCKS,
-            MASKED=valid is not None)
+        block_h = triton.next_power_of_2(n_heads)
+        block_n = max(16, 4096 // block_h)
+        _vote_kernel[(triton.cdiv(n, block_n), batch)](scores, m_head, inv_l, out, valid, n_heads, n, stride_valid,
+                                                       BLOCK_H=block_h, BLOCK_N=block_n, MASKED=valid is not None)
     return out if q.dim() == 3 else out[0]

@@ -40,9 +40,8 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
     ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
     after the sequences' before it): for each block b of
-    the group, s[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, stored as out[h, t] = s[h, t];
-    with STATS, m[h, b] = max_t s[h, t], out[h, t] = s[h, t] - m[h, b] (in out's dtype) and
-    l[h, b] = sum_t exp(s[h, t] - m[h, b]). The loop over the blocks lets the
+    the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
+    m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
     compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
@@ -92,15 +91,14 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                     s = tl.where(cols[None, :] < row_live[:, None], s, float("-inf"))
                 else:
                     s = tl.where(live[None, :], s, float("-inf"))
-            if STATS:  # each score relative to its block's max, in fp16 (see scores_with_stats)
+            tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s,
+                     mask=row_ok[:, None] & col_ok[None, :])
+            if STATS:
                 s = tl.where(live[None, :], s, float("-inf"))
                 m = tl.max(s, axis=1)
-                s = s - tl.where(m == float("-inf"), 0.0, m)[:, None]
-                l = tl.sum(exp_ftz(s), axis=1)
+                l = tl.sum(exp_ftz(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
                 tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
                 tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
-            tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 # (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256;
@@ -121,11 +119,6 @@ def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
                       n_valid: torch.Tensor | None = None):
     """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None).
-    With ``stats`` the scores are stored relative to their block's max m, s - m, in fp16 (the vote's exponential of
-    each): half the bytes the kernel writes and the vote reads, where a decode step's selection at 1M tokens
-    writes and reads 134 MB of scores a layer beside its 1.07 GB of fp8 keys. The difference is at most 0 and
-    exact to 2^-11 of itself (fp16 rounds a raw score of 100 to 2^-5, which the exponential would carry). Masked
-    and dead scores are -inf either way.
     n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
     of the blocks past them are left unwritten (see the kernel).
     A batch in one launch: q [B, n_heads, d], slots [B, N] and n_valid [B] (views of any row stride) -> scores
@@ -145,7 +138,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     fold = batch if batch > 1 and shared and batch * group <= MAX_GROUP_ROWS else 1
     if not (qs.is_contiguous() if fold > 1 else qs[0].is_contiguous()):
         qs = qs.contiguous()
-    out = torch.empty(batch, n_heads, n, dtype=torch.float16 if stats else torch.float32, device=q.device)
+    out = torch.empty(batch, n_heads, n, dtype=torch.float32, device=q.device)
     dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
     _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
     block_n = scores_block(qs[0], k_pool)
@@ -165,12 +158,6 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     if batched:
         return out, m, l
     return out[0], None if m is None else m[0], None if l is None else l[0]
-
-
-def absolute_scores(scores: torch.Tensor, m: torch.Tensor, block_n: int) -> torch.Tensor:
-    """``scores_with_stats``' scores stored with stats (relative to their block's max, fp16) [..., N] and its block
-    maxes m [..., n_blocks] -> the scores themselves [..., N] fp32 (-inf where masked)."""
-    return scores.float() + m.repeat_interleave(block_n, dim=-1)[..., :scores.shape[-1]]
 
 
 MAX_GROUP_ROWS = 64  # query rows per kv head in one launch: more would overflow shared memory
