@@ -173,6 +173,16 @@ def test_staged_rows_are_kept_on_the_device_and_copied_from_there(stage, dtype, 
     assert state.counts.tolist() == [17, 5] and state.slot.tolist()[:3] == [0, 17, 39]
 
 
+@pytest.mark.parametrize("stage", [stage_rows, stage_rows_ref], ids=["triton", "torch"])
+def test_staging_with_no_rows_to_keep_fetches_every_row(stage):
+    host = host_pool(torch.randn(30, 2, 4, generator=torch.Generator().manual_seed(1)))
+    state = kept(0, host)
+    index = torch.tensor([3, 7, 3], device=DEVICE)
+    for _ in range(2):
+        assert torch.equal(stage(host, index, state).cpu(), host[index.cpu()])
+    assert state.counts.tolist() == [6, 0] and (state.row_of == -1).all()
+
+
 def test_the_kept_rows_kernels_keep_what_the_reference_keeps():
     """Random stagings of random slot lists (lengths past the rows kept): the Triton kernels' outputs and kept state
     equal the reference's after every call."""

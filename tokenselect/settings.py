@@ -179,7 +179,8 @@ class EngineSettings(Validated):
                             choices=("auto", "fp8", "bf16", "fp16", "fp32"))
     kv_offload: str = setting("none", "values: keep the V pool in pinned host memory and only K on the GPU, which "
                                       "roughly doubles the tokens that fit; the GPU gathers the values it attends "
-                                      "over the bus", choices=("none", "values"))
+                                      "over the bus, keeping each layer's last ones on the device for the next step",
+                              choices=("none", "values"))
     select_dtype: str = setting("auto", "fp8: keep an fp8 copy of the keys for TokenSelect and ReAttention to "
                                         "score, so that a selection reads half the bytes of bf16 keys (attention "
                                         "still reads the KV pool; costs one byte per key element, so the pool "

@@ -34,6 +34,7 @@ a block of rows per program. Pools must be contiguous, as a layer of the KV pool
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     """[R, *row] contiguous -> [R, row bytes] as uint8, sharing t's memory."""
     if not t.is_contiguous():
         raise ValueError("row copies need contiguous tensors (rows one after another)")
-    return t.view(t.shape[0], -1).view(torch.uint8)
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
 def _raw_rows(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def stage_rows_ref(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch
     """pool: [S, *row] (any device), index: [n] int64 on kept's device -> pool[index]: [n, *row] there, each row found
     in ``kept`` copied from it, the others gathered from the pool; then the first min(n, R) rows are kept."""
     at = kept.row_of[index].long()
-    held = (at >= 0) & (kept.slot[at.clamp(min=0)] == index)
+    held = (at >= 0) & ((kept.slot[at.clamp(min=0)] == index) if kept.slot.numel() else False)
     out = torch.empty(index.numel(), *pool.shape[1:], dtype=pool.dtype, device=index.device)
     out[held] = kept.rows[at[held]]
     out[~held] = gather_rows_ref(pool, index[~held])
@@ -264,8 +265,9 @@ def stage_rows(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch.Ten
         words = src.shape[1]
         _stage_kernel[(triton.cdiv(n, BLOCK_ROWS),)](src, rows, kept.slot, kept.row_of, index, dst, kept.counts, n,
                                                      words, BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
-        _keep_kernel[(triton.cdiv(m, BLOCK_ROWS),)](dst, index, rows, kept.slot, kept.row_of, m, words,
-                                                    BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+        if m:
+            _keep_kernel[(triton.cdiv(m, BLOCK_ROWS),)](dst, index, rows, kept.slot, kept.row_of, m, words,
+                                                        BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
     return out
 
 
