@@ -305,6 +305,7 @@ class LLM:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if kv_offload == "values":
+                # (the kept rows, a fixed KEPT_ROWS a layer, come out of the memory the pool leaves free)
                 on_device = per_pool + copy + (cfg or self.config).n_layers * KEPT_INDEX_BYTES
                 return min(int(free * GPU_MEMORY_FRACTION) // on_device,
                            int(host_memory_available() * HOST_MEMORY_FRACTION) // per_pool)

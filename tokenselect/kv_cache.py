@@ -30,7 +30,8 @@ import weakref
 import torch
 
 from .errors import KVPoolFull
-from .kernels.row_copy import Kept, gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref, stage_rows, stage_rows_ref
+from .kernels.row_copy import (Kept, gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref, stage_rows,
+                               stage_rows_ref)
 from .transfer import Aranges
 
 OFFLOAD_MODES = ("none", "values")
@@ -166,8 +167,7 @@ class KVCache:
 
     def kept_counts(self) -> tuple[int, int]:
         """With value offload: (V rows staged, of them found kept on the device) since the cache was made."""
-        staged, found = self.kept[0].counts.tolist()
-        return staged, found
+        return tuple(self.kept[0].counts.tolist())
 
     def attention_pools(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What attention reads for the attended ``slots`` ([n], or [B, n] for a batch): (K pool, V pool, slots to
