@@ -30,7 +30,7 @@ paged_dot = importlib.import_module("tokenselect.kernels.paged_dot")
 VARIANTS = {"shipped": [], "no-stats": [], "real-rows": REAL_ROWS, "plain-exp": PLAIN_EXP, "keys-as-a": KEYS_AS_A,
             "real-rows-plain-exp": REAL_ROWS + PLAIN_EXP}  # each variant's edits of the shipped kernel
 MULTIPLES_OF_16 = ["q_ptr", "k_ptr", "slot_ptr", "out_ptr", "m_ptr", "l_ptr", "n_valid_ptr", "N", "n_blocks",
-                   "stride_slot", "stride_kvh", "stride_qb"]
+                   "stride_slot", "stride_kvh", "stride_qb", "stride_out"]
 
 
 def compile_scores(kernel, keys: str, stats: bool, arch: int, extra: dict):
@@ -38,7 +38,8 @@ def compile_scores(kernel, keys: str, stats: bool, arch: int, extra: dict):
     signature = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv" if keys == "fp8" else "*bf16", "slot_ptr": "*i64",
                  "out_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "n_valid_ptr": "*i64", "N": "i32", "G": "i32",
                  "n_kv": "i32", "n_blocks": "i32", "scale": "fp32", "stride_slot": "i32", "stride_kvh": "i32",
-                 "stride_qb": "i32", "stride_slot_row": "constexpr", "stride_valid": "i32", "fold": "i32"}
+                 "stride_qb": "i32", "stride_slot_row": "constexpr", "stride_valid": "i32", "fold": "i32",
+                 "stride_out": "i32"}
     block_n, warps, blocks, stages = paged_dot.SCORES_TILE
     constants = {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": block_n, "BLOCKS": blocks,
                  "DOT_TY": tl.float16 if keys == "fp8" else tl.bfloat16, "IEEE": False, "STATS": stats,

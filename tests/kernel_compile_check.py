@@ -42,7 +42,7 @@ def main() -> None:
                 "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
                 "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32,
-                "fold": i32},
+                "fold": i32, "stride_out": i32},
                 {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "DOT_TY": dot,
                  "IEEE": ieee, "STATS": stats, "MASKED": masked, "FOLDED": folded}, num_warps=8 if ieee else 4,
                 num_stages=2 if ieee else 3)
@@ -104,7 +104,7 @@ def main() -> None:
             "n_blocks": i32, "block_n": i32, "n_heads": i32, "stride_valid": i32}, {"BLOCK": 1024, "MASKED": masked})
         compile_one("head_vote", "_vote_kernel", {
             "s_ptr": "*fp32", "m_ptr": "*fp32", "inv_l_ptr": "*fp32", "out_ptr": "*fp32", "n_valid_ptr": i64p,
-            "H": i32, "N": i32, "stride_valid": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
+            "H": i32, "N": i32, "stride_valid": i32, "stride_s": i32}, {"BLOCK_H": 32, "BLOCK_N": 128, "MASKED": masked})
     for dt in ("bf16", "fp32"):
         for add in (False, True):
             compile_one("rms_norm", "_rms_norm_kernel", {

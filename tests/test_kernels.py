@@ -1275,7 +1275,7 @@ def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n
     class Recording:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((grid, kwargs["FOLDED"], args[-1]))
+                launches.append((grid, kwargs["FOLDED"], args[kernel.arg_names.index("fold")]))
                 return kernel[grid](*args, **kwargs)
             return launch
 
@@ -1288,6 +1288,7 @@ def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n
     finite = torch.isfinite(want)
     torch.testing.assert_close(vote[finite], want[finite], rtol=0, atol=1e-5)  # measured 1.5e-7
     scores, m, l = scores_with_stats(q, pool, shared, 1.0, stats=True)
+    assert scores.shape[-1] == n and scores.stride(-2) == m.shape[-1] * scores_block(q[0], pool)  # padded rows
     for b in range(batch):
         torch.testing.assert_close(scores[b], paged_dot_ref(q[b], pool, slots), rtol=0, atol=2e-5)  # measured 5e-6
         full = scores[b].view(n_heads, -1)

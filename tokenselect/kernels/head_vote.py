@@ -73,12 +73,16 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 
 
 @triton.jit
-def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_valid, BLOCK_H: tl.constexpr,
+def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_valid, stride_s, BLOCK_H: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 2, program = (block of tokens, sequence b of the batch): vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h];
-    MASKED: -inf for t >= *n_valid_ptr, whose scores are not read (a block without live tokens only stores -inf)."""
+    """Pass 2, program = (block of the scores kernel's BLOCK_N tokens, sequence b of the batch):
+    vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf for t >= *n_valid_ptr (a block without live tokens
+    reads nothing and stores -inf). The scores' rows (``stride_s`` apart) are padded to whole blocks
+    (``scores_with_stats``), so a block loads without a column mask, and the columns past the live ones are masked in
+    the vote: with the live count in its mask the load took an element at a time (Triton cannot tell such a mask
+    constant over a vector), 32 scalar loads a thread where 8 vector loads do, compiled for sm_90."""
     seq = tl.program_id(1).to(tl.int64)
-    s_ptr += seq * H * N
+    s_ptr += seq * H * stride_s
     m_ptr += seq * H
     inv_l_ptr += seq * H
     out_ptr += seq * N
@@ -91,16 +95,14 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_val
         n_live = tl.load(n_valid_ptr + seq * stride_valid).to(tl.int32)
         col_ok = col_ok & (cols < n_live)
     if first < n_live:
-        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * N + cols[None, :],
-                    mask=head_ok[:, None] & col_ok[None, :], other=float("-inf"))
+        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * stride_s + cols[None, :], mask=head_ok[:, None],
+                    other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
         # a head's share below 2^-126 counts 0 (exp_ftz): tokens with no larger share tie at 0, and the top-k takes
         # tied tokens in order where denormals would have ranked them by shares under 1e-38
         vote = tl.sum(exp_ftz(s - m[:, None]) * inv_l[:, None], axis=0)
-        if MASKED:
-            vote = tl.where(col_ok, vote, float("-inf"))
-        tl.store(out_ptr + cols, vote, mask=cols < N)
+        tl.store(out_ptr + cols, tl.where(col_ok, vote, float("-inf")), mask=cols < N)
     else:
         tl.store(out_ptr + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < N)
 
@@ -121,8 +123,7 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
         stride_valid = 0 if valid is None else valid.stride(0)
         _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
                                               n_heads, stride_valid, BLOCK=1024, MASKED=valid is not None)
-        block_h = triton.next_power_of_2(n_heads)
-        block_n = max(16, 4096 // block_h)
-        _vote_kernel[(triton.cdiv(n, block_n), batch)](scores, m_head, inv_l, out, valid, n_heads, n, stride_valid,
-                                                       BLOCK_H=block_h, BLOCK_N=block_n, MASKED=valid is not None)
+        _vote_kernel[(m.shape[2], batch)](scores, m_head, inv_l, out, valid, n_heads, n, stride_valid,
+                                          scores.stride(1), BLOCK_H=triton.next_power_of_2(n_heads),
+                                          BLOCK_N=scores_block(q, k_pool), MASKED=valid is not None)
     return out if q.dim() == 3 else out[0]

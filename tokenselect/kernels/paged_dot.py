@@ -33,15 +33,16 @@ def paged_dot_ref(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor) ->
 
 @triton.jit
 def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N, G, n_kv, n_blocks, scale,
-                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, fold, D: tl.constexpr,
+                   stride_slot, stride_kvh, stride_qb, stride_slot_row, stride_valid, fold, stride_out, D: tl.constexpr,
                    D_P: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr,
                    STATS: tl.constexpr, MASKED: tl.constexpr, FOLDED: tl.constexpr):
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
     ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
     after the sequences' before it): for each block b of
-    the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, and with STATS
-    m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m). The loop over the blocks lets the
+    the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h (out's rows ``stride_out`` apart),
+    and with STATS m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m), and every column of the block
+    stored (out's rows padded to whole blocks, so that the vote loads whole blocks without a column mask). The loop over the blocks lets the
     compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
@@ -55,7 +56,7 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     slot_ptr += seq * stride_slot_row
     if MASKED:
         n_valid_ptr += seq * stride_valid
-    out_ptr += seq * G * n_kv * N
+    out_ptr += seq * G * n_kv * stride_out
     if STATS:
         m_ptr += seq * G * n_kv * n_blocks
         l_ptr += seq * G * n_kv * n_blocks
@@ -91,8 +92,11 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                     s = tl.where(cols[None, :] < row_live[:, None], s, float("-inf"))
                 else:
                     s = tl.where(live[None, :], s, float("-inf"))
-            tl.store(out_ptr + heads[:, None].to(tl.int64) * N + cols[None, :], s,
-                     mask=row_ok[:, None] & col_ok[None, :])
+            if STATS:
+                tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s, mask=row_ok[:, None])
+            else:
+                tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s,
+                         mask=row_ok[:, None] & col_ok[None, :])
             if STATS:
                 s = tl.where(live[None, :], s, float("-inf"))
                 m = tl.max(s, axis=1)
@@ -118,7 +122,8 @@ def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
 
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
                       n_valid: torch.Tensor | None = None):
-    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None).
+    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None); with
+    stats the scores' rows are views of rows padded to whole blocks (``scores_block``), the padding written.
     n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
     of the blocks past them are left unwritten (see the kernel).
     A batch in one launch: q [B, n_heads, d], slots [B, N] and n_valid [B] (views of any row stride) -> scores
@@ -138,11 +143,12 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     fold = batch if batch > 1 and shared and batch * group <= MAX_GROUP_ROWS else 1
     if not (qs.is_contiguous() if fold > 1 else qs[0].is_contiguous()):
         qs = qs.contiguous()
-    out = torch.empty(batch, n_heads, n, dtype=torch.float32, device=q.device)
     dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
     _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
     block_n = scores_block(qs[0], k_pool)
     n_blocks = triton.cdiv(n, block_n)
+    width = n_blocks * block_n if stats else n  # with stats, rows padded to whole blocks (see the kernel)
+    out = torch.empty(batch, n_heads, width, dtype=torch.float32, device=q.device)
     m = torch.empty(batch, n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
     l = torch.empty_like(m) if stats else None
     valid = None if n_valid is None else n_valid.reshape(-1)
@@ -150,11 +156,12 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
         _scores_kernel[(triton.cdiv(n_blocks, blocks) * n_kv, batch // fold)](
             qs, k_pool, slot_rows, out, m, l, valid, n, group, n_kv, n_blocks, float(scale),
             k_pool.stride(0), k_pool.stride(1), qs.stride(0), 0 if shared else slot_rows.stride(0),
-            0 if valid is None else valid.stride(0), fold, D=d, D_P=max(16, triton.next_power_of_2(d)),
+            0 if valid is None else valid.stride(0), fold, width, D=d, D_P=max(16, triton.next_power_of_2(d)),
             BLOCK_G=max(16, triton.next_power_of_2(group * fold)), BLOCK_N=block_n, BLOCKS=blocks,
             DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLDED=fold > 1, num_warps=warps,
             num_stages=stages,
         )
+    out = out[..., :n]
     if batched:
         return out, m, l
     return out[0], None if m is None else m[0], None if l is None else l[0]
