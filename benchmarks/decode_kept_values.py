@@ -43,13 +43,9 @@ def main(argv: list[str]) -> None:
     from real_model_checks import prose_ids  # benchmarks/, beside this script
 
     extra = {} if args.k is None else {"k": args.k}
-    ids = None
+    ids = prose_ids(LLM(args.model, "full", device=args.device, kv_cache_tokens=64), args.tokens)
     for label, settings in (("every step selecting (theta off)", {"theta": None}), ("Selection Cache at 0.9", {})):
         start = time.perf_counter()
-        if ids is None:
-            probe = LLM(args.model, "full", device=args.device, kv_cache_tokens=64)
-            ids = prose_ids(probe, args.tokens)
-            del probe
         share, hits = kept_share(args.model, ids, args.steps, args.device, {**settings, **extra})
         print(f"{args.model}, {args.tokens} tokens of prose, {args.steps} decode steps, {label}: {share:.1%} of the "
               f"value rows staged were kept from the step before (Selection Cache hits {hits:.0%}; "

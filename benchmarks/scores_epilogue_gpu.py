@@ -81,8 +81,9 @@ REAL_ROWS = [
     ("    heads = kvh * G + rows\n",
      "    heads = kvh * G + rows\n    rows_p = tl.arange(0, G_P)\n    heads_p, row_ok_p = kvh * G + rows_p, rows_p < G\n"),
     ("s = mma(q, k.to(DOT_TY), IEEE) * scale", "s = first_rows(mma(q, k.to(DOT_TY), IEEE), BLOCK_G, G_P) * scale"),
-    ("tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s, mask=row_ok[:, None])",
-     "tl.store(out_ptr + heads_p[:, None].to(tl.int64) * stride_out + cols[None, :], s, mask=row_ok_p[:, None])"),
+    ("at = out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :]",
+     "at = out_ptr + heads_p[:, None].to(tl.int64) * stride_out + cols[None, :]"),
+    ("tl.store(at, s, mask=row_ok[:, None])", "tl.store(at, s, mask=row_ok_p[:, None])"),
     ("tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)", "tl.store(m_ptr + heads_p * n_blocks + b, m, mask=row_ok_p)"),
     ("tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)", "tl.store(l_ptr + heads_p * n_blocks + b, l, mask=row_ok_p)"),
 ]

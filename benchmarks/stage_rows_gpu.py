@@ -26,7 +26,8 @@ from tokenselect.kernels import row_copy
 from tokenselect.kv_cache import pinned_empty
 
 SLOTS, ROW_BYTES, ROWS, LAYERS = 1 << 20, 1024, 2689, 32
-SHAPES = [(16, 256), (8, 256), (4, 256), (32, 256), (16, 128), (16, 64)]  # (rows, 32-bit words) a program; first shipped
+# (rows, 32-bit words) a program; the first is the shipped one
+SHAPES = [(16, 256), (8, 256), (4, 256), (32, 256), (16, 128), (16, 64)]
 
 
 def host_copy_gbps(nbytes: int) -> float:
@@ -51,10 +52,7 @@ def layers_with_kept(pool: torch.Tensor, share: float, gen: torch.Generator) -> 
     layers = []
     for _ in range(LAYERS):
         slots = torch.randperm(SLOTS, device="cuda", generator=gen)[:ROWS]
-        kept = row_copy.Kept(torch.empty(n_kept, ROW_BYTES, dtype=torch.uint8, device="cuda"),
-                             torch.full((n_kept,), -1, dtype=torch.int64, device="cuda"),
-                             torch.full((SLOTS,), -1, dtype=torch.int32, device="cuda"),
-                             torch.zeros(2, dtype=torch.int64, device="cuda"))
+        kept = row_copy.Kept.empty(n_kept, pool, "cuda")
         row_copy.stage_rows(pool, slots, kept)
         layers.append((pool, slots, kept))
     return layers

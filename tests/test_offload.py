@@ -137,16 +137,9 @@ def host_pool(rows: torch.Tensor) -> torch.Tensor:
     return pool
 
 
-def kept(n_rows: int, pool: torch.Tensor) -> Kept:
-    """Nothing kept yet, room for n_rows rows of pool [S, *row], on the tests' device."""
-    return Kept(torch.empty(n_rows, *pool.shape[1:], dtype=pool.dtype, device=DEVICE),
-                torch.full((n_rows,), -1, dtype=torch.int64, device=DEVICE),
-                torch.full((pool.shape[0],), -1, dtype=torch.int32, device=DEVICE),
-                torch.zeros(2, dtype=torch.int64, device=DEVICE))
-
-
 @pytest.mark.parametrize("stage", [stage_rows, stage_rows_ref], ids=["triton", "torch"])
-@pytest.mark.parametrize("dtype,row", [(torch.float32, (2, 8)), (torch.bfloat16, (8, 16)), (torch.float8_e4m3fn, (3, 5))])
+@pytest.mark.parametrize("dtype,row", [(torch.float32, (2, 8)), (torch.bfloat16, (8, 16)),
+                                       (torch.float8_e4m3fn, (3, 5))])
 def test_staged_rows_are_kept_on_the_device_and_copied_from_there(stage, dtype, row):
     """Three stagings of one layer (a repeated slot, more rows than are kept, slots in and out of the kept ones): each
     returns pool[index]; the rows kept are the first R staged, found again by slot (counted), and read from the
@@ -154,7 +147,7 @@ def test_staged_rows_are_kept_on_the_device_and_copied_from_there(stage, dtype, 
     (``row_of`` set to -1, as ``KVCache.write`` has it done)."""
     gen = torch.Generator().manual_seed(3)
     host = host_pool(torch.randn(40, *row, generator=gen).to(dtype))
-    state = kept(6, host)
+    state = Kept.empty(6, host, DEVICE)
     first = torch.tensor([5, 9, 9, 30, 2, 17, 11, 3], device=DEVICE)  # 8 rows, 6 kept; 9 twice
     assert torch.equal(stage(host, first, state).view(torch.uint8).cpu(), host[first.cpu()].view(torch.uint8))
     assert state.slot.tolist() == first[:6].tolist() and state.counts.tolist() == [8, 0]
@@ -176,7 +169,7 @@ def test_staged_rows_are_kept_on_the_device_and_copied_from_there(stage, dtype, 
 @pytest.mark.parametrize("stage", [stage_rows, stage_rows_ref], ids=["triton", "torch"])
 def test_staging_with_no_rows_to_keep_fetches_every_row(stage):
     host = host_pool(torch.randn(30, 2, 4, generator=torch.Generator().manual_seed(1)))
-    state = kept(0, host)
+    state = Kept.empty(0, host, DEVICE)
     index = torch.tensor([3, 7, 3], device=DEVICE)
     for _ in range(2):
         assert torch.equal(stage(host, index, state).cpu(), host[index.cpu()])
@@ -188,7 +181,7 @@ def test_the_kept_rows_kernels_keep_what_the_reference_keeps():
     equal the reference's after every call."""
     gen = torch.Generator().manual_seed(4)
     host = host_pool(torch.randn(300, 2, 8, generator=gen).to(torch.bfloat16))
-    states = kept(64, host), kept(64, host)
+    states = Kept.empty(64, host, DEVICE), Kept.empty(64, host, DEVICE)
     written = 0  # kept rows written so far (the others are uninitialised memory)
     for n in (50, 30, 64, 90, 1, 77):
         index = torch.randperm(120, generator=gen)[:n].to(DEVICE)  # distinct (a repeat's row_of is either row)

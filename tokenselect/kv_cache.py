@@ -97,11 +97,8 @@ class KVCache:
                          else torch.empty(shape, dtype=select_dtype, device=device))  # [n_layers, n_slots, n_kv, d]
         if offload == "values":
             self.v = self._host_pool(shape, dtype)
-            rows = torch.empty(n_layers, kept_rows, n_kv_heads, head_dim, dtype=dtype, device=device)
-            slot = torch.full((n_layers, kept_rows), -1, dtype=torch.int64, device=device)
-            row_of = torch.full((n_layers, n_slots), -1, dtype=torch.int32, device=device)
             counts = torch.zeros(2, dtype=torch.int64, device=device)
-            self.kept = [Kept(rows[i], slot[i], row_of[i], counts) for i in range(n_layers)]
+            self.kept = [Kept.empty(kept_rows, self.v[i], device, counts) for i in range(n_layers)]
         else:
             self.v = torch.empty(shape, dtype=dtype, device=device)
         self.n_slots = n_slots

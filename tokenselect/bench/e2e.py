@@ -180,16 +180,17 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
     llm.step()  # untimed: the first decode step at this length records its CUDA graph (cuda_graphs.py)
     sync(dev)
     whole = whole_steps(llm)
-    kept = llm.cache.kept_counts() if llm.cache.offload == "values" else None
+    kept_before = llm.cache.kept_counts() if llm.cache.offload == "values" else None
     start = time.perf_counter()
     while len(seq.output_ids) <= decode_steps + 1:
         llm.step()
     sync(dev)
     decode = (time.perf_counter() - start) / decode_steps
     whole = whole_steps(llm, since=whole)
-    if kept is not None:  # of the values the timed steps staged, those found on the device (``KVCache.stage``)
-        staged, found = (b - a for a, b in zip(kept, llm.cache.kept_counts()))
-        kept = found / staged if staged else None
+    values_kept = None  # of the values the timed steps staged, the share found on the device (``KVCache.stage``)
+    if kept_before is not None:
+        staged, found = (b - a for a, b in zip(kept_before, llm.cache.kept_counts()))
+        values_kept = found / staged if staged else None
     after = llm.policy.stats() or PolicyStats()
     counted = after - before
     if profile_steps:
@@ -213,7 +214,7 @@ def measure(llm, ids: list[int], decode_steps: int, profile_steps: int = 0, labe
         "whole_graph_chunks": chunks_whole,  # of the prompt's chunks, those run as one graph
         "prefill_chunks": -(-len(ids) // llm.chunk_size),
         "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
-        "values_kept": kept,
+        "values_kept": values_kept,
     }
     return {**row, "profile": profile} if profile else row
 

@@ -42,8 +42,8 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     after the sequences' before it): for each block b of
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h (out's rows ``stride_out`` apart),
     and with STATS m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m), and every column of the block
-    stored (out's rows padded to whole blocks, so that the vote loads whole blocks without a column mask). The loop over the blocks lets the
-    compiler fetch the next block's keys while this one is scored. MASKED: only the first
+    stored (out's rows padded to whole blocks, so that the vote loads whole blocks without a column mask). The loop
+    over the blocks lets the compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
     kernel does nothing). FOLDED: the tile's rows are the query groups of ``fold`` sequences (a program_id(1) of 0)
@@ -92,17 +92,16 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                     s = tl.where(cols[None, :] < row_live[:, None], s, float("-inf"))
                 else:
                     s = tl.where(live[None, :], s, float("-inf"))
+            at = out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :]
             if STATS:
-                tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s, mask=row_ok[:, None])
-            else:
-                tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s,
-                         mask=row_ok[:, None] & col_ok[None, :])
-            if STATS:
+                tl.store(at, s, mask=row_ok[:, None])
                 s = tl.where(live[None, :], s, float("-inf"))
                 m = tl.max(s, axis=1)
                 l = tl.sum(exp_ftz(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
                 tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
                 tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
+            else:
+                tl.store(at, s, mask=row_ok[:, None] & col_ok[None, :])
 
 
 # (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256;

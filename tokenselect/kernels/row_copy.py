@@ -89,6 +89,16 @@ class Kept:
     row_of: torch.Tensor
     counts: torch.Tensor
 
+    @classmethod
+    def empty(cls, n_rows: int, pool: torch.Tensor, device: torch.device | str,
+              counts: torch.Tensor | None = None) -> Kept:
+        """Nothing kept yet, room for ``n_rows`` rows of ``pool [S, *row]`` on ``device``; counts: the [2] int64 to
+        add to (one for a cache's every layer), or new ones."""
+        return cls(torch.empty(n_rows, *pool.shape[1:], dtype=pool.dtype, device=device),
+                   torch.full((n_rows,), -1, dtype=torch.int64, device=device),
+                   torch.full((pool.shape[0],), -1, dtype=torch.int32, device=device),
+                   torch.zeros(2, dtype=torch.int64, device=device) if counts is None else counts)
+
 
 def stage_rows_ref(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch.Tensor:
     """pool: [S, *row] (any device), index: [n] int64 on kept's device -> pool[index]: [n, *row] there, each row found
