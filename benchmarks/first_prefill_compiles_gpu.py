@@ -10,6 +10,7 @@ Writes OUTDIR/first_prefill_compiles.{json,md}.
 """
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     def on_compiled(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         took = time.perf_counter() - started.pop(str(key), time.perf_counter())
         compiles.append({"phase": phase[0], "kernel": fn.name, "seconds": took, "variant": repr,
-                         "key": str(key), "attrs": str(compile.get("configs"))})
+                         "key": str(key), "attrs": str(compile.get("configs")),
+                         "arg_names": list(getattr(getattr(fn, "jit_function", fn), "arg_names", []))})
         print(f"  [{phase[0]}] compiled {fn.name} in {took:.2f} s", flush=True)
 
     hooks = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
@@ -76,6 +78,22 @@ def run(args: argparse.Namespace, phase: list[str], compiles: list[dict]) -> lis
     return phases
 
 
+def arg_specs(key: str) -> list[str]:
+    """A compile's key, "[('*fp32', 'D'), ('i32', ''), ('constexpr', 128), ...]{options}", as one string an
+    argument (its type and specialization: 'D' divisible by 16, '' not)."""
+    return re.findall(r"\((.*?)\)(?:, |\]$)", key[:key.index("]{") + 1])
+
+
+def changed_args(compile: dict, compiles: list[dict]) -> list[str]:
+    """The arguments (name: specialization) in which ``compile`` differs from the warm-up's nearest variant of the
+    same kernel (the fewest differing arguments); [] when the warm-up compiled no variant of it."""
+    mine = arg_specs(compile["key"])
+    diffs = [[i for i, (a, b) in enumerate(zip(mine, arg_specs(c["key"]))) if a != b] for c in compiles
+             if c["phase"] == "warm-up" and c["kernel"] == compile["kernel"]]
+    names = compile.get("arg_names") or []
+    return [f"{names[i] if i < len(names) else i}: ({mine[i]})" for i in min(diffs, key=len, default=[])]
+
+
 def write(args: argparse.Namespace, gpu: str, phases: list[dict], compiles: list[dict]) -> None:
     """OUTDIR/first_prefill_compiles.{json,md}."""
     result = {"length": args.length, "policy": args.policy, "gpu": gpu, "phases": phases, "compiles": compiles}
@@ -84,8 +102,8 @@ def write(args: argparse.Namespace, gpu: str, phases: list[dict], compiles: list
              f"{result['gpu']}", "", "| phase | wall s | prefill s | compiles | compile s |", "|---|---|---|---|---|"]
     lines += [f"| {p['phase']} | {p['seconds']:.2f} | {p['prefill_s'] or 0:.2f} | {p['compiles']} | "
               f"{p['compile_s']:.2f} |" for p in phases]
-    lines += ["", "| phase | kernel | s | specialization key |", "|---|---|---|---|"]
-    lines += [f"| {c['phase']} | {c['kernel']} | {c['seconds']:.2f} | `{c['variant'][:400]}` |"
+    lines += ["", "| phase | kernel | s | arguments specialized otherwise than in the warm-up |", "|---|---|---|---|"]
+    lines += [f"| {c['phase']} | {c['kernel']} | {c['seconds']:.2f} | {', '.join(changed_args(c, compiles)) or '?'} |"
               for c in compiles if c["phase"] != "warm-up"]
     (args.output / "first_prefill_compiles.md").write_text("\n".join(lines) + "\n")
 

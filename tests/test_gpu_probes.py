@@ -50,6 +50,40 @@ def test_the_compile_probe_times_the_warm_up_and_each_repeat(tmp_path):
     assert "| timed 2 |" in (tmp_path / "first_prefill_compiles.md").read_text()
 
 
+def test_the_compile_probe_names_the_arguments_specialized_anew():
+    """A compile after the warm-up is named by the arguments in which it differs from the warm-up's nearest variant
+    of its kernel (keys as Triton 3.6 writes them, from an H200 run: a length no longer divisible by 16)."""
+    probe = load("first_prefill_compiles_gpu")
+    opts = "{'debug': False, 'instrumentation_mode': ''}"
+    names = ["s_ptr", "n_valid_ptr", "N", "stride_s", "BLOCK"]
+
+    def record(phase, kernel, *specs):
+        return {"phase": phase, "kernel": kernel, "arg_names": names, "key": f"[{', '.join(specs)}]{opts}"}
+    warm = [record("warm-up", "_vote_kernel", "('*fp32', 'D')", "('*i64', 'D')", "('i32', 'D')", "('i32', 'D')",
+                   "('constexpr', 128)"),
+            record("warm-up", "_vote_kernel", "('*fp32', 'D')", "('*i64', 'D')", "('i32', '')", "('i32', '')",
+                   "('constexpr', 64)"),
+            record("warm-up", "_topk_kernel", "('*fp32', 'D')", "('*i64', 'D')", "('i32', '')", "('i32', '')",
+                   "('constexpr', 128)")]
+    late = record("timed 1", "_vote_kernel", "('*fp32', 'D')", "('*i64', 'D')", "('i32', '')", "('i32', 'D')",
+                  "('constexpr', 128)")
+    assert probe.changed_args(late, warm + [late]) == ["N: ('i32', '')"]
+    assert probe.changed_args(dict(late, kernel="_other_kernel"), warm) == []
+
+
+def test_the_warm_up_also_ends_a_prompt_inside_a_chunk():
+    """bench e2e's warm-up (which the probes and benches share) prefills its prompt, then one WARMUP_RAGGED tokens
+    shorter, whose length is not a multiple of 16: Triton's other variant of every kernel that takes a length."""
+    from tokenselect.bench import e2e
+    from tokenselect.engine import LLM
+    llm = LLM.random(e2e.CONFIGS["tiny"], "tokenselect", device="cpu", kv_cache_tokens=1024, prefix_cache=False)
+    lengths, generate = [], llm.generate
+    llm.generate = lambda prompts, params: lengths.append([len(p) for p in prompts]) or generate(prompts, params)
+    e2e.warm_up(llm, list(range(1, 641)))
+    assert lengths == [[640], [640 - e2e.WARMUP_RAGGED]] and (640 - e2e.WARMUP_RAGGED) % 16
+    assert e2e.WARMUP_TOKENS % 16 == 0 and (e2e.WARMUP_TOKENS - e2e.WARMUP_RAGGED) % 16
+
+
 def test_prefill_reuse_replays_the_selection_caches_rule_per_layer():
     """A query reuses while its cosine with the query of the last miss reaches theta (at theta exactly: reused);
     a miss becomes the new reference; each layer has its own."""
