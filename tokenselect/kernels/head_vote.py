@@ -4,12 +4,11 @@ candidate tokens, then summed over heads, so each head has one vote of equal wei
     vote[t] = sum_h softmax_t(scale * <q[h], k_pool[slots[t], h // group]>)
 
 The Triton version reads every key exactly once. Pass 1 is the paged dot product, which also keeps
-per head and key block the max and sum of exponentials and stores each token's share of its block,
-exp(s - the block's max), in fp16; a small kernel combines the blocks' stats into per-head totals;
-pass 2 weighs each block's shares by the block's part of its head's total and sums them over heads.
-Pass 2 reads the shares (n_heads * 2 = 64 bytes per token for 32 heads) instead of re-reading the
-keys (n_kv * head_dim = 1 KB per token for Llama-3-8B's fp8 selection keys): recomputing the scores
-would double the bytes of the whole selection step, storing the shares adds 1/16.
+per head and key block the max and sum of exponentials; a small kernel combines them into per-head
+totals; pass 2 turns the scores into normalised probabilities and sums them over heads. Pass 2
+reads the fp32 scores (n_heads * 4 = 128 bytes per token for 32 heads) instead of re-reading the
+keys (n_kv * head_dim * 2 = 2 KB per token for Llama-3-8B in bf16): recomputing the scores would
+double the bytes of the whole selection step, storing them adds about 1/8.
 """
 
 from __future__ import annotations
@@ -74,24 +73,21 @@ def _head_totals_kernel(m_ptr, l_ptr, m_out_ptr, inv_l_out_ptr, n_valid_ptr, n_b
 
 
 @triton.jit
-def _vote_kernel(share_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, n_blocks, stride_valid,
-                 stride_share, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Pass 2, program = (block b of the scores kernel's BLOCK_N tokens, sequence of the batch), from each token's
-    share of its block, share[h, t] = exp(s[h, t] - m_block[h, b]) (fp16, ``scores_with_stats``):
-    vote[t] = sum_h share[h, t] * exp(m_block[h, b] - m[h]) * inv_l[h], an exponential a head and block, none a
-    token; MASKED: -inf for t >= *n_valid_ptr (a block without live tokens reads nothing and stores -inf). The
-    shares' rows (``stride_share`` apart) are padded to whole blocks, so a block loads without a column mask, and
-    the columns past the live ones are masked in the vote: with the live count in its mask the load took an element
-    at a time (Triton cannot tell such a mask constant over a vector), compiled for sm_90."""
+def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_valid, stride_s, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 2, program = (block of the scores kernel's BLOCK_N tokens, sequence b of the batch):
+    vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf for t >= *n_valid_ptr (a block without live tokens
+    reads nothing and stores -inf). The scores' rows (``stride_s`` apart) are padded to whole blocks
+    (``scores_with_stats``), so a block loads without a column mask, and the columns past the live ones are masked in
+    the vote: with the live count in its mask the load took an element at a time (Triton cannot tell such a mask
+    constant over a vector), 32 scalar loads a thread where 8 vector loads do, compiled for sm_90."""
     seq = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(0)
-    share_ptr += seq * H * stride_share
-    m_block_ptr += seq * H * n_blocks
+    s_ptr += seq * H * stride_s
     m_ptr += seq * H
     inv_l_ptr += seq * H
     out_ptr += seq * N
     heads = tl.arange(0, BLOCK_H)
-    first = b * BLOCK_N
+    first = tl.program_id(0) * BLOCK_N
     cols = first + tl.arange(0, BLOCK_N)
     head_ok, col_ok = heads < H, cols < N
     n_live = N
@@ -99,15 +95,13 @@ def _vote_kernel(share_ptr, m_block_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr,
         n_live = tl.load(n_valid_ptr + seq * stride_valid).to(tl.int32)
         col_ok = col_ok & (cols < n_live)
     if first < n_live:
-        share = tl.load(share_ptr + heads[:, None].to(tl.int64) * stride_share + cols[None, :], mask=head_ok[:, None],
-                        other=0.0)
-        m_block = tl.load(m_block_ptr + heads * n_blocks + b, mask=head_ok, other=float("-inf"))
+        s = tl.load(s_ptr + heads[:, None].to(tl.int64) * stride_s + cols[None, :], mask=head_ok[:, None],
+                    other=float("-inf"))
         m = tl.load(m_ptr + heads, mask=head_ok, other=0.0)
         inv_l = tl.load(inv_l_ptr + heads, mask=head_ok, other=0.0)
-        # a head's weight below 2^-126 counts 0 (exp_ftz), as its shares below 2^-25 do (fp16): tokens with no larger
-        # share tie at 0, and the top-k takes tied tokens in order
-        weight = exp_ftz(m_block - m) * inv_l
-        vote = tl.sum(share.to(tl.float32) * weight[:, None], axis=0)
+        # a head's share below 2^-126 counts 0 (exp_ftz): tokens with no larger share tie at 0, and the top-k takes
+        # tied tokens in order where denormals would have ranked them by shares under 1e-38
+        vote = tl.sum(exp_ftz(s - m[:, None]) * inv_l[:, None], axis=0)
         tl.store(out_ptr + cols, tl.where(col_ok, vote, float("-inf")), mask=cols < N)
     else:
         tl.store(out_ptr + cols, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=cols < N)
@@ -121,7 +115,7 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
     n = slots.shape[-1]
     out = torch.empty(batch, n, dtype=torch.float32, device=q.device)
     if n and batch:
-        shares, m, l = scores_with_stats(q.view(batch, n_heads, -1) if q.dim() == 2 else q, k_pool, slots, scale,
+        scores, m, l = scores_with_stats(q.view(batch, n_heads, -1) if q.dim() == 2 else q, k_pool, slots, scale,
                                          stats=True, n_valid=n_valid)
         m_head = torch.empty(batch, n_heads, dtype=torch.float32, device=q.device)
         inv_l = torch.empty_like(m_head)
@@ -129,7 +123,7 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
         stride_valid = 0 if valid is None else valid.stride(0)
         _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
                                               n_heads, stride_valid, BLOCK=1024, MASKED=valid is not None)
-        _vote_kernel[(m.shape[2], batch)](shares, m, m_head, inv_l, out, valid, n_heads, n, m.shape[2], stride_valid,
-                                          shares.stride(1), BLOCK_H=triton.next_power_of_2(n_heads),
+        _vote_kernel[(m.shape[2], batch)](scores, m_head, inv_l, out, valid, n_heads, n, stride_valid,
+                                          scores.stride(1), BLOCK_H=triton.next_power_of_2(n_heads),
                                           BLOCK_N=scores_block(q, k_pool), MASKED=valid is not None)
     return out if q.dim() == 3 else out[0]

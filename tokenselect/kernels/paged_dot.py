@@ -40,10 +40,9 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     """Program (group g of BLOCKS slot blocks, kv head kvh), numbered g * n_kv + kvh, of sequence
     ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
     after the sequences' before it): for each block b of
-    the group, s[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h, stored as out[h, t] (out's rows
-    ``stride_out`` apart); with STATS, m[h, b] = max_t s[h, t], l[h, b] = sum_t exp(s[h, t] - m[h, b]), and out[h, t]
-    is the share exp(s[h, t] - m[h, b]) (in out's dtype), every column of the block stored (out's rows padded to whole
-    blocks, so that the vote loads whole blocks without a column mask; a dead column's share is 0). The loop
+    the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h (out's rows ``stride_out`` apart),
+    and with STATS m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m), and every column of the block
+    stored (out's rows padded to whole blocks, so that the vote loads whole blocks without a column mask). The loop
     over the blocks lets the compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
@@ -95,12 +94,12 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                     s = tl.where(live[None, :], s, float("-inf"))
             at = out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :]
             if STATS:
+                tl.store(at, s, mask=row_ok[:, None])
                 s = tl.where(live[None, :], s, float("-inf"))
                 m = tl.max(s, axis=1)
-                share = exp_ftz(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-                tl.store(at, share.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                l = tl.sum(exp_ftz(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
                 tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
-                tl.store(l_ptr + heads * n_blocks + b, tl.sum(share, axis=1), mask=row_ok)
+                tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
             else:
                 tl.store(at, s, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -122,14 +121,8 @@ def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
 
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
                       n_valid: torch.Tensor | None = None):
-    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, None, None), or with ``stats`` (shares
-    [n_heads, N] fp16, m, l [n_heads, n_blocks] fp32): each score's share of its block of ``scores_block`` slots,
-    exp(s - m) with m the block's max, whose sum is l. The vote needs no more (its weight of a head's block is
-    exp(m - the head's max) / the head's total), and the shares in fp16 halve the bytes the kernel writes and the
-    vote reads, which at 1M tokens are 134 MB a layer (fp32) beside 1.07 GB of fp8 keys. A share in [0, 1] is exact
-    to 2^-11 of itself in fp16 (to 2^-25 of its block's max below 2^-14 of it; below 2^-25 it is 0): the top of
-    each block, which a top-k picks, is kept best. The shares' rows are views of rows padded to whole blocks, the
-    padding written.
+    """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None); with
+    stats the scores' rows are views of rows padded to whole blocks (``scores_block``), the padding written.
     n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
     of the blocks past them are left unwritten (see the kernel).
     A batch in one launch: q [B, n_heads, d], slots [B, N] and n_valid [B] (views of any row stride) -> scores
@@ -154,7 +147,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     block_n = scores_block(qs[0], k_pool)
     n_blocks = triton.cdiv(n, block_n)
     width = n_blocks * block_n if stats else n  # with stats, rows padded to whole blocks (see the kernel)
-    out = torch.empty(batch, n_heads, width, dtype=torch.float16 if stats else torch.float32, device=q.device)
+    out = torch.empty(batch, n_heads, width, dtype=torch.float32, device=q.device)
     m = torch.empty(batch, n_heads, n_blocks, dtype=torch.float32, device=q.device) if stats else None
     l = torch.empty_like(m) if stats else None
     valid = None if n_valid is None else n_valid.reshape(-1)

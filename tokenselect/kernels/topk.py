@@ -70,12 +70,9 @@ def _live_count(n_valid_ptr, N, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _keys(scores_ptr, i, n_live, N):
-    """uint32 keys of scores[i] ordered as the scores are; positions at or past n_live are -inf. The load's mask
-    holds N, not n_live: a mask Triton can tell constant over 16 elements (N a multiple of 16, as the decode graphs'
-    padded lists are) loads 4 scores an instruction, the live count's loaded one at a time (compiled for sm_90)."""
-    x = tl.load(scores_ptr + i, mask=i < N, other=float("-inf")).to(tl.float32)
-    x = tl.where(i < n_live, x, float("-inf"))
+def _keys(scores_ptr, i, n_live):
+    """uint32 keys of scores[i] ordered as the scores are; positions at or past n_live are -inf, not read."""
+    x = tl.load(scores_ptr + i, mask=i < n_live, other=float("-inf")).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648  # all bits of a negative score, the sign bit of any other
     return (bits ^ flip).to(tl.uint32, bitcast=True)
@@ -115,7 +112,7 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, stride_s, stride_
         start = tl.program_id(0) * BLOCK
         if start < n_live:
             i = start + tl.arange(0, BLOCK)
-            key = _keys(scores_ptr, i, n_live, N)
+            key = _keys(scores_ptr, i, n_live)
             match = i < n_live
             if PASS > 0:
                 match = match & ((key >> (shift + 8)) == prefix)
@@ -147,7 +144,7 @@ def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, n_blocks,
     if n_live > 0:
         kth, _ = _found(hist_ptr, k, 4)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        key = _keys(scores_ptr, i, n_live, N)
+        key = _keys(scores_ptr, i, n_live)
         ok = i < N
         tl.store(counts_ptr + 2 * tl.program_id(0), tl.sum((ok & (key > kth)).to(tl.int32), axis=0))
         tl.store(counts_ptr + 2 * tl.program_id(0) + 1, tl.sum((ok & (key == kth)).to(tl.int32), axis=0))
@@ -193,7 +190,7 @@ def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out
             ties_before += tl.load(counts_ptr + 2 * j + 1, mask=j < b, other=0)
         ties_before = tl.sum(ties_before, axis=0)
         ok = i < N
-        key = _keys(scores_ptr, i, n_live, N)
+        key = _keys(scores_ptr, i, n_live)
         tie = (ok & (key == kth)).to(tl.int32)
         tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie  # tied keys before this one, in every block
         pick = ((ok & (key > kth)) | ((tie > 0) & (tie_rank < ties_wanted))).to(tl.int32)
