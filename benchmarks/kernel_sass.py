@@ -95,6 +95,31 @@ def main() -> None:
     print(f"{args.variant}, {args.keys} keys, sm_{args.arch}: {n} instructions a thread a block of {block_n} keys "
           f"({n * warps * 32 / block_n:.0f} a key), shared memory {compiled.metadata.shared} B")
     print(", ".join(f"{op} {count}" for op, count in histogram.most_common()))
+    regs = registers(compiled.asm["cubin"], workdir)
+    by_regs, by_shared = programs_an_sm(regs, compiled.metadata.shared, warps)
+    print(f"{regs} registers a thread: {by_regs} programs an SM by registers, {by_shared} by shared memory")
+
+
+def registers(cubin: bytes, workdir: Path) -> int:
+    """Registers a thread of the cubin's kernel (cuobjdump's resource usage)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = workdir / "kernel.cubin"
+    path.write_bytes(cubin)
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+# an sm_90 SM: 64K registers, allocated 256 a warp at a time; 228 KB of shared memory, of which each program
+# reserves 1 KB; at most 64 warps
+SM_REGISTERS, REGISTER_UNIT, SM_SHARED, PROGRAM_SHARED, SM_WARPS = 65536, 256, 233472, 1024, 64
+
+
+def programs_an_sm(regs: int, shared: int, warps: int) -> tuple[int, int]:
+    """(programs an SM allows by its registers, by its shared memory): where registers allow fewer, a register more
+    a thread costs the kernel programs in flight (the scores kernel is bound by the keys it has in flight)."""
+    per_warp = -(-regs * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_regs = min(SM_REGISTERS // (per_warp * warps), SM_WARPS // warps)
+    return by_regs, SM_SHARED // (shared + PROGRAM_SHARED)
 
 
 if __name__ == "__main__":

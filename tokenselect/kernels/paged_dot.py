@@ -41,8 +41,10 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     ``tl.program_id(1)`` of a batch (its query, slot row and n_valid at the given strides; its scores and stats
     after the sequences' before it): for each block b of
     the group, out[h, t] = scale * <q[h], K[slots[t], kvh]> for the group's heads h (out's rows ``stride_out`` apart),
-    and with STATS m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m), and every column of the block
-    stored (out's rows padded to whole blocks, so that the vote loads whole blocks without a column mask). The loop
+    and with STATS m[h, b] = max_t out[h, t], l[h, b] = sum_t exp(out[h, t] - m) (out's rows then padded to whole
+    blocks, so that the vote loads whole blocks without a column mask; the padding is not written, the vote masks
+    those columns in its result: storing them took the kernel from 96 to 108 registers a thread compiled for sm_90,
+    a program fewer an SM, and a 1M decode step's scoring from 340 to 374 us a layer on an H200). The loop
     over the blocks lets the compiler fetch the next block's keys while this one is scored. MASKED: only the first
     ``*n_valid_ptr`` slots are live; the others are not read and score -inf in a block with live slots,
     and blocks without any are skipped (their scores, m and l are not written: with none live, the
@@ -92,25 +94,24 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
                     s = tl.where(cols[None, :] < row_live[:, None], s, float("-inf"))
                 else:
                     s = tl.where(live[None, :], s, float("-inf"))
-            at = out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :]
+            tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s,
+                     mask=row_ok[:, None] & col_ok[None, :])
             if STATS:
-                tl.store(at, s, mask=row_ok[:, None])
                 s = tl.where(live[None, :], s, float("-inf"))
                 m = tl.max(s, axis=1)
                 l = tl.sum(exp_ftz(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
                 tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)
                 tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)
-            else:
-                tl.store(at, s, mask=row_ok[:, None] & col_ok[None, :])
 
 
-# (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256;
-# H100 sweep at 1M random slots (benchmarks/results/attention_h100.md): 4 blocks of 128 keys on 4 warps
-# beat one block on 8 warps by 8% (bf16 keys) and 24% (fp8 keys); with the products in bf16 (kernels/dot.py) it
-# is still the best at 128K and within 2% of the best at 1M (results/supporting/scores_tile_bf16_products_h100.md).
-# fp32 products run on CUDA cores with fp32 operands: smaller blocks keep ptxas from spilling kilobytes a thread
-# at 64 query rows.
-SCORES_TILE, FP32_SCORES_TILE = (128, 4, 4, 3), (64, 8, 4, 2)
+# (keys per block, warps, blocks per program, pipeline stages) at head_dim <= 128, half the keys at 256. Blocks of
+# 64 keys on one warp: the kernel is bound by the keys it has in flight, and 12 such programs fit an SM (154
+# registers, 17 KB of shared memory) where 5 of 128 keys on 4 warps did. In a graph of layers at 1M random slots on
+# an H200 they ran 1.13x over fp8 keys, 1.00x at 128K and over bf16 keys (results/supporting/scores_tiles_graph_h200.md);
+# in a 1M decode step the scoring took 312 us a layer against 374, the step 20.77 ms against 22.49
+# (results/supporting/scores_tile_1m_h200.md). fp32 products run on CUDA cores with fp32 operands: smaller blocks
+# keep ptxas from spilling kilobytes a thread at 64 query rows.
+SCORES_TILE, FP32_SCORES_TILE = (64, 1, 8, 3), (64, 8, 4, 2)
 
 
 def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
@@ -122,7 +123,7 @@ def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
 def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, scale: float, stats: bool,
                       n_valid: torch.Tensor | None = None):
     """Launch the scores kernel. Returns (scores [n_heads, N] fp32, m, l [n_heads, n_blocks] fp32 or None); with
-    stats the scores' rows are views of rows padded to whole blocks (``scores_block``), the padding written.
+    stats the scores' rows are views of rows padded to whole blocks (``scores_block``), the padding unwritten.
     n_valid: None, or an int64 tensor [] on q's device: only slots[:n_valid] are live; scores and stats
     of the blocks past them are left unwritten (see the kernel).
     A batch in one launch: q [B, n_heads, d], slots [B, N] and n_valid [B] (views of any row stride) -> scores
