@@ -81,9 +81,10 @@ REAL_ROWS = [
     ("    heads = kvh * G + rows\n",
      "    heads = kvh * G + rows\n    rows_p = tl.arange(0, G_P)\n    heads_p, row_ok_p = kvh * G + rows_p, rows_p < G\n"),
     ("s = mma(q, k.to(DOT_TY), IEEE) * scale", "s = first_rows(mma(q, k.to(DOT_TY), IEEE), BLOCK_G, G_P) * scale"),
-    ("at = out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :]",
-     "at = out_ptr + heads_p[:, None].to(tl.int64) * stride_out + cols[None, :]"),
-    ("tl.store(at, s, mask=row_ok[:, None])", "tl.store(at, s, mask=row_ok_p[:, None])"),
+    ("tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_out + cols[None, :], s,\n"
+     "                     mask=row_ok[:, None] & col_ok[None, :])",
+     "tl.store(out_ptr + heads_p[:, None].to(tl.int64) * stride_out + cols[None, :], s,\n"
+     "                     mask=row_ok_p[:, None] & col_ok[None, :])"),
     ("tl.store(m_ptr + heads * n_blocks + b, m, mask=row_ok)", "tl.store(m_ptr + heads_p * n_blocks + b, m, mask=row_ok_p)"),
     ("tl.store(l_ptr + heads * n_blocks + b, l, mask=row_ok)", "tl.store(l_ptr + heads_p * n_blocks + b, l, mask=row_ok_p)"),
 ]
@@ -159,8 +160,8 @@ def graph_ms(fn, layers) -> float:
 
 
 # (keys per block, warps, blocks per program, pipeline stages); the first is the shipped SCORES_TILE
-TILES = [paged_dot.SCORES_TILE, (128, 2, 4, 3), (64, 2, 4, 3), (64, 2, 8, 3), (64, 1, 8, 3), (128, 1, 4, 2),
-         (256, 4, 4, 3), (128, 4, 8, 3)]
+TILES = [paged_dot.SCORES_TILE, (128, 4, 4, 3), (128, 2, 4, 3), (64, 2, 4, 3), (64, 2, 8, 3), (64, 1, 8, 4),
+         (32, 1, 8, 3), (128, 1, 4, 2), (256, 4, 4, 3)]
 
 
 def at_tile(tile):

@@ -138,8 +138,8 @@ def test_the_scores_epilogue_variants_compute_the_shipped_kernels_scores_and_sta
             got = bench.launcher(bench.edited_kernel(edits), True, extra)(q, pool, slots, live)
             for g, w in zip(got, shipped):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
-        tiled = bench.at_tile((64, 2, 8, 3))(q, pool, slots, live)
-        assert tiled[1].shape[1] == 5 and shipped[1].shape[1] == 3  # blocks of 64 keys against 128
+        tiled = bench.at_tile((128, 4, 4, 3))(q, pool, slots, live)
+        assert tiled[1].shape[1] == 3 and shipped[1].shape[1] == 5  # blocks of 128 keys against 64
         for g, w in zip((tiled[0], *bench.head_totals(*tiled[1:])), (shipped[0], *bench.head_totals(*shipped[1:]))):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
 
