@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
 
@@ -25,27 +29,49 @@ mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
          "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds")}
 
 
-def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, **options) -> None:
+def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, aligned: tuple = (), **options):
+    """Compile one variant; ``aligned`` names the arguments specialized as multiples of 16 (a launch's pointers and
+    strides, as Triton specializes them at run time). Returns the compiled kernel."""
     fn = getattr(mods[module], kernel)
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H100, options=options)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=H100,
+                              options=options)
     print(f"compiled {kernel} {constexprs}", flush=True)
+    return compiled
+
+
+def spilled_bytes(compiled) -> int:
+    """Bytes a thread the compiled kernel keeps on its stack (registers spilled), by the cuobjdump Triton carries."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True)
+    return int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
 
 
 def main() -> None:
     i32, f32, i64p = "i32", "fp32", "*i64"
     for kv, dot, ieee in (("bf16", tl.bfloat16, False), ("fp8e4nv", tl.float16, False), ("fp32", tl.float32, True)):
         q = "fp32" if ieee else "bf16"
-        # (a prefill chunk's groups of queries folded into one tile over their shared slot list: FOLDED)
-        for stats, masked, folded in ((True, True, False), (True, False, False), (False, False, False), (True, True, True)):
-            compile_one("paged_dot", "_scores_kernel", {
+        # (a prefill chunk's groups of queries folded into one tile over their shared slot list: FOLDED, up to
+        # MAX_GROUP_ROWS query rows), at the tile scores_with_stats launches for those rows
+        for stats, masked, folded, rows in ((True, True, False, 16), (True, False, False, 16), (False, False, False, 16),
+                                            (True, True, True, 16), (True, True, True, 32), (True, True, True, 64)):
+            block_n, warps, blocks, stages = mods["paged_dot"].scores_tile(rows, ieee)
+            compiled = compile_one("paged_dot", "_scores_kernel", {
                 "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "m_ptr": "*fp32",
                 "l_ptr": "*fp32", "n_valid_ptr": i64p, "N": i32, "G": i32, "n_kv": i32, "n_blocks": i32, "scale": f32,
                 "stride_slot": i32, "stride_kvh": i32, "stride_qb": i32, "stride_slot_row": i32, "stride_valid": i32,
                 "fold": i32, "stride_out": i32},
-                {"D": 128, "D_P": 128, "BLOCK_G": 16, "BLOCK_N": 64 if ieee else 128, "BLOCKS": 4, "DOT_TY": dot,
-                 "IEEE": ieee, "STATS": stats, "MASKED": masked, "FOLDED": folded}, num_warps=8 if ieee else 4,
-                num_stages=2 if ieee else 3)
+                {"D": 128, "D_P": 128, "BLOCK_G": rows, "BLOCK_N": block_n, "BLOCKS": blocks, "DOT_TY": dot,
+                 "IEEE": ieee, "STATS": stats, "MASKED": masked, "FOLDED": folded},
+                aligned=("q_ptr", "k_ptr", "slot_ptr", "out_ptr", "m_ptr", "l_ptr", "n_valid_ptr", "stride_slot",
+                         "stride_kvh", "stride_qb"),
+                num_warps=warps, num_stages=stages)
+            if not ieee:  # on one warp, 64 folded rows spilled 336 bytes a thread
+                assert spilled_bytes(compiled) == 0, f"the scores kernel spills at {rows} rows over {kv} keys"
         argmax = mods["paged_argmax"]
         for tile in ((argmax.FP32_ARGMAX_TILE,) if ieee else (argmax.ARGMAX_TILE, argmax.FEW_ROWS_ARGMAX_TILE)):
             block_r, block_n, warps, stages = tile

@@ -109,9 +109,19 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
 # registers, 17 KB of shared memory) where 5 of 128 keys on 4 warps did. In a graph of layers at 1M random slots on
 # an H200 they ran 1.13x over fp8 keys, 1.00x at 128K and over bf16 keys (results/supporting/scores_tiles_graph_h200.md);
 # in a 1M decode step the scoring took 312 us a layer against 374, the step 20.77 ms against 22.49
-# (results/supporting/scores_tile_1m_h200.md). fp32 products run on CUDA cores with fp32 operands: smaller blocks
-# keep ptxas from spilling kilobytes a thread at 64 query rows.
+# (results/supporting/scores_tile_1m_h200.md). That is a decode step's tile of 16 query rows; a folded tile of more
+# rows (a prefill chunk's groups of queries: 32 for Qwen2.5's 7 heads a kv head in 4 groups) runs a warp for each 16,
+# the keys' block unchanged: on one warp 64 rows spilled 336 bytes a thread (compiled for sm_90), on four they take
+# 126 registers. fp32 products run on CUDA cores with fp32 operands: smaller blocks keep ptxas from spilling
+# kilobytes a thread at 64 query rows.
 SCORES_TILE, FP32_SCORES_TILE = (64, 1, 8, 3), (64, 8, 4, 2)
+
+
+def scores_tile(block_g: int, ieee: bool) -> tuple[int, int, int, int]:
+    """The tile a launch over ``block_g`` query rows (a power of two, at least 16) runs: (keys per block at head_dim
+    <= 128, warps, blocks per program, stages); a warp for each 16 rows but with fp32 products."""
+    block_n, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
+    return block_n, warps if ieee else max(warps, block_g // 16), blocks, stages
 
 
 def scores_block(q: torch.Tensor, k_pool: torch.Tensor) -> int:
@@ -144,7 +154,8 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
     if not (qs.is_contiguous() if fold > 1 else qs[0].is_contiguous()):
         qs = qs.contiguous()
     dot_ty, ieee = exact_dot_type(q.dtype, k_pool.dtype)
-    _, warps, blocks, stages = FP32_SCORES_TILE if ieee else SCORES_TILE
+    block_g = max(16, triton.next_power_of_2(group * fold))
+    _, warps, blocks, stages = scores_tile(block_g, ieee)
     block_n = scores_block(qs[0], k_pool)
     n_blocks = triton.cdiv(n, block_n)
     width = n_blocks * block_n if stats else n  # with stats, rows padded to whole blocks (see the kernel)
@@ -157,7 +168,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
             qs, k_pool, slot_rows, out, m, l, valid, n, group, n_kv, n_blocks, float(scale),
             k_pool.stride(0), k_pool.stride(1), qs.stride(0), 0 if shared else slot_rows.stride(0),
             0 if valid is None else valid.stride(0), fold, width, D=d, D_P=max(16, triton.next_power_of_2(d)),
-            BLOCK_G=max(16, triton.next_power_of_2(group * fold)), BLOCK_N=block_n, BLOCKS=blocks,
+            BLOCK_G=block_g, BLOCK_N=block_n, BLOCKS=blocks,
             DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLDED=fold > 1, num_warps=warps,
             num_stages=stages,
         )
