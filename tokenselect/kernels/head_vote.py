@@ -78,9 +78,10 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_val
     """Pass 2, program = (block of the scores kernel's BLOCK_N tokens, sequence b of the batch):
     vote[t] = sum_h exp(s[h, t] - m[h]) * inv_l[h]; MASKED: -inf for t >= *n_valid_ptr (a block without live tokens
     reads nothing and stores -inf). The scores' rows (``stride_s`` apart) are padded to whole blocks
-    (``scores_with_stats``), so a block loads without a column mask, and the columns past the live ones are masked in
-    the vote: with the live count in its mask the load took an element at a time (Triton cannot tell such a mask
-    constant over a vector), 32 scalar loads a thread where 8 vector loads do, compiled for sm_90."""
+    (``scores_with_stats``; the padding unwritten), so a block loads without a column mask, and the columns past the
+    live ones, padding included, are masked in the vote's result: with the live count in its mask the load took an
+    element at a time (Triton cannot tell such a mask constant over a vector), 32 scalar loads a thread where 8
+    vector loads do with blocks of 128, compiled for sm_90 (42.4 -> 36.4 us a layer at 1M on an H200)."""
     seq = tl.program_id(1).to(tl.int64)
     s_ptr += seq * H * stride_s
     m_ptr += seq * H
