@@ -1257,6 +1257,37 @@ def test_head_soft_vote_of_a_batch_is_each_sequence_alone(batch, group, dtype):
         torch.testing.assert_close(shared[b], alone, atol=1e-6, rtol=1e-5)  # measured 2e-7 (votes up to 0.3)
 
 
+@pytest.mark.parametrize("live", [None, 700, 641])
+def test_the_vote_ignores_what_the_scores_padding_holds(monkeypatch, live):
+    """The scores' rows are padded to whole blocks and the padding is never written (writing it cost the kernel
+    registers and a program an SM): buffers that start as NaN give the same votes as the reference, for a list that
+    ends inside a block, all live or up to a live count inside the last block."""
+    class NaNFilled:  # torch, whose empty tensors hold NaN
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, dtype=None, device=None):
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+        @staticmethod
+        def empty_like(t):
+            return torch.full_like(t, float("nan"))
+
+    monkeypatch.setattr(paged_dot_module, "torch", NaNFilled())
+    gen = torch.Generator().manual_seed(7)
+    n = 700  # not a multiple of any block size
+    q, k_pool = query((N_KV * 4, 128), torch.bfloat16, gen), pool(n + 50, 128, torch.bfloat16, gen)
+    slots = slot_list(n, n + 50, gen)
+    n_valid = None if live is None else torch.tensor(live, device=DEVICE)
+    got = TRITON.head_soft_vote(q, k_pool, slots, 0.125, n_valid)
+    shares, _, _ = scores_with_stats(q, k_pool, slots, 0.125, stats=True)
+    assert shares.as_strided((shares.shape[0], shares.stride(0)), shares.stride())[:, n:].isnan().all()  # padding
+    want = TORCH.head_soft_vote(q, k_pool, slots, 0.125, n_valid)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any()
+    torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv, group, batch", [(4, 1, 4), (2, 4, 4), (2, 4, 3), (1, 8, 4)])
 def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n_kv, group, batch):
