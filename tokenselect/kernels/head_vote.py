@@ -109,7 +109,8 @@ def _vote_kernel(s_ptr, m_ptr, inv_l_ptr, out_ptr, n_valid_ptr, H, N, stride_val
 
 
 # (blocks' stats a step, warps) of the head totals: a program a head walks its blocks' stats, 16,384 blocks at 1M
-# tokens (64 keys a block), each step a load's latency; 1,024 a step on 4 warps took 15 us a layer there on an H200
+# tokens (64 keys a block), each step a load's latency. At 1M on an H200, 1,024 a step on 4 warps took 12.6 us a
+# layer, these 7.6 (results/supporting/scores_tile_1m_h200.md)
 TOTALS_TILE = (4096, 8)
 
 
