@@ -16,6 +16,7 @@ import collections
 import importlib
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import triton
@@ -50,12 +51,23 @@ def compile_scores(kernel, keys: str, stats: bool, arch: int, extra: dict):
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def sass_of(cubin: bytes, workdir: Path) -> str:
-    """The SASS of a cubin, by the cuobjdump that comes with Triton."""
+def cuobjdump(cubin: bytes, what: str) -> str:
+    """``cuobjdump WHAT`` of a cubin (-sass, -res-usage), by the cuobjdump that comes with Triton."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    path = workdir / "kernel.cubin"
-    path.write_bytes(cubin)
-    return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(tool), what, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(cubin: bytes) -> str:
+    """The SASS of a cubin."""
+    return cuobjdump(cubin, "-sass")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """A cubin's kernel's resources a thread (REG, STACK: bytes spilled, LOCAL, ...), as cuobjdump reports them."""
+    return {name: int(n) for name, n in re.findall(r"(\w+):(\d+)", cuobjdump(cubin, "-res-usage").split("Function")[-1])}
 
 
 def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
@@ -83,10 +95,10 @@ def main() -> None:
     kernel = edited_kernel(edits) if edits else paged_dot._scores_kernel
     extra = {"G_P": 4} if "rows" in args.variant else {}
     compiled = compile_scores(kernel, args.keys, args.variant != "no-stats", args.arch, extra)
-    workdir = Path(args.out or "/tmp")
-    workdir.mkdir(parents=True, exist_ok=True)
-    sass = sass_of(compiled.asm["cubin"], workdir)
+    sass = sass_of(compiled.asm["cubin"])
     if args.out:
+        workdir = Path(args.out)
+        workdir.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
             (workdir / f"scores.{ext}").write_text(compiled.asm[ext])
         (workdir / "scores.sass").write_text(sass)
@@ -95,18 +107,9 @@ def main() -> None:
     print(f"{args.variant}, {args.keys} keys, sm_{args.arch}: {n} instructions a thread a block of {block_n} keys "
           f"({n * warps * 32 / block_n:.0f} a key), shared memory {compiled.metadata.shared} B")
     print(", ".join(f"{op} {count}" for op, count in histogram.most_common()))
-    regs = registers(compiled.asm["cubin"], workdir)
+    regs = resource_usage(compiled.asm["cubin"])["REG"]
     by_regs, by_shared = programs_an_sm(regs, compiled.metadata.shared, warps)
     print(f"{regs} registers a thread: {by_regs} programs an SM by registers, {by_shared} by shared memory")
-
-
-def registers(cubin: bytes, workdir: Path) -> int:
-    """Registers a thread of the cubin's kernel (cuobjdump's resource usage)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    path = workdir / "kernel.cubin"
-    path.write_bytes(cubin)
-    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 # an sm_90 SM: 64K registers, allocated 256 a warp at a time; 228 KB of shared memory, of which each program

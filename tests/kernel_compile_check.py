@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
@@ -22,6 +19,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from kernel_sass import resource_usage  # noqa: E402  (benchmarks/: a cubin's registers and spills)
 
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
@@ -39,16 +39,6 @@ def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, ali
                               options=options)
     print(f"compiled {kernel} {constexprs}", flush=True)
     return compiled
-
-
-def spilled_bytes(compiled) -> int:
-    """Bytes a thread the compiled kernel keeps on its stack (registers spilled), by the cuobjdump Triton carries."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True)
-    return int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
 
 
 def main() -> None:
@@ -71,7 +61,8 @@ def main() -> None:
                          "stride_kvh", "stride_qb"),
                 num_warps=warps, num_stages=stages)
             if not ieee:  # on one warp, 64 folded rows spilled 336 bytes a thread
-                assert spilled_bytes(compiled) == 0, f"the scores kernel spills at {rows} rows over {kv} keys"
+                spilled = resource_usage(compiled.asm["cubin"])["STACK"]
+                assert spilled == 0, f"the scores kernel spills {spilled} bytes a thread at {rows} rows over {kv} keys"
         argmax = mods["paged_argmax"]
         for tile in ((argmax.FP32_ARGMAX_TILE,) if ieee else (argmax.ARGMAX_TILE, argmax.FEW_ROWS_ARGMAX_TILE)):
             block_r, block_n, warps, stages = tile
