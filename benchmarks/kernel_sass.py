@@ -5,8 +5,9 @@
 Triton compiles for any NVIDIA target on a machine without a GPU (its own ptxas and cuobjdump come with it). The
 kernel is specialized as a decode step's launch specializes it at run time (pointers and the strides that are
 multiples of 16 marked so: without that, Triton cannot vectorize the key loads and the code is another kernel's).
-Prints the loop's instruction histogram (the largest backward branch's body) and the instructions a thread issues
-for each key; writes the TTGIR, PTX and SASS to OUTDIR when given.
+Prints the loop's instruction histogram (the largest backward branch's body), the instructions a thread issues
+for each key, and the registers a thread with the programs an SM they allow (the kernel is bound by the keys its
+programs have in flight); writes the TTGIR, PTX and SASS to OUTDIR when given.
 """
 
 from __future__ import annotations
