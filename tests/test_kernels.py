@@ -1281,8 +1281,8 @@ def test_the_vote_ignores_what_the_scores_padding_holds(monkeypatch, live):
     slots = slot_list(n, n + 50, gen)
     n_valid = None if live is None else torch.tensor(live, device=DEVICE)
     got = TRITON.head_soft_vote(q, k_pool, slots, 0.125, n_valid)
-    shares, _, _ = scores_with_stats(q, k_pool, slots, 0.125, stats=True)
-    assert shares.as_strided((shares.shape[0], shares.stride(0)), shares.stride())[:, n:].isnan().all()  # padding
+    scores, _, _ = scores_with_stats(q, k_pool, slots, 0.125, stats=True)
+    assert scores.as_strided((scores.shape[0], scores.stride(0)), scores.stride())[:, n:].isnan().all()  # padding
     want = TORCH.head_soft_vote(q, k_pool, slots, 0.125, n_valid)
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any()
     torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-5, rtol=1e-4)
