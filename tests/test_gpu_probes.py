@@ -72,16 +72,19 @@ def test_the_compile_probe_names_the_arguments_specialized_anew():
 
 
 def test_the_warm_up_also_ends_a_prompt_inside_a_chunk():
-    """bench e2e's warm-up (which the probes and benches share) prefills its prompt, then one WARMUP_RAGGED tokens
-    shorter, whose length is not a multiple of 16: Triton's other variant of every kernel that takes a length."""
+    """``LLM.warm_up`` (bench e2e's warm-up, which the probes and benches share, and the server's) prefills its
+    prompt, then one WARMUP_RAGGED tokens shorter, whose length is not a multiple of 16: Triton's other variant of
+    every kernel that takes a length. It leaves no prompt in the prefix cache and every KV slot free."""
     from tokenselect.bench import e2e
-    from tokenselect.engine import LLM
-    llm = LLM.random(e2e.CONFIGS["tiny"], "tokenselect", device="cpu", kv_cache_tokens=1024, prefix_cache=False)
+    from tokenselect.engine import LLM, WARMUP_RAGGED
+    llm = LLM.random(e2e.CONFIGS["tiny"], "tokenselect", device="cpu", kv_cache_tokens=1024, prefix_cache=True)
     lengths, generate = [], llm.generate
     llm.generate = lambda prompts, params: lengths.append([len(p) for p in prompts]) or generate(prompts, params)
     e2e.warm_up(llm, list(range(1, 641)))
-    assert lengths == [[640], [640 - e2e.WARMUP_RAGGED]] and (640 - e2e.WARMUP_RAGGED) % 16
-    assert e2e.WARMUP_TOKENS % 16 == 0 and (e2e.WARMUP_TOKENS - e2e.WARMUP_RAGGED) % 16
+    assert lengths == [[640], [640 - WARMUP_RAGGED]] and (640 - WARMUP_RAGGED) % 16
+    assert e2e.WARMUP_TOKENS % 16 == 0 and (e2e.WARMUP_TOKENS - WARMUP_RAGGED) % 16
+    stats = llm.stats()
+    assert stats["prefix_cache_tokens"] == 0 and stats["kv_slots_free"] == stats["kv_slots"], stats
 
 
 def test_prefill_reuse_replays_the_selection_caches_rule_per_layer():

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from tokenselect.engine import LLM
+from tokenselect.errors import TokenSelectError
 from tokenselect.sampling import SamplingParams
 from tokenselect.cli import build_parser, cmd_serve
 from tokenselect.server import create_app, uvicorn_config
@@ -302,8 +303,30 @@ def test_serve_command_line(checkpoint):
     assert (args.port, args.served_model_name, args.k, args.kv_cache_tokens) == (8123, "x", 64, 2048)
     assert ServerOptions.from_args(args) == ServerOptions()  # loopback: the loopback names only
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k", "--enable-docs",
-                                      "--max-model-len", "512", "--max-queued-requests", "5", "--shutdown-timeout", "2.5"])
+                                      "--max-model-len", "512", "--max-queued-requests", "5", "--shutdown-timeout", "2.5",
+                                      "--warm-up-tokens", "300"])
     assert ServerOptions.from_args(args) == ServerOptions(api_key="k", allowed_hosts=("*",), enable_docs=True,
-                                                          max_model_len=512, max_queued_requests=5, shutdown_timeout=2.5)
+                                                          max_model_len=512, max_queued_requests=5, shutdown_timeout=2.5,
+                                                          warm_up_tokens=300)
     args = build_parser().parse_args(["serve", "--allowed-hosts", "a.example", "*.b.example"])
     assert ServerOptions.from_args(args).allowed_hosts == ("a.example", "*.b.example")
+
+
+def test_warm_up_runs_before_the_server_listens(checkpoint, reference):
+    """--warm-up-tokens: the engine serves the warm-up (a prompt past TokenSelect's selection threshold, then one
+    ending inside a chunk) before uvicorn listens; it leaves every KV slot free and no prompt in the prefix cache,
+    and the requests after it get what ``LLM.generate`` gives. A warm-up the engine cannot serve is refused."""
+    llm = LLM(checkpoint, **SETTINGS)
+    assert llm.runner.passes == 0
+    with running_server(llm, ServerOptions(warm_up_tokens=300)) as (url, _):
+        passes = llm.runner.passes
+        assert passes >= 300 // SETTINGS["chunk_size"] + 16  # the prompts' chunks and the decode steps, all run
+        health = httpx.get(f"{url}/health").json()
+        assert health["kv_slots_free"] == health["kv_slots"] and health.get("prefix_cache_tokens", 0) == 0, health
+        assert health["selection_cache_hits"] + health["selection_cache_misses"] > 0, health  # it selected
+        body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert got == expected(reference, PROMPTS[1], max_tokens=8, temperature=0)
+    for bad in (-1, llm.max_model_len - 16):
+        with pytest.raises(TokenSelectError, match="--warm-up-tokens"):
+            create_app(llm, NAME, ServerOptions(warm_up_tokens=bad))

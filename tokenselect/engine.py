@@ -46,6 +46,10 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.f
 # Policy instances of per-request settings that no live request uses, kept for the next request that asks for
 # the same settings; older idle ones are dropped, so a stream of distinct settings cannot grow memory for good.
 MAX_IDLE_POLICIES = 4
+# ``warm_up``'s second prompt is this many tokens shorter than its first: a prompt that ends inside a chunk passes
+# lengths that are not multiples of 16, and Triton compiles a variant of a kernel for those (13 kernels, 4.4 s inside a
+# first 131,064-token prefill on an H200, benchmarks/results/supporting/first_prefill_compiles_ragged_h200.md)
+WARMUP_RAGGED = 8
 log = logging.getLogger("tokenselect.engine")
 
 
@@ -650,6 +654,17 @@ class LLM:
             if s.error is not None:
                 raise RuntimeError(f"request {s.id} failed") from s.error
         return [s.output() for s in seqs]
+
+    def warm_up(self, prompt: list[int], decode_steps: int = 16) -> None:
+        """Serve two untimed requests, so that the kernel compiles (Triton compiles a kernel once for each variant of
+        its arguments) and CUDA graph captures they meet happen now, not inside the requests that follow: ``prompt``
+        with ``decode_steps`` decode steps, then the prompt WARMUP_RAGGED tokens shorter with one. Prompts they left
+        in the prefix cache are dropped."""
+        ignore = dict(temperature=0, ignore_eos=True)
+        self.generate([prompt], SamplingParams(max_tokens=decode_steps + 1, **ignore))
+        self.generate([prompt[:max(1, len(prompt) - WARMUP_RAGGED)]], SamplingParams(max_tokens=2, **ignore))
+        if self.scheduler.prefix is not None:
+            self.set_prefix_cache(True)  # an empty one
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits ``[T, vocab]`` (fp32) at every prompt position, from the same chunked prefill and

@@ -5,7 +5,8 @@ prompt is real English text from the package's corpus, tokenized by the shipped 
 prompt length one engine is built, then every policy runs on it in turn: prefill seconds, decode
 ms/token, Selection Cache hit rate, how many prefill chunks and timed decode steps ran as one CUDA graph
 each (``cuda_graphs.py``) and peak GPU memory, with ratios against ``dense`` measured in the same run.
-Each policy first serves untimed requests of WARMUP_TOKENS tokens and a few less, so kernel compilation is not timed.
+Each policy first serves untimed requests of WARMUP_TOKENS tokens (``LLM.warm_up``), so kernel compilation is
+not timed.
 
 Random weights' queries are not a real model's, so their Selection Cache hit rate says nothing about
 real text (at theta 0.9 it is 0). For a policy with a Selection Cache the bench therefore also runs the
@@ -82,10 +83,6 @@ PROGRESS_SECONDS = 30  # prefill progress lines at most this often
 # first timed 32K prefill. Arguments that grow with the context should not be specialized (the top-k's block
 # count is not: it cost the first 128K prefill after this warm-up 0.6 s, benchmarks/first_prefill_compiles_gpu.py)
 WARMUP_TOKENS = 40960
-# and again WARMUP_RAGGED tokens shorter: a prompt that ends inside a chunk passes lengths that are not multiples of
-# 16, each a compile of its own, which a warm-up ending on a chunk's end never meets (13 kernels, 4.4 s inside the
-# first timed 131,064-token prefill on an H200, benchmarks/results/supporting/first_prefill_compiles_ragged_h200.md)
-WARMUP_RAGGED = 8
 # its decode steps: Triton compiles a kernel again for a length argument divisible by 16 (and for 1), so 16
 # consecutive lengths meet every variant an eagerly planned decode step (InfLLM's) launches
 WARMUP_DECODE_STEPS = 17
@@ -138,11 +135,10 @@ def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> st
 
 
 def warm_up(llm, ids: list[int]) -> None:
-    """Untimed short requests (prefill past the selection threshold, then decode; then a prompt WARMUP_RAGGED
-    tokens shorter), so that kernel compilation (Triton JIT, once per kernel variant) stays out of the timed runs."""
-    n = min(len(ids), WARMUP_TOKENS)
-    llm.generate([ids[:n]], SamplingParams(max_tokens=WARMUP_DECODE_STEPS + 1, temperature=0, ignore_eos=True))
-    llm.generate([ids[:max(1, n - WARMUP_RAGGED)]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    """Untimed short requests (``LLM.warm_up``: prefill past the selection threshold, then decode; then a prompt
+    ending inside a chunk), so that kernel compilation (Triton JIT, once per kernel variant) stays out of the timed
+    runs."""
+    llm.warm_up(ids[:WARMUP_TOKENS], WARMUP_DECODE_STEPS)
 
 
 def whole_steps(llm, since: int | None = 0) -> int | None:
