@@ -50,6 +50,7 @@ MAX_IDLE_POLICIES = 4
 # lengths that are not multiples of 16, and Triton compiles a variant of a kernel for those (13 kernels, 4.4 s inside a
 # first 131,064-token prefill on an H200, benchmarks/results/supporting/first_prefill_compiles_ragged_h200.md)
 WARMUP_RAGGED = 8
+WARMUP_DECODE_STEPS = 16  # ``warm_up``'s first prompt's decode steps, by default
 log = logging.getLogger("tokenselect.engine")
 
 
@@ -655,7 +656,7 @@ class LLM:
                 raise RuntimeError(f"request {s.id} failed") from s.error
         return [s.output() for s in seqs]
 
-    def warm_up(self, prompt: list[int], decode_steps: int = 16) -> None:
+    def warm_up(self, prompt: list[int], decode_steps: int = WARMUP_DECODE_STEPS) -> None:
         """Serve two untimed requests, so that the kernel compiles (Triton compiles a kernel once for each variant of
         its arguments) and CUDA graph captures they meet happen now, not inside the requests that follow: ``prompt``
         with ``decode_steps`` decode steps, then the prompt WARMUP_RAGGED tokens shorter with one. Prompts they left

@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
+from .engine import WARMUP_DECODE_STEPS
 from .errors import TokenSelectError
 from .models.loader import chat_token_ids
 from .policies import POLICIES
@@ -65,7 +66,6 @@ UNSUPPORTED_FIELDS = {"echo": (None, False), "best_of": (None, 1), "suffix": (No
                       "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"})}
 INTERNAL_ERROR = "internal server error; the server log has the details"
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs (chat's top_logprobs: MAX_LOGPROBS)
-WARMUP_DECODE_STEPS = 16  # of --warm-up-tokens' first prompt
 log = logging.getLogger("tokenselect.server")
 # how pydantic names a union member in an error
 UNION_TAG = re.compile(r"(constrained-)?(str|int|float|bool)|\w+\[.*\]")
@@ -519,12 +519,22 @@ def check_fields(body: _Request, options: ServerOptions) -> None:
         check_text(s, "stop")
 
 
+def warm_up_prompt(llm, tokens: int) -> list[int]:
+    """``--warm-up-tokens``' prompt for ``LLM.warm_up``: the vocabulary's ids in turn ([] for none), checked as a
+    request of the warm-up's first prompt; TokenSelectError naming the flag for one the engine cannot serve."""
+    prompt = [i % llm.config.vocab_size for i in range(max(tokens, 0))]
+    try:
+        if tokens < 0:
+            raise ValueError("a count of tokens, 0 for none")
+        if prompt:
+            llm.check_request(prompt, WARMUP_DECODE_STEPS + 1)
+    except (ValueError, TokenSelectError) as e:
+        raise TokenSelectError(f"--warm-up-tokens {tokens}: {e}") from e
+    return prompt
+
+
 def resolve_options(options: ServerOptions, llm) -> ServerOptions:
-    """``options`` with the defaults that depend on the engine filled in; TokenSelectError for a warm-up the
-    engine cannot serve."""
-    if not 0 <= options.warm_up_tokens <= llm.max_model_len - WARMUP_DECODE_STEPS - 1:
-        raise TokenSelectError(f"--warm-up-tokens {options.warm_up_tokens}: from 0 to the engine's longest request "
-                               f"({llm.max_model_len} tokens) less {WARMUP_DECODE_STEPS + 1} for its decode steps")
+    """``options`` with the defaults that depend on the engine filled in."""
     cap = min(options.max_model_len or max(1, llm.cache.n_slots // 2), llm.max_model_len)
     return dataclasses.replace(options, max_model_len=cap,
                                max_prompt_chars=options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * cap)
@@ -538,6 +548,7 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     up (lifespan)."""
     name = served_model_name or (llm.path.name if llm.path is not None else "tokenselect")
     options = resolve_options(options or ServerOptions(), llm)
+    warm_up = warm_up_prompt(llm, options.warm_up_tokens)
     created = int(time.time())
     worker = EngineWorker(llm)
     tokenizer = copy.deepcopy(llm.tokenizer)  # the tokenizer thread's own
@@ -548,11 +559,10 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
 
     @asynccontextmanager
     async def lifespan(app):
-        if options.warm_up_tokens:  # before the engine thread takes it, and before uvicorn listens
+        if warm_up:  # before the engine thread takes it, and before uvicorn listens
             started = time.perf_counter()
-            prompt = [i % llm.config.vocab_size for i in range(options.warm_up_tokens)]
-            await asyncio.to_thread(llm.warm_up, prompt, WARMUP_DECODE_STEPS)
-            print(f"tokenselect: warmed up in {time.perf_counter() - started:.1f} s ({len(prompt)} prompt tokens)",
+            await asyncio.to_thread(llm.warm_up, warm_up)
+            print(f"tokenselect: warmed up in {time.perf_counter() - started:.1f} s ({len(warm_up)} prompt tokens)",
                   file=sys.stderr, flush=True)
         worker.thread.start()
         yield
