@@ -129,7 +129,7 @@ def main() -> None:
                 "dim": i32, "eps": f32}, {"BLOCK": 4096, "ADD": add}, num_warps=8)
         compile_one("silu_mul", "_silu_mul_kernel", {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": i32,
                                                      "row_stride": i32}, {"BLOCK": 1024})
-    topk = {"scores_ptr": "*fp32", "hist_ptr": "*i32", "n_valid_ptr": i64p}
+    topk = {"scores_ptr": "*fp32", "state_ptr": "*i32", "n_valid_ptr": i64p}
     for masked in (True, False):
         for p in range(4):
             compile_one("topk", "_histogram_kernel", {**topk, "N": i32, "k": i32, "stride_s": i32, "stride_valid": i32},

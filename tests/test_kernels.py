@@ -1289,7 +1289,8 @@ def test_the_vote_ignores_what_the_scores_padding_holds(monkeypatch, live):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_kv, group, batch", [(4, 1, 4), (2, 4, 4), (2, 4, 3), (1, 8, 4)])
+# 4 to 64 folded rows: tiles of one, two (28 rows: Qwen2.5's 7 heads a kv head in 4 groups) and four warps
+@pytest.mark.parametrize("n_kv, group, batch", [(4, 1, 4), (2, 4, 4), (2, 4, 3), (1, 8, 4), (2, 7, 4), (2, 16, 4)])
 def test_scores_of_a_batch_over_one_slot_list_read_it_once(monkeypatch, dtype, n_kv, group, batch):
     """A batch of queries over one slot list (stride-0 rows: a prefill chunk's groups of queries) runs as one program
     row whose tile holds every sequence's query group; its scores and vote equal each sequence's alone, each with

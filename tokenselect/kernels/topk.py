@@ -4,10 +4,12 @@ tokens are attended in).
 The reference is ``torch.topk`` then a sort of the k positions. The Triton version is a radix select that
 writes its picks in order, so nothing is sorted. Each fp32 score maps to a uint32 key with the same order;
 four passes histogram one byte of the keys each (from the top), over the keys that share the bytes found
-so far, which pins the k-th largest key byte by byte; then two small kernels write the picks: per block of
-scores, count the keys above the k-th and equal to it; every block then knows where its picks start from
-the counts of the blocks before it and writes them through a prefix sum. Ties at the k-th key are taken
-in order until k are chosen, so the result is always k distinct positions.
+so far, which pins the k-th largest key byte by byte (the last program of a pass to finish finds its byte
+and stores it for the launches after: none of their programs derives it again; 43 -> 38 us a call over 1M
+scores on an H200, results/supporting/topk_stored_digits_h200.md); then two small kernels write the picks:
+per block of scores, count the keys above the k-th and equal to it; every block then knows where its picks
+start from the counts of the blocks before it and writes them through a prefix sum. Ties at the k-th key are
+taken in order until k are chosen, so the result is always k distinct positions.
 
 With ``n_valid`` only scores[:n_valid] are read; the others count as -inf (a whole-step graph's fixed-length
 span, whose live prefix is 0 on a decode step's Selection Cache hit: then the first k positions come back, and
@@ -78,37 +80,52 @@ def _keys(scores_ptr, i, n_live):
     return (bits ^ flip).to(tl.uint32, bitcast=True)
 
 
+# a sequence's state between the launches, int32: the four passes' histograms of 256 bins; a ticket a pass (the
+# programs done with it); after each pass, the top bytes of the k-th largest key found so far and how many of the
+# keys that share them are still to be taken
+HIST, TICKETS, FOUND, STATE = (tl.constexpr(at) for at in (0, 1024, 1028, 1040))
+
+
 @triton.jit
-def _found(hist_ptr, k, PASSES: tl.constexpr):
-    """From the histograms of passes 0..PASSES-1: the top 8 * PASSES bits of the k-th largest key, and how
-    many of the keys that share them are still to be taken."""
+def _digit(hist_ptr, prefix, rest):
+    """From a pass's whole histogram (256 bins, read past the L1 cache: other programs added to it) of the keys that
+    share ``prefix``: the prefix with the k-th largest key's next byte, and how many keys that share it are still to
+    be taken (``rest`` were before)."""
     bins = tl.arange(0, 256)
-    prefix = tl.full((), 0, tl.uint32)
-    rest = k
-    for p in tl.static_range(PASSES):
-        h = tl.load(hist_ptr + p * 256 + bins)
-        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys whose byte p is >= each bin
-        digit = tl.max(tl.where(at_least >= rest, bins, 0), axis=0)
-        rest -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
-        prefix = prefix * 256 + digit.to(tl.uint32)
-    return prefix, rest
+    h = tl.load(hist_ptr + bins, volatile=True)
+    at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys whose byte is >= each bin
+    digit = tl.max(tl.where(at_least >= rest, bins, 0), axis=0)
+    rest -= tl.sum(tl.where(bins > digit, h, 0), axis=0)
+    return prefix * 256 + digit.to(tl.uint32), rest
 
 
 @triton.jit
-def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, stride_s, stride_valid, PASS: tl.constexpr,
+def _found(state_ptr, k, PASSES: tl.constexpr):
+    """The top 8 * PASSES bits of the k-th largest key, and how many of the keys that share them are still to be
+    taken: stored by the last program of pass PASSES - 1 (none before pass 0)."""
+    if PASSES == 0:
+        return tl.full((), 0, tl.uint32), k
+    at = state_ptr + FOUND + 2 * (PASSES - 1)
+    return tl.load(at).to(tl.uint32, bitcast=True), tl.load(at + 1)
+
+
+@triton.jit
+def _histogram_kernel(scores_ptr, state_ptr, n_valid_ptr, N, k, stride_s, stride_valid, PASS: tl.constexpr,
                       BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Program = (block of scores, sequence b of the batch: its row of scores, its histograms): add the histogram
-    of byte PASS of its keys that share the bytes found by the passes before into hist[PASS]. Program 0 also adds
-    the scores past n_valid (all -inf, not read)."""
+    """Program = (block of scores, sequence b of the batch: its row of scores, its state): add the histogram of byte
+    PASS of its keys that share the bytes found by the passes before into its pass's histogram. Program 0 also adds
+    the scores past n_valid (all -inf, not read). The pass's last program to finish (by its ticket) finds the next
+    byte for the passes after it, so that none of their programs derives it again."""
     shift: tl.constexpr = 24 - 8 * PASS
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
-    hist_ptr += seq * 1024
+    state_ptr += seq * STATE
     if MASKED:
         n_valid_ptr += seq * stride_valid
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live > 0:  # none live: the write kernel needs no histogram
-        prefix, _ = _found(hist_ptr, k, PASS)
+        prefix, rest = _found(state_ptr, k, PASS)
+        hist_ptr = state_ptr + HIST + PASS * 256
         start = tl.program_id(0) * BLOCK
         if start < n_live:
             i = start + tl.arange(0, BLOCK)
@@ -117,32 +134,40 @@ def _histogram_kernel(scores_ptr, hist_ptr, n_valid_ptr, N, k, stride_s, stride_
             if PASS > 0:
                 match = match & ((key >> (shift + 8)) == prefix)
             part = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
-            tl.atomic_add(hist_ptr + PASS * 256 + tl.arange(0, 256), part, mask=part > 0)  # (no atomics for empty bins)
+            tl.atomic_add(hist_ptr + tl.arange(0, 256), part, mask=part > 0, sem="relaxed")  # (none for empty bins)
         if MASKED:
             dead = tl.full((), 0x007FFFFF, tl.uint32)  # the key of -inf
             add = tl.program_id(0) == 0
             if PASS > 0:
                 add = add & ((dead >> (shift + 8)) == prefix)
             if add:
-                tl.atomic_add(hist_ptr + PASS * 256 + ((dead >> shift) & 255).to(tl.int32), N - n_live)
+                tl.atomic_add(hist_ptr + ((dead >> shift) & 255).to(tl.int32), N - n_live, sem="relaxed")
+        # every thread's adds above are done before the barrier, and the ticket's release (cumulative) publishes
+        # them all; the last program's ticket acquires every program's
+        tl.debug_barrier()
+        if tl.atomic_add(state_ptr + TICKETS + PASS, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            prefix, rest = _digit(hist_ptr, prefix, rest)
+            at = state_ptr + FOUND + 2 * PASS
+            tl.store(at, prefix.to(tl.int32, bitcast=True))
+            tl.store(at + 1, rest)
 
 
 # n_blocks only offsets a sequence's counts: were it specialized, a prompt whose block count first reaches a
 # multiple of 16 would stop for a compile (0.6 s at 128K tokens, after a 40K warm-up)
 @triton.jit(do_not_specialize=["n_blocks"])
-def _count_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, N, k, n_blocks, stride_s, stride_valid,
+def _count_kernel(scores_ptr, state_ptr, n_valid_ptr, counts_ptr, N, k, n_blocks, stride_s, stride_valid,
                   BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """Program = (block b of scores, sequence of the batch): counts[b] = (#keys above the k-th largest, #keys equal
     to it); nothing when none is live (the write kernel needs no count then)."""
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
-    hist_ptr += seq * 1024
+    state_ptr += seq * STATE
     counts_ptr += seq * 2 * n_blocks
     if MASKED:
         n_valid_ptr += seq * stride_valid
     n_live = _live_count(n_valid_ptr, N, MASKED)
     if n_live > 0:
-        kth, _ = _found(hist_ptr, k, 4)
+        kth, _ = _found(state_ptr, k, 4)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         key = _keys(scores_ptr, i, n_live)
         ok = i < N
@@ -160,7 +185,7 @@ def _write_picks(values_ptr, out_ptr, at, i, pick, GATHER: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_blocks"])  # as _count_kernel
-def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out_ptr, N, k, n_blocks, stride_s,
+def _write_kernel(scores_ptr, state_ptr, n_valid_ptr, counts_ptr, values_ptr, out_ptr, N, k, n_blocks, stride_s,
                   stride_valid, stride_values, stride_out, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
                   MASKED: tl.constexpr, GATHER: tl.constexpr):
     """Program = (block b of scores, sequence of the batch): write the positions it picks to out (GATHER: values at
@@ -169,7 +194,7 @@ def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out
     b = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
-    hist_ptr += seq * 1024
+    state_ptr += seq * STATE
     counts_ptr += seq * 2 * n_blocks
     out_ptr += seq * stride_out
     if MASKED:
@@ -181,7 +206,7 @@ def _write_kernel(scores_ptr, hist_ptr, n_valid_ptr, counts_ptr, values_ptr, out
     if n_live == 0:
         _write_picks(values_ptr, out_ptr, i, i, i < k, GATHER)
     else:
-        kth, ties_wanted = _found(hist_ptr, k, 4)
+        kth, ties_wanted = _found(state_ptr, k, 4)
         above_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
         ties_before = tl.zeros((BLOCK_C,), dtype=tl.int32)
         for start in range(0, b, BLOCK_C):
@@ -219,7 +244,7 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     rows = rows_in_place(rows)
     outs = out if batched else out[None]
     n_blocks = triton.cdiv(n, BLOCK)
-    hist = torch.zeros(batch, 4, 256, dtype=torch.int32, device=scores.device)
+    state = torch.zeros(batch, STATE.value, dtype=torch.int32, device=scores.device)
     counts = torch.empty(batch, n_blocks, 2, dtype=torch.int32, device=scores.device)
     masked = n_valid is not None
     valid = n_valid.reshape(-1) if masked else None
@@ -228,13 +253,13 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     stride_valid = valid.stride(0) if masked else 0
     grid = (n_blocks, batch)
     for p in range(4):
-        _histogram_kernel[grid](rows, hist, valid, n, k, rows.stride(0), stride_valid, PASS=p, BLOCK=BLOCK,
+        _histogram_kernel[grid](rows, state, valid, n, k, rows.stride(0), stride_valid, PASS=p, BLOCK=BLOCK,
                                 MASKED=masked)
-    _count_kernel[grid](rows, hist, valid, counts, n, k, n_blocks, rows.stride(0), stride_valid, BLOCK=BLOCK,
+    _count_kernel[grid](rows, state, valid, counts, n, k, n_blocks, rows.stride(0), stride_valid, BLOCK=BLOCK,
                         MASKED=masked)
     gather = values is not None
     value_rows = rows_in_place(values if batched else values[None]) if gather else None
-    _write_kernel[grid](rows, hist, valid, counts, value_rows if gather else outs, outs, n, k, n_blocks,
+    _write_kernel[grid](rows, state, valid, counts, value_rows if gather else outs, outs, n, k, n_blocks,
                         rows.stride(0), stride_valid, value_rows.stride(0) if gather else 0, outs.stride(0),
                         BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather)
     return out
