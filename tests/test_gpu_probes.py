@@ -50,6 +50,21 @@ def test_the_compile_probe_times_the_warm_up_and_each_repeat(tmp_path):
     assert "| timed 2 |" in (tmp_path / "first_prefill_compiles.md").read_text()
 
 
+def test_the_warm_up_probe_times_first_requests_with_and_without_it(tmp_path):
+    """On the CPU (no Triton compile): an engine of the shipped model in a process of its own without a warm-up and
+    one with it, each timing the same three ragged prompts twice; the warm-up's seconds only where it ran."""
+    load("warm_up_first_requests_gpu").main([str(tmp_path), "--tokens", "300", "--device", "cpu"])
+    result = json.loads((tmp_path / "warm_up_first_requests.json").read_text())
+    cold, warm = result["rows"]
+    assert (cold["warm_up_tokens"], warm["warm_up_tokens"]) == (0, 300)
+    assert cold["warm_up_s"] == 0 and warm["warm_up_s"] > 0
+    for row in result["rows"]:
+        assert [(r["round"], r["tokens"]) for r in row["requests"]] == [(1, 295), (1, 222), (1, 157)] + [
+            (2, 295), (2, 222), (2, 157)]
+        assert all(r["seconds"] > 0 and r["compiles"] == [] for r in row["requests"])
+    assert "| 300 |" in (tmp_path / "warm_up_first_requests.md").read_text()
+
+
 def test_the_compile_probe_names_the_arguments_specialized_anew():
     """A compile after the warm-up is named by the arguments in which it differs from the warm-up's nearest variant
     of its kernel (keys as Triton 3.6 writes them, from an H200 run: a length no longer divisible by 16)."""
@@ -71,17 +86,26 @@ def test_the_compile_probe_names_the_arguments_specialized_anew():
     assert probe.changed_args(dict(late, kernel="_other_kernel"), warm) == []
 
 
-def test_the_warm_up_also_ends_a_prompt_inside_a_chunk():
+def test_the_warm_up_also_ends_prompts_inside_a_chunk():
     """``LLM.warm_up`` (bench e2e's warm-up, which the probes and benches share, and the server's) prefills its
-    prompt, then one WARMUP_RAGGED tokens shorter, whose length is not a multiple of 16: Triton's other variant of
-    every kernel that takes a length. It leaves no prompt in the prefix cache and every KV slot free."""
+    prompt, then one WARMUP_RAGGED tokens shorter, whose length is not a multiple of 16 (Triton's other variant of
+    every kernel that takes a length), then one whose last chunk holds WARMUP_RAGGED tokens (the sparse
+    attention's small-chunk tile). With a prefix cache, the later prompts reuse none of the first's chunks (a reused
+    chunk would not run). It leaves no prompt in the prefix cache and every KV slot free."""
     from tokenselect.bench import e2e
     from tokenselect.engine import LLM, WARMUP_RAGGED
-    llm = LLM.random(e2e.CONFIGS["tiny"], "tokenselect", device="cpu", kv_cache_tokens=1024, prefix_cache=True)
-    lengths, generate = [], llm.generate
-    llm.generate = lambda prompts, params: lengths.append([len(p) for p in prompts]) or generate(prompts, params)
+    llm = LLM.random(e2e.CONFIGS["tiny"], "tokenselect", device="cpu", kv_cache_tokens=1024, prefix_cache=True,
+                     chunk_size=128)
+    runs, generate = [], llm.generate
+
+    def generate_and_count(prompts, params):
+        out = generate(prompts, params)
+        runs.append((len(prompts[0]), llm.stats()["prefix_cache_hit_tokens"]))
+        return out
+
+    llm.generate = generate_and_count
     e2e.warm_up(llm, list(range(1, 641)))
-    assert lengths == [[640], [640 - WARMUP_RAGGED]] and (640 - WARMUP_RAGGED) % 16
+    assert runs == [(640, 0), (640 - WARMUP_RAGGED, 0), (4 * 128 + WARMUP_RAGGED, 0)] and WARMUP_RAGGED % 2
     assert e2e.WARMUP_TOKENS % 16 == 0 and (e2e.WARMUP_TOKENS - WARMUP_RAGGED) % 16
     stats = llm.stats()
     assert stats["prefix_cache_tokens"] == 0 and stats["kv_slots_free"] == stats["kv_slots"], stats

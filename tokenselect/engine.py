@@ -46,10 +46,13 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.f
 # Policy instances of per-request settings that no live request uses, kept for the next request that asks for
 # the same settings; older idle ones are dropped, so a stream of distinct settings cannot grow memory for good.
 MAX_IDLE_POLICIES = 4
-# ``warm_up``'s second prompt is this many tokens shorter than its first: a prompt that ends inside a chunk passes
-# lengths that are not multiples of 16, and Triton compiles a variant of a kernel for those (13 kernels, 4.4 s inside a
-# first 131,064-token prefill on an H200, benchmarks/results/supporting/first_prefill_compiles_ragged_h200.md)
-WARMUP_RAGGED = 8
+# ``warm_up``'s second prompt is this many tokens shorter than its first, and its third ends in a chunk of this many
+# tokens: a prompt that ends inside a chunk passes lengths that are not multiples of 16, and Triton compiles a variant
+# of a kernel for those (13 kernels, 4.4 s inside a first 131,064-token prefill on an H200,
+# benchmarks/results/supporting/first_prefill_compiles_ragged_h200.md); a last chunk of a few tokens runs the sparse
+# attention's small-chunk tile (1.3 s of compiles, benchmarks/results/supporting/warm_up_first_requests_h200.md).
+# Odd, so that a length times an even head count is not a multiple of 16 either.
+WARMUP_RAGGED = 7
 WARMUP_DECODE_STEPS = 16  # ``warm_up``'s first prompt's decode steps, by default
 log = logging.getLogger("tokenselect.engine")
 
@@ -657,13 +660,19 @@ class LLM:
         return [s.output() for s in seqs]
 
     def warm_up(self, prompt: list[int], decode_steps: int = WARMUP_DECODE_STEPS) -> None:
-        """Serve two untimed requests, so that the kernel compiles (Triton compiles a kernel once for each variant of
-        its arguments) and CUDA graph captures they meet happen now, not inside the requests that follow: ``prompt``
-        with ``decode_steps`` decode steps, then the prompt WARMUP_RAGGED tokens shorter with one. Prompts they left
-        in the prefix cache are dropped."""
+        """Serve untimed requests, so that the kernel compiles (Triton compiles a kernel once for each variant of its
+        arguments) and CUDA graph captures they meet happen now, not inside the requests that follow: ``prompt``
+        with ``decode_steps`` decode steps; then, with one decode step each, its tokens from the WARMUP_RAGGED-th
+        (ending inside a chunk) and from the 2 * WARMUP_RAGGED-th, cut to end in a chunk of WARMUP_RAGGED tokens.
+        The later prompts start unlike the first, so that a prefix cache reuses none of their chunks. Prompts they
+        left in the prefix cache are dropped."""
         ignore = dict(temperature=0, ignore_eos=True)
         self.generate([prompt], SamplingParams(max_tokens=decode_steps + 1, **ignore))
-        self.generate([prompt[:max(1, len(prompt) - WARMUP_RAGGED)]], SamplingParams(max_tokens=2, **ignore))
+        ragged, few = prompt[WARMUP_RAGGED:], prompt[2 * WARMUP_RAGGED:]
+        few = few[:(len(few) - WARMUP_RAGGED) // self.chunk_size * self.chunk_size + WARMUP_RAGGED]
+        for later in (ragged, few):
+            if later:  # (none of a prompt too short to cut)
+                self.generate([later], SamplingParams(max_tokens=2, **ignore))
         if self.scheduler.prefix is not None:
             self.set_prefix_cache(True)  # an empty one
 
