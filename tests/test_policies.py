@@ -122,14 +122,15 @@ def test_chunk_selects_with_its_mean_query():
 
 
 
-def test_selection_query_is_the_fp32_mean_of_a_chunks_queries():
-    """The mean accumulates and comes back in fp32, also from bf16 queries (measured error against an fp64 mean of
-    33 queries: below 1e-7)."""
+@pytest.mark.parametrize("shape", [(33, 4, 16), (48, 4, 16), (512, 4, 16), (2, 40, 4, 16)])
+def test_selection_query_is_the_fp32_mean_of_a_chunks_queries(shape):
+    """The mean accumulates and comes back in fp32, also from bf16 queries, of a chunk or of a batch of chunks (a
+    chunk's groups); measured error against an fp64 mean below 1e-7."""
     torch.manual_seed(4)
-    q = torch.randn(33, 4, 16).to(torch.bfloat16)
+    q = torch.randn(shape).to(torch.bfloat16)
     got = selection_query(q)
-    assert got.dtype == torch.float32 and got.shape == (4, 16)
-    torch.testing.assert_close(got, q.double().mean(dim=0).float(), rtol=0, atol=1e-6)
+    assert got.dtype == torch.float32 and got.shape == shape[:-3] + shape[-2:]
+    torch.testing.assert_close(got, q.double().mean(dim=-3).float(), rtol=0, atol=1e-6)
 
 
 def test_an_eager_step_prepares_room_for_its_own_tokens():
