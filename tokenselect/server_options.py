@@ -49,9 +49,9 @@ class ServerOptions:
     shutdown_timeout: float = _option(30.0, "seconds running requests get to finish on shutdown (SIGTERM, "
                                             "Ctrl-C); then they are aborted", type=float, metavar="SECONDS")
     warm_up_tokens: int = _option(
-        0, "before taking requests, serve a prompt of this many tokens and one a few shorter (LLM.warm_up), so "
-           "that the first requests do not wait for kernel compiles and CUDA graph captures (past the policy's "
-           "selection threshold to warm its selection too); 0: none", type=int, metavar="N")
+        0, "before taking requests, serve a prompt of this many tokens and two a few shorter that end inside a "
+           "chunk (LLM.warm_up), so that the first requests do not wait for kernel compiles and CUDA graph captures "
+           "(past the policy's selection threshold to warm its selection too); 0: none", type=int, metavar="N")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOptions":
