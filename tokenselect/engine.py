@@ -662,10 +662,10 @@ class LLM:
     def warm_up(self, prompt: list[int], decode_steps: int = WARMUP_DECODE_STEPS) -> None:
         """Serve untimed requests, so that the kernel compiles (Triton compiles a kernel once for each variant of its
         arguments) and CUDA graph captures they meet happen now, not inside the requests that follow: ``prompt``
-        with ``decode_steps`` decode steps; then, with one decode step each, its tokens from the WARMUP_RAGGED-th
-        (ending inside a chunk) and from the 2 * WARMUP_RAGGED-th, cut to end in a chunk of WARMUP_RAGGED tokens.
-        The later prompts start unlike the first, so that a prefix cache reuses none of their chunks. Prompts they
-        left in the prefix cache are dropped."""
+        with ``decode_steps`` decode steps; then, with one decode step each, the prompt without its first
+        WARMUP_RAGGED tokens (ending inside a chunk), and without its first 2 * WARMUP_RAGGED cut to end in a chunk
+        of WARMUP_RAGGED tokens. The later prompts start unlike the first, so that a prefix cache reuses none of
+        their chunks. Prompts they left in the prefix cache are dropped."""
         ignore = dict(temperature=0, ignore_eos=True)
         self.generate([prompt], SamplingParams(max_tokens=decode_steps + 1, **ignore))
         ragged, few = prompt[WARMUP_RAGGED:], prompt[2 * WARMUP_RAGGED:]

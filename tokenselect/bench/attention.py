@@ -305,6 +305,7 @@ def graph_table(rows: list[dict], fp8: bool) -> str:
 
 
 def kv_label(n: int) -> str:
+    """A KV length as the tables write it: 32K, 1M (or the count itself)."""
     return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
