@@ -32,6 +32,23 @@ def test_tiny_cpu_run_writes_table_and_json(tmp_path):
     assert "| 1K |" in table and "| 2K |" in table and "chunk speedup" in table
 
 
+def test_the_report_leads_with_the_graph_table_where_there_is_one(tmp_path):
+    """A CPU run has no graph timings: the host-launched table alone. A CUDA run's rows (the same keys plus the
+    graph timings) put the chunks' table in graphs first, its ratios from its own columns."""
+    args = parse("--device", "cpu", "--tiny", "--kernels", "torch", "--lengths", "1k", "--output", str(tmp_path))
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "attention.json").read_text())
+    assert "CUDA graphs" not in attention.render(result) and "| 1K |" in attention.render(result)
+    result["rows"][0].update(graph_dense_chunk_ms=3.0, graph_chunk_ms=0.5, graph_fp8_chunk_ms=0.25,
+                             fp8_floor_ms=result["rows"][0]["floor_ms"] / 2)
+    result["args"]["fp8_select"] = True
+    result["rows"][0].update(fp8_chunk_ms=1.0, fp8_miss_ms=1.0)
+    text = attention.render(result)
+    graphs, eager = text.index("CUDA graphs"), text.index("Launched from the host")
+    assert graphs < eager and "| 1K | 3.000 | 0.500 | 6.0x |" in text[graphs:eager]
+    assert "| 0.250 | 12.0x |" in text[graphs:eager]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_full_size_on_cpu_is_refused(tmp_path):
     args = parse("--device", "cpu", "--output", str(tmp_path))

@@ -22,8 +22,8 @@ bytes" variant: rows marked fp8 read that copy for the vote, bf16 K/V for attent
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs): each call launched
 from the host as the engine's eager prefill launches it, so where a step's kernels are short the host's launches
 set its time. On CUDA the chunks are also timed captured in a CUDA graph (``graph_us``: the GPU's time alone, the
-host's launches gone), dense's too, in a second table: what a chunk costs a prefill whose host runs ahead of the
-GPU (its GEMMs take far longer than the launches).
+host's launches gone), dense's too, in the report's first table: what a chunk costs a prefill whose host runs ahead
+of the GPU (its GEMMs take far longer than the launches).
 ``--device cpu --tiny`` runs tiny sizes with wall-clock timing: a smoke test of the code path, not a benchmark.
 """
 
@@ -323,23 +323,34 @@ def run(args: argparse.Namespace) -> int:
         rows.append(measure(length, args, device, ms, bandwidth, check=i == 0 and not args.no_check))
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = (f"# Attention, one layer: {args.heads} q heads, {args.kv_heads} kv heads, d={args.head_dim}, bf16, "
-              f"{args.kernels} kernels, on {name} (torch {torch.__version__})\n\n"
-              f"Chunk = {args.chunk} queries; ours selects k={args.k} with n_init={args.n_init}, "
-              f"n_local={args.n_local}. Milliseconds (median); copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
-              f"read-K floor = bytes of the middle's keys / copy bandwidth.\n\n{table(rows, args.fp8_select)}\n")
-    if device.type == "cuda":
-        report += (f"\nThe chunks captured in CUDA graphs ({GRAPH_CALLS} calls a graph): the GPU's time, without the "
-                   f"host's launches.\n\n{graph_table(rows, args.fp8_select)}\n")
+    meta = {k: v for k, v in vars(args).items() if k != "func"}
+    result = {"device": name, "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "args": meta, "rows": rows}
+    report = render(result)
     print(report)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"attention_{args.tag}" if args.tag else "attention"
-    meta = {k: v for k, v in vars(args).items() if k != "func"}
-    result = {"device": name, "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "args": meta, "rows": rows}
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(report)
     return 0
+
+
+def render(result: dict) -> str:
+    """The markdown report of a run (``result``: what ``run`` writes as JSON). On CUDA the chunks' table in CUDA
+    graphs comes first, the GPU's time; then every timing as launched from the host, one call at a time."""
+    a, rows, fp8 = result["args"], result["rows"], result["args"]["fp8_select"]
+    graphs = bool(rows) and "graph_chunk_ms" in rows[0]
+    text = (f"# Attention, one layer: {a['heads']} q heads, {a['kv_heads']} kv heads, d={a['head_dim']}, bf16, "
+            f"{a['kernels']} kernels, on {result['device']} (torch {result['torch']})"
+            f"{', chunks in CUDA graphs' if graphs else ''}\n\n"
+            f"Chunk = {a['chunk']} queries; ours selects k={a['k']} with n_init={a['n_init']}, "
+            f"n_local={a['n_local']}. Milliseconds; copy bandwidth {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
+            f"read-K floor = bytes of the middle's keys / copy bandwidth.\n\n")
+    if graphs:
+        text += (f"Captured in CUDA graphs ({GRAPH_CALLS} calls a graph): the GPU's time, without the host's "
+                 f"launches.\n\n{graph_table(rows, fp8)}\n\n")
+    return text + (f"Launched from the host one call at a time (medians; where a step's kernels are short, the "
+                   f"host's launches set its time):\n\n{table(rows, fp8)}\n")
 
 
 def add_parser(subparsers) -> None:
