@@ -9,6 +9,7 @@ Usage (on a GPU): PYTHONPATH=$PWD python3 benchmarks/first_prefill_compiles_gpu.
 Writes OUTDIR/first_prefill_compiles.{json,md}.
 """
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -35,6 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
     phase = ["start"]
+    with logged_compiles(phase) as compiles:
+        phases = run(args, phase, compiles)
+    gpu = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu"
+    write(args, gpu, phases, compiles)
+
+
+@contextlib.contextmanager
+def logged_compiles(phase: list[str]):
+    """Inside the block, every kernel variant Triton compiles is appended to the list yielded: the phase it ended
+    in (``phase[0]`` then), its kernel, seconds, variant, key and argument names. Triton's hooks are the process's:
+    they are restored after, so that a caller (a test) does not log into this list later."""
     started: dict = {}
     compiles: list[dict] = []
 
@@ -52,11 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     hooks = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_miss, on_compiled
     try:
-        phases = run(args, phase, compiles)
-    finally:  # Triton's hooks are the process's: a caller (a test) must not log into this run's lists after it
+        yield compiles
+    finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = hooks
-    gpu = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu"
-    write(args, gpu, phases, compiles)
 
 
 def run(args: argparse.Namespace, phase: list[str], compiles: list[dict]) -> list[dict]:

@@ -26,26 +26,22 @@ from pathlib import Path
 
 def child(args) -> None:
     """In a fresh process: build, warm up (or not), time the requests; print the row as JSON."""
+    from first_prefill_compiles_gpu import logged_compiles  # benchmarks/, beside this script (run as a script)
+
+    phase = ["warm-up"]  # the engine's build counts as the warm-up's
+    with logged_compiles(phase) as compiles:
+        row = timed_requests(args, phase, compiles)
+    print(json.dumps(row), flush=True)
+
+
+def timed_requests(args, phase: list[str], compiles: list[dict]) -> dict:
+    """Build the engine, warm it up (or not) and time the requests, each naming the compiles inside it."""
     import torch
 
     from tokenselect import LLM, SamplingParams
 
-    from triton import knobs
+    from first_prefill_compiles_gpu import changed_args
 
-    from first_prefill_compiles_gpu import changed_args  # benchmarks/, beside this script
-
-    compiles, phase, began = [], ["warm-up"], {}  # the engine's build counts as the warm-up's
-
-    def on_miss(*, key, **_):
-        began[str(key)] = time.perf_counter()
-        return False
-
-    def on_compiled(*, key, fn, **_):
-        compiles.append({"phase": phase[0], "kernel": fn.name, "key": str(key),
-                         "seconds": time.perf_counter() - began.pop(str(key), time.perf_counter()),
-                         "arg_names": list(getattr(getattr(fn, "jit_function", fn), "arg_names", []))})
-
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_miss, on_compiled
     started = time.perf_counter()
     llm = LLM(args.model, device=args.device)
     row = {"warm_up_tokens": args.warm_up, "build_s": round(time.perf_counter() - started, 2), "requests": []}
@@ -68,7 +64,7 @@ def child(args) -> None:
             named = [f"{c['kernel']} {c['seconds']:.2f} s ({', '.join(changed_args(c, compiles)) or 'new'})"
                      for c in compiles if c["phase"] == phase[0]]
             row["requests"].append({"round": round_, "tokens": n, "seconds": seconds, "compiles": named})
-    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,6 +65,30 @@ def test_the_warm_up_probe_times_first_requests_with_and_without_it(tmp_path):
     assert "| 300 |" in (tmp_path / "warm_up_first_requests.md").read_text()
 
 
+def test_the_compile_log_takes_each_variant_in_the_phase_it_ended_in_and_restores_the_hooks():
+    """``logged_compiles`` (both compile probes' hooks): a variant Triton reports as compiled is logged under
+    ``phase[0]`` at its end, with its kernel, argument names and the seconds since its cache miss; Triton's hooks
+    are the process's own again after the block."""
+    from triton import knobs
+    probe = load("first_prefill_compiles_gpu")
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+
+    class Kernel:
+        name, arg_names = "_k", ["x_ptr", "N"]
+
+    hook = dict(repr="_k[...]", fn=Kernel(), compile={"configs": None}, is_manual_warmup=False,
+                already_compiled=False)
+    phase = ["warm-up"]
+    with probe.logged_compiles(phase) as compiles:
+        assert knobs.runtime.jit_cache_hook(key="k1", **hook) is False  # a miss does not skip the compile
+        phase[0] = "timed 1"
+        knobs.runtime.jit_post_compile_hook(key="k1", **hook)
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+    assert [(c["phase"], c["kernel"], c["key"], c["arg_names"]) for c in compiles] == [
+        ("timed 1", "_k", "k1", ["x_ptr", "N"])]
+    assert 0 <= compiles[0]["seconds"] < 5
+
+
 def test_the_compile_probe_names_the_arguments_specialized_anew():
     """A compile after the warm-up is named by the arguments in which it differs from the warm-up's nearest variant
     of its kernel (keys as Triton 3.6 writes them, from an H200 run: a length no longer divisible by 16)."""
