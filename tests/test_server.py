@@ -313,7 +313,7 @@ def test_serve_command_line(checkpoint):
 
 
 def test_warm_up_runs_before_the_server_listens(checkpoint, reference):
-    """--warm-up-tokens: the engine serves the warm-up (a prompt past TokenSelect's selection threshold, then one
+    """--warm-up-tokens: the engine serves the warm-up (a prompt past TokenSelect's selection threshold, then two
     ending inside a chunk) before uvicorn listens; it leaves every KV slot free and no prompt in the prefix cache,
     and the requests after it get what ``LLM.generate`` gives. A warm-up the engine cannot serve is refused."""
     llm = LLM(checkpoint, **SETTINGS)
