@@ -565,6 +565,47 @@ def test_topk_resolves_every_digit(step, sign):
     assert torch.equal(got, scores.argsort(descending=True)[:k].sort().values)
 
 
+# (the bits of the k keys above the others, the pass that settles the choice; None: none before the last): keys
+# apart in the top byte, in the second, in the third, in the last; the k keys tied at one value among more (the
+# k-th key's bin holds more keys than are wanted at every pass), and a live prefix of fewer than k keys (the -inf
+# keys past it tie, and only the first of them are wanted)
+@pytest.mark.parametrize("high, settles", [(0x40800000, 0), (0x3FC00000, 1), (0x3F808000, 2), (0x3F800080, None),
+                                           ("tied", None), ("few live", None)])
+def test_topk_settles_once_every_key_sharing_the_bytes_found_is_wanted(monkeypatch, high, settles):
+    """n - k keys of 1.0 (0x3F800000) and k keys of a larger score: once a pass finds that every key sharing the
+    bytes found so far is wanted, the passes after it have nothing to do (``SETTLED``); the k-th largest stands as
+    the lowest key with that prefix, and the picks are the reference's."""
+    topk_module = importlib.import_module("tokenselect.kernels.topk")
+    n, k = 5000, 700
+    gen = torch.Generator().manual_seed(n)
+    order = torch.randperm(n, generator=gen)
+    bits = torch.full((n,), 0x3F800000, dtype=torch.int64)
+    live = None
+    if high == "tied":  # 2k tied keys above the others: the k-th key's bin holds 2k at every pass
+        bits[order[:2 * k]] = 0x40000000
+    elif high == "few live":
+        live = torch.tensor(k // 2, device=DEVICE)
+    else:
+        bits[order[:k]] = high
+    scores = bits.to(torch.int32).view(torch.float32).to(DEVICE)
+    states, zeros = [], torch.zeros
+
+    def keep_state(*args, **kwargs):
+        out = zeros(*args, **kwargs)
+        states.append(out)
+        return out
+
+    monkeypatch.setattr(torch, "zeros", keep_state)
+    got = TRITON.topk(scores, k, live)
+    monkeypatch.undo()
+    assert torch.equal(got, TORCH.topk(scores, k, live))
+    state = states[0][0].cpu()  # [STATE] int32 of the one sequence
+    assert state.numel() == topk_module.STATE.value and state[topk_module.SETTLED.value] == (settles is not None)
+    if settles is not None:  # the passes after it took no ticket
+        tickets = state[topk_module.TICKETS.value:topk_module.TICKETS.value + 4]
+        assert (tickets[:settles + 1] > 0).all() and (tickets[settles + 1:] == 0).all()
+
+
 @pytest.mark.parametrize("n, k", [(10, 4), (3000, 700), (5000, 4999)])
 def test_topk_takes_the_first_of_tied_scores(n, k):
     """Scores from a handful of values, so the k-th largest is tied: every score above it, then the first
