@@ -1,30 +1,34 @@
-"""Ways to compute a prefill chunk's selection query (the fp32 mean of its queries, ``policies.base.selection_query``),
-timed in CUDA graphs (``graph_us``, 32 calls a graph) on a GPU, each checked against the float64 mean first. The
-profile of a 1M chunk (``attention_chunk_profile_gpu.py``) showed PyTorch's mean over the chunk's 512 rows taking
-12 us, for 4 MB read.
+"""Ways to compute a prefill chunk's selection query (the mean of its queries accumulated in fp32,
+``kernels.query_mean``), timed in CUDA graphs (``graph_us``, 32 calls a graph) on a GPU, each checked against the
+float64 mean first: this tree's kernel with its column block and others, and PyTorch's mean (the kernel's reference).
+The profile of a 1M chunk (``attention_chunk_profile_gpu.py``) showed PyTorch's mean over the chunk's 512 rows taking
+12 us for 4 MB read, and its cast to bf16 1 us more.
 
     PYTHONPATH=$PWD python3 benchmarks/selection_query_gpu.py OUTDIR
 
 Writes OUTDIR/selection_query.md.
 """
+import importlib
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from tokenselect.bench.attention import graph_us
-from tokenselect.policies.base import selection_query
+from tokenselect.kernels import get_kernels
+
+query_mean = importlib.import_module("tokenselect.kernels.query_mean")  # the module (the package exports functions)
 
 
 def variants(q: torch.Tensor) -> dict:
-    c = q.shape[-3]
-    return {
-        "this tree's selection_query": lambda: selection_query(q),
-        "mean(dtype=fp32), one pass": lambda: q.mean(dim=-3, dtype=torch.float32),
-        "sum of 16 partial sums": lambda: q.unflatten(-3, (16, c // 16)).sum(dim=-3, dtype=torch.float32).sum(dim=-3)
-        / c,
-        "float() then mean": lambda: q.float().mean(dim=-3),
-    }
+    """name -> (a call, the kernel's column block to run it with, or None)."""
+    kernel = get_kernels("triton").query_mean
+    ways = {"PyTorch's mean, then the cast (the reference)": (lambda: query_mean.query_mean_ref(q, q.dtype), None)}
+    for cols in (query_mean.BLOCK_COLS, 32, 16):
+        shipped = " (shipped)" if cols == query_mean.BLOCK_COLS else ""
+        ways[f"the kernel, {cols} columns a program{shipped}"] = (lambda: kernel(q, q.dtype), cols)
+    return ways
 
 
 def main(out: str) -> None:
@@ -32,9 +36,10 @@ def main(out: str) -> None:
     for shape in ((512, 32, 128), (4, 512, 32, 128), (2048, 32, 128), (512, 28, 128)):
         q = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         want = q.double().mean(dim=-3)
-        for name, fn in variants(q).items():
-            diff = (fn().double() - want).abs().max().item()
-            us = graph_us(lambda _, fn=fn: fn(), 32, 20)
+        for name, (fn, cols) in variants(q).items():
+            with mock.patch.object(query_mean, "BLOCK_COLS", cols or query_mean.BLOCK_COLS):
+                diff = (fn().double() - want).abs().max().item()
+                us = graph_us(lambda _, fn=fn: fn(), 32, 20)
             lines.append(f"| {list(shape)} | {name} | {us:.2f} | {diff:.1e} |")
             print(lines[-1], flush=True)
     Path(out).mkdir(parents=True, exist_ok=True)

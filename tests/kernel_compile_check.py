@@ -26,7 +26,7 @@ from kernel_sass import resource_usage  # noqa: E402  (benchmarks/: a cubin's re
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
         ("paged_dot", "paged_argmax", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check",
-         "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds")}
+         "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds", "query_mean")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, aligned: tuple = (), **options):
@@ -129,6 +129,12 @@ def main() -> None:
                 "dim": i32, "eps": f32}, {"BLOCK": 4096, "ADD": add}, num_warps=8)
         compile_one("silu_mul", "_silu_mul_kernel", {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": i32,
                                                      "row_stride": i32}, {"BLOCK": 1024})
+    qm = mods["query_mean"]
+    for dt, out in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+        compile_one("query_mean", "_query_mean_kernel", {
+            "q_ptr": f"*{dt}", "out_ptr": f"*{out}", "C": i32, "WIDTH": i32, "inv_c": f32, "stride_b": i32,
+            "stride_tok": i32}, {"BLOCK_ROWS": qm.BLOCK_ROWS, "BLOCK_COLS": qm.BLOCK_COLS},
+            aligned=("q_ptr", "out_ptr", "WIDTH", "stride_b", "stride_tok"))  # (4,096 columns: vector loads)
     topk = {"scores_ptr": "*fp32", "state_ptr": "*i32", "n_valid_ptr": i64p}
     for masked in (True, False):
         for p in range(4):

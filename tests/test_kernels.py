@@ -25,10 +25,10 @@ from tokenselect.kernels.fast_exp import exp2_ftz, exp_ftz
 from tokenselect.kernels.head_vote import head_soft_vote_ref
 from tokenselect.kernels.page_bounds import page_scores, page_scores_ref
 from tokenselect.kernels.paged_dot import MAX_GROUP_ROWS, paged_dot_ref, scores_block, scores_with_stats
+from tokenselect.kernels.query_mean import query_mean_ref
 from tokenselect.kernels.row_copy import gather_rows, gather_rows_ref, scatter_rows, scatter_rows_ref
 from tokenselect.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from tokenselect.kv_cache import KVCache
-from tokenselect.policies.base import selection_query
 from tokenselect.policies.reattention import ReAttention
 from tokenselect.policies.tokenselect import TokenSelect
 from tokenselect.rope import RopeSpec
@@ -214,7 +214,7 @@ def test_tokenselect_votes_over_an_fp8_pool_with_an_unquantized_query(kernels):
     torch.testing.assert_close(fp8.votes(mean, cache.k[0], middle), want, atol=1e-6, rtol=1e-5)
     quantized = bf16.votes(mean.to(torch.float8_e4m3fn).to(torch.bfloat16), same_keys.k[0], middle)
     assert (quantized - want).abs().max() > 100 * 1e-6 + 1e-5 * want.abs().max()
-    chunk = selection_query(q).to(q.dtype)  # a chunk selects with its mean query, in the queries' dtype
+    chunk = query_mean_ref(q, q.dtype)  # a chunk selects with its mean query, in the queries' dtype
     assert torch.equal(fp8.top(chunk, cache.k_select[0], middle), bf16.top(chunk, same_keys.k_select[0], middle))
 
 
@@ -531,6 +531,34 @@ def test_head_soft_vote_reference_is_the_definition():
     got = head_soft_vote_ref(q, k_pool, slots, n_valid=torch.tensor(5))
     torch.testing.assert_close(got[:5], live, atol=1e-5, rtol=1e-5)
     assert torch.isneginf(got[5:]).all()
+
+
+# one chunk, ragged and past a block of rows, of a head count that leaves a block of columns part-full, a batch of a
+# chunk's groups, and a view of a wider q, k, v product (a token stride past the heads)
+@pytest.mark.parametrize("shape, view", [((1, 4, 16), None), ((33, 4, 16), None), ((130, 7, 24), None),
+                                         ((3, 64, 4, 32), None), ((40, 8, 32), "qkv")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_mean_is_the_fp32_mean_of_a_chunks_queries(shape, view, dtype):
+    """Both kernels against an fp64 mean (measured error below 1e-7), in fp32 and in the queries' dtype (within a
+    rounding of the reference's: the sums run in other orders), whatever the token stride; the same sum on every
+    call."""
+    torch.manual_seed(len(shape) + shape[-3])
+    if view == "qkv":  # the queries of a q, k, v product: each token's row also holds its keys and values
+        c, h, d = shape
+        q = torch.randn(c, (h + 2 * 2) * d).to(dtype)[:, :h * d].view(c, h, d)
+    else:
+        q = torch.randn(shape).to(dtype)
+    q = q.to(DEVICE)
+    want = q.double().mean(dim=-3)
+    for kern in (TRITON, TORCH):
+        got = kern.query_mean(q)
+        assert got.dtype == torch.float32 and got.shape == shape[:-3] + shape[-2:]
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+        rounded = kern.query_mean(q, dtype)
+        assert rounded.dtype == dtype
+        ulp = 0 if dtype == torch.float32 else 2 ** -7  # bf16: a rounding apart at most
+        torch.testing.assert_close(rounded, query_mean_ref(q, dtype), rtol=ulp, atol=1e-6)
+    assert torch.equal(TRITON.query_mean(q), TRITON.query_mean(q))
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (7, 3), (7, 50), (2047, 2047), (2048, 100), (5000, 2048), (9000, 1500)])

@@ -20,6 +20,7 @@ from .head_vote import head_soft_vote, head_soft_vote_ref
 from .page_bounds import page_scores, page_scores_ref
 from .paged_argmax import paged_argmax, paged_argmax_ref
 from .paged_dot import _scores_kernel, paged_dot, paged_dot_ref
+from .query_mean import query_mean, query_mean_ref
 from .row_copy import gather_into, gather_into_ref
 from .selection_check import selection_check, selection_check_ref
 from .selection_update import selection_update, selection_update_ref
@@ -49,13 +50,16 @@ class Kernels:
     gather_into(src [S], index [n] int64, out [n]) -> out holding src[index] (the chosen slots into the attended
     list, ``row_copy.py``);
     page_scores(query [H, d], lo [rows, P, n_kv, d], hi, row, tail_lo [n_kv, d], tail_hi, tail_at, n_valid=None) ->
-    [P] fp32, the best head's upper bound on q . k a page, -inf past n_valid (QUEST's selection, ``page_bounds.py``).
+    [P] fp32, the best head's upper bound on q . k a page, -inf past n_valid (QUEST's selection, ``page_bounds.py``);
+    query_mean(q [c, H, d], dtype=fp32) -> [H, d] in dtype, the mean of a chunk's queries accumulated in fp32 (the
+    query a chunk selects with, ``query_mean.py``).
 
     A batch of sequences in one launch (a whole-step decode graph's: TokenSelect's selection): head_soft_vote with
     q [B, H, d], slots [B, N], n_valid [B] -> [B, N]; topk with scores [B, N], n_valid [B], values [B, N], out
     [B, k] -> [B, k]; selection_check with q [B, n], row, live, candidates [B] -> [B]; selection_update with q
     [B, n], row [B], new [B, width], miss [B], out [B, width] -> [B, width]; gather_into with src [B, S], index
-    and out [B, n]. Rows may be strided views (a graph's slot table, its metadata): each is read in place."""
+    and out [B, n]; query_mean with q [B, c, H, d] (a chunk's groups) -> [B, H, d]. Rows may be strided views (a
+    graph's slot table, its metadata): each is read in place."""
 
     name: str
     paged_dot: Callable
@@ -69,14 +73,15 @@ class Kernels:
     paged_argmax: Callable
     gather_into: Callable
     page_scores: Callable
+    query_mean: Callable
 
 
 KERNELS = {
     "torch": Kernels("torch", paged_dot_ref, head_soft_vote_ref, topk_ref, sparse_attention_ref, selection_check_ref,
                       selection_update_ref, window_mass_ref, block_scores_ref, paged_argmax_ref, gather_into_ref,
-                      page_scores_ref),
+                      page_scores_ref, query_mean_ref),
     "triton": Kernels("triton", paged_dot, head_soft_vote, topk, sparse_attention, selection_check, selection_update,
-                      window_mass, block_scores, paged_argmax, gather_into, page_scores),
+                      window_mass, block_scores, paged_argmax, gather_into, page_scores, query_mean),
 }
 
 

@@ -418,10 +418,3 @@ def batch_once(steps: list[SeqStep], key: str, make: Callable[[], torch.Tensor])
 def batch_lengths(steps: list[SeqStep]) -> torch.Tensor:
     """The batch's cached lengths as one int64 [B] operand, once a step (a view of a whole step's inputs)."""
     return batch_once(steps, "lengths", lambda: rows([step.length.view(1) for step in steps]).view(-1))
-
-
-def selection_query(q: torch.Tensor) -> torch.Tensor:
-    """The query a chunk selects with: the mean of its un-rotated queries (TokenSelect 5.2).
-    q: [c, n_heads, head_dim] -> [n_heads, head_dim] fp32 (one kernel: the mean accumulates in fp32); a batch's
-    [B, c, n_heads, head_dim] -> [B, n_heads, head_dim]."""
-    return q.mean(dim=-3, dtype=torch.float32)

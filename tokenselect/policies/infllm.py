@@ -49,7 +49,7 @@ from ..kv_cache import KVCache
 from ..transfer import to_device
 from ..settings import Validated, setting
 from .base import (ALL, SELECT, Attended, SelectivePolicy, SeqStep, dense_until_setting, n_init_setting,
-                   n_local_setting, positions_setting, selection_query)
+                   n_local_setting, positions_setting)
 from .rows import Rows, grown
 
 POOL_GROWTH = 1.25  # the pool of representatives grows by at least this factor (and to at least 256 blocks)
@@ -465,7 +465,7 @@ class InfLLM(SelectivePolicy):
 
         # the blocks: scored against this sequence's representatives, read where the pool holds them (the kernel
         # reads the query in its own dtype and computes in fp32)
-        query = q[0] if step.decode else selection_query(q)
+        query = q[0] if step.decode else self.kernels.query_mean(q)
         scores = self.kernels.block_scores(self.reprs[layer].flatten(1), pool_blocks, query.flatten(), n_full)
         self.heads.sum(scores)  # summed over every rank's heads (``parallel.HeadReduce``)
         blocks = self.kernels.topk(scores, nb, n_full)  # n_full > nb once it selects: every pick is a closed block

@@ -28,7 +28,7 @@ from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
 from .base import (SELECT, SelectivePolicy, SeqStep, dense_until_setting, n_init_setting, n_local_setting,
-                   positions_setting, selection_query)
+                   positions_setting)
 from .rows import Rows, grown
 
 
@@ -94,8 +94,8 @@ class Quest(SelectivePolicy):
         tail_lo = keys.masked_fill(~live_tail, float("inf")).amin(dim=0)
         tail_hi = keys.masked_fill(~live_tail, float("-inf")).amax(dim=0)
         n_pages = (live + ps - 1) // ps  # the live ones: the kernel reads no bound of the row's spare capacity
-        scores = self.kernels.page_scores(selection_query(q), self.lo[:, layer], self.hi[:, layer], step.row, tail_lo,
-                                          tail_hi, n_full, n_pages)
+        scores = self.kernels.page_scores(self.kernels.query_mean(q), self.lo[:, layer], self.hi[:, layer], step.row,
+                                          tail_lo, tail_hi, n_full, n_pages)
         scores = self.heads.max(scores)  # the best head of every rank
         pages = self.kernels.topk(scores, self.k // ps, n_pages)
         tokens = (pages[:, None] * ps + self.cache.arange(ps)[None, :]).flatten()

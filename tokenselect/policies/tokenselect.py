@@ -28,7 +28,7 @@ from ..kernels import Kernels
 from ..kv_cache import KVCache
 from ..settings import Validated, setting
 from .base import (SELECT, PolicyStats, SelectivePolicy, SeqStep, batch_lengths, batch_once, dense_until_setting,
-                   n_init_setting, n_local_setting, positions_setting, rows, selection_query)
+                   n_init_setting, n_local_setting, positions_setting, rows)
 from .selection_cache import SelectionCache
 
 SELECTORS = ("soft_vote", "hard_vote", "topk")
@@ -78,7 +78,7 @@ class TokenSelect(SelectivePolicy):
         query. A decode step's query is its own (a view: no kernel), and goes through the Selection Cache, whose
         decision gates the work: on a hit the vote and the top-k see no live candidate (their kernels read
         nothing; the top-k's picks are discarded), and the store-or-reuse returns the cached choice."""
-        query = q[0] if step.decode else selection_query(q).to(q.dtype)
+        query = q[0] if step.decode else self.kernels.query_mean(q, q.dtype)
         middle, live = self.middle(step)
         return self.select(layer, step.row, query, middle, live, step.decode), None
 
@@ -95,7 +95,7 @@ class TokenSelect(SelectivePolicy):
                           lambda: batch_lengths(steps) - (self.n_init + self.n_local))
         seq_rows = rows([step.row.view(1) for step in steps]).view(-1)
         decode = steps[0].decode
-        query = q[:, 0] if decode else selection_query(q).to(q.dtype)
+        query = q[:, 0] if decode else self.kernels.query_mean(q, q.dtype)
         return self.select(layer, seq_rows, query, middles, live, decode)
 
     def query_groups(self, step: SeqStep, w: int) -> tuple[int, list[SeqStep]] | None:
