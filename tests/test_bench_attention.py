@@ -40,12 +40,14 @@ def test_the_report_leads_with_the_graph_table_where_there_is_one(tmp_path):
     result = json.loads((tmp_path / "attention.json").read_text())
     assert "CUDA graphs" not in attention.render(result) and "| 1K |" in attention.render(result)
     result["rows"][0].update(graph_dense_chunk_ms=3.0, graph_chunk_ms=0.5, graph_fp8_chunk_ms=0.25,
+                             graph_dense_decode_ms=0.2, graph_miss_ms=0.4, graph_hit_ms=0.1, graph_fp8_miss_ms=0.3,
                              fp8_floor_ms=result["rows"][0]["floor_ms"] / 2)
     result["args"]["fp8_select"] = True
     result["rows"][0].update(fp8_chunk_ms=1.0, fp8_miss_ms=1.0)
     text = attention.render(result)
     graphs, eager = text.index("CUDA graphs"), text.index("Launched from the host")
     assert graphs < eager and "| 1K | 3.000 | 0.500 | 6.0x |" in text[graphs:eager]
+    assert "| 0.200 | 0.400 |" in text[graphs:eager] and "| 0.100 | 0.500x |" in text[graphs:eager]
     assert "| 0.250 | 12.0x |" in text[graphs:eager]
 
 

@@ -21,9 +21,9 @@ With ``--fp8-select`` the selection also runs over an fp8 (e4m3) copy of the key
 bytes" variant: rows marked fp8 read that copy for the vote, bf16 K/V for attention.
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs): each call launched
 from the host as the engine's eager prefill launches it, so where a step's kernels are short the host's launches
-set its time. On CUDA the chunks are also timed captured in a CUDA graph (``graph_us``: the GPU's time alone, the
+set its time. On CUDA the steps are also timed captured in a CUDA graph (``graph_us``: the GPU's time alone, the
 host's launches gone), dense's too, in the report's first table: what a chunk costs a prefill whose host runs ahead
-of the GPU (its GEMMs take far longer than the launches).
+of the GPU (its GEMMs take far longer than the launches), and a decode step as the engine runs it (one graph).
 ``--device cpu --tiny`` runs tiny sizes with wall-clock timing: a smoke test of the code path, not a benchmark.
 """
 
@@ -256,11 +256,15 @@ def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: boo
         row["fp8_miss_ms"] = time_decode(layer, kern, ms, hit=False, fp8=True)
         row["fp8_vote_ms"] = ms(layer.parts(kern, fp8=True)["vote"])
         row["fp8_floor_ms"] = layer.middle_key_bytes(fp8=True) / bandwidth * 1e3
-    if device.type == "cuda":
+    if device.type == "cuda":  # the steps captured in CUDA graphs: the GPU's time (a decode step runs so in the engine)
         row["graph_dense_chunk_ms"] = graph_ms(layer.dense(args.chunk))
         row["graph_chunk_ms"] = graph_ms(layer.ours_chunk(kern))
+        row["graph_dense_decode_ms"] = graph_ms(layer.dense(1))
+        row["graph_miss_ms"] = time_decode(layer, kern, graph_ms, hit=False)
+        row["graph_hit_ms"] = time_decode(layer, kern, graph_ms, hit=True)
         if args.fp8_select:
             row["graph_fp8_chunk_ms"] = graph_ms(layer.ours_chunk(kern, fp8=True))
+            row["graph_fp8_miss_ms"] = time_decode(layer, kern, graph_ms, hit=False, fp8=True)
     del layer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -288,18 +292,23 @@ def table(rows: list[dict], fp8: bool) -> str:
 
 
 def graph_table(rows: list[dict], fp8: bool) -> str:
-    """Markdown: the chunks captured in CUDA graphs (the GPU's time), their ratios, and the read-K floors."""
-    head = ["KV", "dense chunk", "ours chunk", "chunk speedup", "ours / read-K floor"]
+    """Markdown: the steps captured in CUDA graphs (the GPU's time), their ratios, and the read-K floors."""
+    head = ["KV", "dense chunk", "ours chunk", "chunk speedup", "ours / read-K floor", "dense decode", "miss",
+            "miss / read-K floor", "hit", "hit / dense"]
     if fp8:
-        head += ["fp8 chunk", "fp8 chunk speedup", "fp8 / fp8 read-K floor"]
+        head += ["fp8 chunk", "fp8 chunk speedup", "fp8 / fp8 read-K floor", "fp8 miss", "fp8 miss / fp8 floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        dense_decode = r["graph_dense_decode_ms"]
         cells = [kv_label(r["length"]), f"{r['graph_dense_chunk_ms']:.3f}", f"{r['graph_chunk_ms']:.3f}",
                  f"{r['graph_dense_chunk_ms'] / r['graph_chunk_ms']:.1f}x",
-                 f"{r['graph_chunk_ms'] / r['floor_ms']:.2f}x"]
+                 f"{r['graph_chunk_ms'] / r['floor_ms']:.2f}x", f"{dense_decode:.3f}", f"{r['graph_miss_ms']:.3f}",
+                 f"{r['graph_miss_ms'] / r['floor_ms']:.2f}x", f"{r['graph_hit_ms']:.3f}",
+                 f"{r['graph_hit_ms'] / dense_decode:.3f}x"]
         if fp8:
             cells += [f"{r['graph_fp8_chunk_ms']:.3f}", f"{r['graph_dense_chunk_ms'] / r['graph_fp8_chunk_ms']:.1f}x",
-                      f"{r['graph_fp8_chunk_ms'] / r['fp8_floor_ms']:.2f}x"]
+                      f"{r['graph_fp8_chunk_ms'] / r['fp8_floor_ms']:.2f}x", f"{r['graph_fp8_miss_ms']:.3f}",
+                      f"{r['graph_fp8_miss_ms'] / r['fp8_floor_ms']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -342,13 +351,13 @@ def render(result: dict) -> str:
     graphs = bool(rows) and "graph_chunk_ms" in rows[0]
     text = (f"# Attention, one layer: {a['heads']} q heads, {a['kv_heads']} kv heads, d={a['head_dim']}, bf16, "
             f"{a['kernels']} kernels, on {result['device']} (torch {result['torch']})"
-            f"{', chunks in CUDA graphs' if graphs else ''}\n\n"
+            f"{', steps in CUDA graphs' if graphs else ''}\n\n"
             f"Chunk = {a['chunk']} queries; ours selects k={a['k']} with n_init={a['n_init']}, "
             f"n_local={a['n_local']}. Milliseconds; copy bandwidth {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
             f"read-K floor = bytes of the middle's keys / copy bandwidth.\n\n")
     if graphs:
         text += (f"Captured in CUDA graphs ({GRAPH_CALLS} calls a graph): the GPU's time, without the host's "
-                 f"launches.\n\n{graph_table(rows, fp8)}\n\n")
+                 f"launches; a decode step runs so in the engine.\n\n{graph_table(rows, fp8)}\n\n")
     return text + (f"Launched from the host one call at a time (medians; where a step's kernels are short, the "
                    f"host's launches set its time):\n\n{table(rows, fp8)}\n")
 
