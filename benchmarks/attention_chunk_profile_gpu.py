@@ -4,11 +4,14 @@ driven through its public API), its chunk step run CALLS times under torch.profi
 call, summed by name.
 
     PYTHONPATH=$PWD python3 benchmarks/attention_chunk_profile_gpu.py OUTDIR [--length 1m] [--calls 20]
+        [--chunk-tile ROWS,KEYS,WARPS,STAGES]   # sparse attention's chunk tile in place of the shipped one
 
 Writes OUTDIR/attention_chunk_profile.md.
 """
 import argparse
+import importlib
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,13 +43,24 @@ def main() -> None:
     ap.add_argument("output", type=Path)
     ap.add_argument("--length", default="1m", type=parse_length)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--chunk-tile", type=lambda s: tuple(int(x) for x in s.split(",")),
+                    help="sparse attention's chunk tile (rows,keys,warps,stages) instead of CHUNK_TILE")
     args = ap.parse_args()
+    if args.chunk_tile:
+        attention = importlib.import_module("tokenselect.kernels.sparse_attention")
+        with mock.patch.object(attention, "CHUNK_TILE", args.chunk_tile):
+            return run(args)
+    return run(args)
+
+
+def run(args) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     bench_args = parser.parse_args(["attention", "--fp8-select"])  # the bench's defaults: its shape and settings
     layer = Layer(args.length, bench_args, torch.device("cuda"))
     kern = get_kernels("triton")
-    lines = [f"# A TokenSelect chunk's kernels, {args.length} tokens, {torch.cuda.get_device_name()}", ""]
+    tile = f", sparse attention's chunk tile {args.chunk_tile}" if args.chunk_tile else ""
+    lines = [f"# A TokenSelect chunk's kernels, {args.length} tokens, {torch.cuda.get_device_name()}{tile}", ""]
     for label, fp8 in (("bf16 selection keys", False), ("fp8 selection keys", True)):
         rows, total = kernel_table(layer.ours_chunk(kern, fp8=fp8), args.calls)
         lines += [f"## {label}: {total:.1f} us of kernels a call", "", "| kernel | us a call | share |",

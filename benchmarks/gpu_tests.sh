@@ -92,6 +92,7 @@ fi
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 set +f
+shopt -s nullglob  # SHARDS 0: no kernel logs
 
 {
   echo "# GPU tests"
@@ -99,7 +100,7 @@ set +f
   sed 's/^/    /' "$out/env.txt"
   echo
   echo "\`benchmarks/gpu_tests.sh OUTDIR $shards\`: the GPU-only tests and every Triton kernel compiled for CUDA against"
-  echo "its reference ($(wc -l < "$out/kernel_ids.txt") kernel test cases). Each shard's closing line:"
+  echo "its reference ($(wc -l < "$out/kernel_ids.txt") kernel test cases in $shards shards). Each shard's closing line:"
   echo
   echo "| shard | result |"
   echo "| --- | --- |"

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The twenty-second session's candidates (benchmarks/candidates/*.patch, applied to this tree) against the tree they
+# apply to (packed with `benchmarks/before_after_e2e.sh pack COMMIT`, carried as .carry/before), in two device calls
+# on one GPU:
+#
+#   benchmarks/candidates_gpu.sh kernels OUTDIR   the changed kernels' GPU tests; the top-k of both trees in CUDA
+#                                                 graphs; a 1M chunk's kernels profiled in both trees and with the
+#                                                 sparse attention's chunk tile (128, 64, 4, 3); `bench attention
+#                                                 --fp8-select` of this tree, and its 1M row with that tile
+#   benchmarks/candidates_gpu.sh e2e OUTDIR       the 1M selecting step and the 128K prefill, both trees back to back
+#   benchmarks/candidates_gpu.sh final OUTDIR     on the tree as committed: `bench attention --fp8-select` (its
+#                                                 results/attention_h200.*), the mean kernel's column blocks, and the
+#                                                 CUDA tests of gpu_tests.sh in 6 processes (no kernel shards: the
+#                                                 changed kernels' GPU tests ran in the first call)
+#
+# Every step writes OUTDIR/<step>.log; a failed step is reported and the others still run. The device sends back
+# at most 8 files: `final` packs everything into OUTDIR/final.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?usage: candidates_gpu.sh kernels|e2e OUTDIR}
+out=${2:?usage: candidates_gpu.sh kernels|e2e OUTDIR}
+mkdir -p "$out"
+export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
+benchmarks/before_after_e2e.sh unpack
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$out/gpu.txt" 2>&1
+run() {  # name, command...: the command's output in OUTDIR/name.log, its tail on stdout
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$out/$name.log" 2>&1 || echo "STEP $name FAILED (rc $?)"
+  echo "== $name ($((SECONDS - t0)) s)"; tail -n 4 "$out/$name.log"
+}
+tile=128,64,4,3
+case $step in
+  kernels)
+    run kernel_tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+      -k "topk or query_mean or scores or vote or fold"
+    run topk python3 benchmarks/topk_passes_gpu.py "$out/topk" .carry/before/tokenselect/kernels/topk.py
+    run profile_after python3 benchmarks/attention_chunk_profile_gpu.py "$out/profile_after" --length 1m
+    run profile_tile python3 benchmarks/attention_chunk_profile_gpu.py "$out/profile_tile" --length 1m \
+      --chunk-tile $tile
+    run profile_before env PYTHONPATH=/tmp/before:$PWD/benchmarks \
+      python3 benchmarks/attention_chunk_profile_gpu.py "$out/profile_before" --length 1m
+    run attention python3 -m tokenselect.cli bench attention --fp8-select --tag h200 --output "$out/attn"
+    run attention_tile python3 - "$out/attn_tile" $tile <<'PY'
+import importlib, sys
+from unittest import mock
+from tokenselect.cli import main
+sparse = importlib.import_module("tokenselect.kernels.sparse_attention")
+with mock.patch.object(sparse, "CHUNK_TILE", tuple(int(x) for x in sys.argv[2].split(","))):
+    sys.exit(main(["bench", "attention", "--fp8-select", "--lengths", "1m", "--tag", "h200", "--output", sys.argv[1]]))
+PY
+    ;;
+  e2e)
+    run ab1m env POLICIES=tokenselect STEPS=16 E2E_ARGS="--kv-dtype fp8 --kv-offload values" \
+      benchmarks/before_after_e2e.sh run "$out/ab1m" 1m
+    run ab128k env POLICIES=tokenselect,tokenselect:theta=-1 benchmarks/before_after_e2e.sh run "$out/ab128k" 128k
+    ;;
+  final)
+    run attention python3 -m tokenselect.cli bench attention --fp8-select --tag h200 --output "$out/attn"
+    run selection_query python3 benchmarks/selection_query_gpu.py "$out/selection_query"
+    run gpu_tests env GRAPH_SHARDS=6 GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-420} benchmarks/gpu_tests.sh "$out/tests" 0
+    tar czf "$out/final.tgz" -C "$out" attn selection_query tests attention.log selection_query.log gpu_tests.log
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
