@@ -342,9 +342,7 @@ class _WholeStep:
         before = [t.clone() for t in state]
         want = warm_up(lambda: self.forward().clone())
         after = [t.clone() for t in state]
-        cache = self.owner.cache  # the step's keys and values, as the eager step wrote them
-        pools = [pool.view(torch.uint8) for pool in cache.pools]  # (the V pool may be on the host)
-        written = [pool[:, self.new_slots.to(pool.device)].clone() for pool in pools]
+        written = self.owner.cache.rows(self.new_slots)  # the step's keys and values, as the eager step wrote them
         _restore(state, before)
         try:
             self.graph, self.out = capture(self.forward, self.owner.step_pool)
@@ -358,11 +356,10 @@ class _WholeStep:
             failure = f"recording failed ({type(err).__name__}: {err})"
         if failure is not None:
             # back to the eager step's state, its cache rows included: a wrong graph writes other keys
-            # and values for the layers after its error
+            # and values for the layers after its error (and, with value offload, keeps copies of those values)
             self.graph = None
             _restore(state, after)
-            for pool, kept in zip(pools, written):
-                pool[:, self.new_slots.to(pool.device)] = kept
+            self.owner.cache.put_rows(self.new_slots, written)
             raise GraphCheckFailed(failure, want)
         return self.out
 

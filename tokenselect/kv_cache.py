@@ -153,6 +153,20 @@ class KVCache:
         forget = self.kept[layer].row_of if self.offload == "values" else None
         (scatter_rows if slots.is_cuda else scatter_rows_ref)(pairs, slots, forget)
 
+    def rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of ``slots: [n]``'s rows in every pool and layer, as bytes (``[n_layers, n, n_kv_heads, head_dim *
+        itemsize]`` uint8 a pool, on that pool's device): what ``put_rows`` writes back."""
+        return [pool.view(torch.uint8)[:, slots.to(pool.device)].clone() for pool in self.pools]
+
+    def put_rows(self, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Write back the rows ``rows(slots)`` took (undoing the writes since). As a write does, this forgets the
+        values kept on the device for these slots: a row staged after the writes it undoes holds their values."""
+        for pool, saved in zip(self.pools, rows):
+            pool.view(torch.uint8)[:, slots.to(pool.device)] = saved
+        if self.offload == "values":
+            for kept in self.kept:
+                kept.row_of[slots] = -1
+
     def stage(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """With value offload: the K and V rows of ``slots: [n]`` (on the device) as new device tensors
         ``[n, n_kv_heads, head_dim]`` in the pools' dtype, i.e. pools that attention reads at slots
