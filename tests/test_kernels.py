@@ -561,6 +561,19 @@ def test_query_mean_is_the_fp32_mean_of_a_chunks_queries(shape, view, dtype):
     assert torch.equal(TRITON.query_mean(q), TRITON.query_mean(q))
 
 
+@pytest.mark.parametrize("extra", [0, 1])
+def test_query_mean_takes_pytorchs_mean_past_its_longest_chunk(monkeypatch, extra):
+    """A chunk of MAX_ROWS queries is summed by the kernel; one more query and PyTorch's mean (the reference) runs,
+    where the kernel was measured slower; the mean is the same either way."""
+    module = importlib.import_module("tokenselect.kernels.query_mean")
+    calls, reference = [], module.query_mean_ref
+    monkeypatch.setattr(module, "query_mean_ref", lambda *args: calls.append(args) or reference(*args))
+    q = torch.randn(module.MAX_ROWS + extra, 2, 16, device=DEVICE)
+    got = module.query_mean(q)
+    assert len(calls) == extra
+    torch.testing.assert_close(got.double(), q.double().mean(dim=0), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("n, k", [(1, 1), (7, 3), (7, 50), (2047, 2047), (2048, 100), (5000, 2048), (9000, 1500)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_topk_matches_reference(n, k, dtype):
