@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The twenty-second session's candidates (benchmarks/candidates/*.patch, applied to this tree) against the tree they
-# apply to (packed with `benchmarks/before_after_e2e.sh pack COMMIT`, carried as .carry/before), in two device calls
-# on one GPU:
+# A change against the tree it replaces, on one GPU (the twenty-second session's: the top-k settled early, the mean
+# query by a kernel, a chunk tile; merged as 164f229, 527eab6, 3986290): this tree against a commit packed with
+# `benchmarks/before_after_e2e.sh pack COMMIT` and carried as .carry/before, in device calls of under 10 minutes:
 #
 #   benchmarks/candidates_gpu.sh kernels OUTDIR   the changed kernels' GPU tests; the top-k of both trees in CUDA
 #                                                 graphs; a 1M chunk's kernels profiled in both trees and with the
@@ -17,8 +17,8 @@
 # at most 8 files: `final` packs everything into OUTDIR/final.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: candidates_gpu.sh kernels|e2e OUTDIR}
-out=${2:?usage: candidates_gpu.sh kernels|e2e OUTDIR}
+step=${1:?usage: candidates_gpu.sh kernels|e2e|final OUTDIR}
+out=${2:?usage: candidates_gpu.sh kernels|e2e|final OUTDIR}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
 benchmarks/before_after_e2e.sh unpack
