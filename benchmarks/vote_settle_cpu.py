@@ -25,14 +25,19 @@ def keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where((bits >> 31) == 1, ~bits & 0xFFFFFFFF, bits | 0x80000000)
 
 
+def bytes_followed(vote: torch.Tensor, k: int) -> list[tuple[int, int]]:
+    """For each byte of the radix select over ``vote`` [n] (fp32, its live part): (keys that share the k-th largest's
+    prefix so far, how many of them are wanted); the select is settled where the two are equal."""
+    k = min(k, vote.numel())
+    bits, kth = keys(vote), keys(vote.topk(k).values.min().view(1))[0]
+    return [(int(((bits >> shift) == kth >> shift).sum()), k - int(((bits >> shift) > kth >> shift).sum()))
+            for shift in (24, 16, 8, 0)]
+
+
 def settles_after(vote: torch.Tensor, k: int) -> int:
-    """The byte (1-4) after which the radix select over ``vote`` [n] (fp32, -inf past its live part) is settled."""
-    bits, kth = keys(vote), keys(vote.topk(min(k, vote.numel())).values.min().view(1))[0]
-    for byte in range(3):
-        shift = 24 - 8 * byte
-        if int(((bits >> shift) == kth >> shift).sum()) == k - int(((bits >> shift) > kth >> shift).sum()):
-            return byte + 1
-    return 4
+    """The byte (1-4) after which the radix select over ``vote`` is settled."""
+    return next(byte for byte, (sharing, wanted) in enumerate(bytes_followed(vote, k), 1)
+                if sharing == wanted or byte == 4)
 
 
 def real_model(model: str, tokens: int, steps: int) -> None:
@@ -85,12 +90,8 @@ def main() -> None:
     print("| keys | byte | keys sharing the k-th's prefix | of them wanted | settled |\n|---|---|---|---|---|")
     for name, pool in (("bf16", k), ("fp8", k.to(torch.float8_e4m3fn).to(torch.bfloat16))):
         vote = head_soft_vote_ref(query.float(), pool.float(), slots, d ** -0.5)
-        bits, kth = keys(vote), keys(vote.topk(args.k).values.min().view(1))[0]
-        for byte in range(4):
-            shift = 24 - 8 * byte
-            sharing = int(((bits >> shift) == kth >> shift).sum())
-            wanted = args.k - int(((bits >> shift) > kth >> shift).sum())
-            print(f"| {name} | {byte + 1} | {sharing} | {wanted} | {'yes' if sharing == wanted else 'no'} |")
+        for byte, (sharing, wanted) in enumerate(bytes_followed(vote, args.k), 1):
+            print(f"| {name} | {byte} | {sharing} | {wanted} | {'yes' if sharing == wanted else 'no'} |")
         print(f"| {name} | distinct votes {vote.unique().numel()} of {args.length}, spread "
               f"{float(vote.std() / vote.mean()):.2%} of the mean | | | |")
 

@@ -196,7 +196,7 @@ class Layer:
         """The chunk step's parts, timed alone: vote, top-k, sparse attention."""
         q = self.q[self.args.chunk]
         init, middle, recent = self.lists(q.shape[0])
-        query = q.float().mean(dim=0).to(torch.bfloat16)
+        query = kern.query_mean(q, q.dtype)  # the chunk's selection query, as the policy computes it
         k_pool = self.caches[fp8].k_select[0]
         vote = kern.head_soft_vote(query, k_pool, middle, 1.0)
         slots = torch.cat([init, middle[kern.topk(vote, self.args.k)], recent])
