@@ -49,6 +49,9 @@ def main() -> None:
         ms = batch_floor_ms(config, TOKENSELECT, length, batch, args.bandwidth, 1, hits)
         print(f"| TokenSelect, {label} (fp8 selection keys) | {ms:.2f} | {dense / ms:.2f}x | "
               f"{args.dense_ms / ms:.2f}x |")
+    selecting, all_hits = (batch_floor_ms(config, TOKENSELECT, length, batch, args.bandwidth, 1, h) for h in (0.0, 1.0))
+    need = (selecting - args.dense_ms / 3) / (selecting - all_hits)  # the floor falls linearly with the hit rate
+    print(f"\n3x dense as measured needs a step of {args.dense_ms / 3:.2f} ms: at the floor, a hit rate of {need:.1%}.")
     matrices = weight_bytes(config, 1) - config["vocab_size"] * config["hidden_size"]  # elements (norms too), no head
     prompt = 131072
     flops = 2 * matrices * prompt + 2 * config["vocab_size"] * config["hidden_size"]
