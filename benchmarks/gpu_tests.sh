@@ -76,8 +76,9 @@ for ((i = 0; i < shards; i++)); do
   jobs+=("kernels-$i")
 done
 run_job() {  # NAME GPU
+  local ids; mapfile -t ids < "$out/$1.ids"  # one id a line: a parametrized id may hold spaces
   CUDA_VISIBLE_DEVICES=$2 timeout "$limit" python3 -m pytest -q -rfEs -p no:cacheprovider "${select[@]}" \
-    $(cat "$out/$1.ids") > "$out/$1.log" 2>&1
+    "${ids[@]}" > "$out/$1.log" 2>&1
 }
 pids=()
 if ((gpus == 1)); then  # every process side by side on the one GPU (the tests fit beside each other there)

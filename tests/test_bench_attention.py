@@ -24,7 +24,8 @@ def test_tiny_cpu_run_writes_table_and_json(tmp_path):
     result = json.loads((tmp_path / "attention_smoke.json").read_text())
     rows = result["rows"]
     assert [r["length"] for r in rows] == [1024, 2048]
-    assert rows[0]["max_abs_diff_dense_vs_full_list"] < 0.05  # dense and full-list sparse attention agree
+    assert rows[0]["max_abs_diff_dense_flash_vs_full_list"] < 0.05  # dense and full-list sparse attention agree
+    assert rows[0]["dense_chunk_sdpa"] == "flash" and list(rows[0]["dense_chunk_by_sdpa"]) == ["flash"]  # no cuDNN
     for r in rows:
         for key in ("dense_chunk_ms", "dense_decode_ms", "chunk_ms", "miss_ms", "hit_ms", "floor_ms", "fp8_chunk_ms"):
             assert r[key] > 0
@@ -49,6 +50,23 @@ def test_the_report_leads_with_the_graph_table_where_there_is_one(tmp_path):
     assert graphs < eager and "| 1K | 3.000 | 0.500 | 6.0x |" in text[graphs:eager]
     assert "| 0.200 | 0.400 |" in text[graphs:eager] and "| 0.100 | 0.500x |" in text[graphs:eager]
     assert "| 0.250 | 12.0x |" in text[graphs:eager]
+
+
+def test_dense_figures_are_the_faster_backends_and_name_it(tmp_path):
+    """Where flash and cuDNN both ran, each dense cell is the faster one's, named, the ratios are against it, and a
+    line gives every backend's time."""
+    args = parse("--device", "cpu", "--tiny", "--kernels", "torch", "--lengths", "1k", "--output", str(tmp_path))
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "attention.json").read_text())
+    row = result["rows"][0]
+    for stem, by in (("dense_chunk", {"flash": 3.0, "cudnn": 1.5}), ("dense_decode", {"flash": 0.2, "cudnn": 0.25})):
+        attention.fastest(row, f"{stem}_ms", by)
+    assert (row["dense_chunk_ms"], row["dense_chunk_sdpa"]) == (1.5, "cudnn")
+    assert (row["dense_decode_ms"], row["dense_decode_sdpa"]) == (0.2, "flash")
+    row["chunk_ms"] = 0.5
+    text = attention.render(result)
+    assert "| 1K | 1.500 cudnn | 0.500 | 3.0x |" in text and "| 0.200 flash |" in text
+    assert "1K dense chunk: flash 3.000, cudnn 1.500" in text and "1K dense decode: flash 0.200, cudnn 0.250" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenselect import LLM, SamplingParams
-from tokenselect.bench.dense import DenseRunner
+from tokenselect.bench.dense import DenseRunner, causal_attention, merge_by_lse, sdpa_backend
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -48,6 +48,74 @@ def test_dense_decode_graph_gives_the_sdpa_steps_logits(tiny_llama):
         graphs.add(id(graphed.decode_graph))
         token = want.argmax()
     assert len(graphs) == 1 and graphed.decode_graph is not None and graphed.length == plain.length == 156
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
+    """Plain attention (fp64) of q [B, H, c, d] over k, v [B, H, n, d] where visible [c, n]: (out, lse [B, H, c])."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp().nan_to_num() @ v.double(), lse
+
+
+@pytest.mark.parametrize("cut", [3, 40, 64])
+def test_attention_over_two_key_sets_merged_by_lse_is_attention_over_both(cut):
+    """The cuDNN dense path's merge: attention over keys [0, cut) and over [cut, n), each with its log-sum-exp,
+    merged, equals attention over all n keys, in either order; the causal edge leaves the first rows no key of the
+    second set (lse -inf: weight 0), and at cut == n no row has one."""
+    gen = torch.Generator().manual_seed(cut)
+    q, k, v = (torch.randn(2, 3, 24, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    k, v = k.repeat(1, 1, 3, 1)[:, :, :64], v.repeat(1, 1, 3, 1)[:, :, :64]  # n = 64 keys
+    n, c = k.shape[2], q.shape[2]
+    visible = torch.arange(n)[None, :] <= torch.arange(c)[:, None] + n - c  # bottom-right causal
+    want, _ = attention_with_lse(q, k, v, visible)
+    a = attention_with_lse(q, k[:, :, :cut], v[:, :, :cut], visible[:, :cut])
+    b = attention_with_lse(q, k[:, :, cut:], v[:, :, cut:], visible[:, cut:])
+    if cut == n:  # no key in the second part for any row
+        b = (torch.zeros_like(want), torch.full(want.shape[:3], float("-inf"), dtype=torch.float64))
+    # the merge runs in fp32: 1.7e-7 at most here
+    torch.testing.assert_close(merge_by_lse(*a, *b), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(merge_by_lse(*b, *a), want, rtol=0, atol=1e-6)
+
+
+def test_sdpa_backend_auto_and_names():
+    cpu = torch.device("cpu")
+    assert sdpa_backend("auto", cpu) == "flash" and sdpa_backend("flash", cpu) == "flash"
+    with pytest.raises(ValueError, match="cudnn runs on a CUDA device"):
+        sdpa_backend("cudnn", cpu)
+    with pytest.raises(ValueError, match="one of auto, flash, cudnn"):
+        sdpa_backend("math", cpu)
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        assert sdpa_backend("auto", torch.device("cuda")) == ("cudnn" if hopper else "flash")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
+@pytest.mark.parametrize("c, L", [(1, 4096), (64, 4096), (1000, 3000), (512, 512)])
+def test_cudnn_causal_attention_equals_flash(c, L):
+    """Both backends of a dense chunk (a decode query, a chunk after cached keys, a whole prompt) on the runner's
+    layout (token-major cache seen as [1, KV, L, d]: strided heads), GQA 4; bf16 outputs of values ~N(0, 1)
+    averaged over >= 500 keys agree to bf16's rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(c)
+    q = torch.randn(1, 32, c, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(L, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(0, 1)[None]
+            for _ in range(2))
+    want = causal_attention(q, k, v, "flash")
+    got = causal_attention(q, k, v, "cudnn")
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=4e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
+def test_dense_runner_prefills_alike_with_cudnn_and_flash(tiny_llama):
+    llm = LLM(tiny_llama, "full", chunk_size=32, dtype="bfloat16")
+    prompt = ids(150, 4)
+    flash, cudnn = DenseRunner(llm, 200, sdpa="flash"), DenseRunner(llm, 200, sdpa="cudnn")
+    assert (flash.sdpa, cudnn.sdpa) == ("flash", "cudnn")
+    for chunk in (32, 150):
+        want, got = flash.prefill(prompt, chunk), cudnn.prefill(prompt, chunk)
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)
+        assert got.argmax() == want.argmax()
+        flash.reset(), cudnn.reset()
 
 
 def test_dense_runner_refuses_length_dependent_rope(tiny_llama):

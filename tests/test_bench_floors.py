@@ -165,13 +165,17 @@ def test_estimate_at_a_hit_rate_mixes_the_selecting_and_hit_rows():
     assert e2e.estimated_rows(rows, 1.0)[0]["decode_ms"] == 6.0
 
 
-def test_dense_chunk_spec():
-    assert e2e.dense_chunk("dense", 4096, 512) == 512
-    assert e2e.dense_chunk("dense:chunk=8192", 4096, 512) == 8192
-    assert e2e.dense_chunk("dense:chunk=all", 4096, 512) == 4096
+def test_dense_spec_names_its_chunk_and_sdpa_backend():
+    assert e2e.dense_settings("dense", 4096, 512) == (512, "auto")
+    assert e2e.dense_settings("dense:chunk=8192", 4096, 512) == (8192, "auto")
+    assert e2e.dense_settings("dense:chunk=all", 4096, 512) == (4096, "auto")
+    assert e2e.dense_settings("dense:chunk=all;sdpa=flash", 4096, 512) == (4096, "flash")
+    assert e2e.dense_settings("dense:sdpa=cudnn", 4096, 512) == (512, "cudnn")
     for bad in ("dense:chunk=0", "dense:chunk=-3", "dense:chunk=some", "dense:k=3"):
         with pytest.raises(ValueError, match="chunk"):
-            e2e.dense_chunk(bad, 4096, 512)
+            e2e.dense_settings(bad, 4096, 512)
+    with pytest.raises(ValueError, match="sdpa must be one of auto, flash, cudnn"):
+        e2e.dense_settings("dense:sdpa=math", 4096, 512)
 
 
 @pytest.mark.parametrize("policies, message", [("dense:chunk=0", "chunk must be"), ("transformer", "unknown policy"),

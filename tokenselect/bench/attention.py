@@ -3,8 +3,9 @@
 Shape: Llama-3-8B (32 query heads, 8 kv heads, head_dim 128, bf16) unless told otherwise. For each
 KV length L, in one run on one GPU:
 
-- dense chunk: SDPA (flash backend, forced) of a 512-query chunk over all L RoPE'd keys, causal
-  bottom-right (the chunk is the last 512 of the L tokens), GQA without copying K/V;
+- dense chunk: SDPA of a 512-query chunk over all L RoPE'd keys, causal bottom-right (the chunk is the last 512 of
+  the L tokens), GQA without copying K/V, by flash and by cuDNN (``dense.causal_attention``: its chunk in two
+  calls, context and own keys, merged by log-sum-exp); each dense figure is the faster backend's, named in its cell;
 - dense decode: the same for 1 query;
 - ours: one engine attention step, as ``attention.attend`` runs it: the TokenSelect policy's list
   (``attend``), sparse attention with RoPE applied on the fly. The list of
@@ -37,9 +38,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from ..cuda_graphs import capture, warm_up
 from ..eval.runner import parse_length
@@ -49,6 +47,7 @@ from ..models.loader import resolve_device
 from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
+from .dense import causal_attention
 
 DEFAULT_LENGTHS = "32k,128k,512k,1m"
 TINY = {"lengths": "2k,4k", "heads": 4, "kv_heads": 2, "head_dim": 32,
@@ -130,21 +129,16 @@ class Layer:
         self.v_dense = self.v_pool[self.page_table].permute(1, 0, 2).unsqueeze(0)
         self.q = {c: torch.randn(c, h, d, device=device, dtype=torch.bfloat16, generator=gen) for c in (1, args.chunk)}
 
-    def dense(self, c: int):
-        """fn() running dense attention of the last c tokens' queries over all L keys."""
+    def dense(self, c: int, sdpa: str = "flash"):
+        """fn() running dense attention of the last c tokens' queries over all L keys by the SDPA backend ``sdpa``
+        (``dense.causal_attention``)."""
         q = rotate(self.q[c], torch.arange(self.L - c, self.L, device=self.q[c].device), self.inv_freq)
         q = q.permute(1, 0, 2).unsqueeze(0)  # [1, h, c, d]
-        mask = causal_lower_right(c, self.L)
-        if q.is_cuda:
+        if q.is_cuda and sdpa == "flash":
             params = torch.backends.cuda.SDPAParams(q, self.k_dense, self.v_dense, None, 0.0, False, True)
             if not torch.backends.cuda.can_use_flash_attention(params, debug=True):
                 raise RuntimeError("the flash SDPA backend cannot run this shape; refusing to time another backend")
-
-        def run():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH):
-                return F.scaled_dot_product_attention(q, self.k_dense, self.v_dense, attn_mask=mask, enable_gqa=True)
-
-        return run
+        return lambda: causal_attention(q, self.k_dense, self.v_dense, sdpa)
 
     def lists(self, c: int):
         """Slots of the sinks, the middle (selection candidates) and the local window plus the chunk."""
@@ -208,11 +202,11 @@ class Layer:
         m = self.lists(self.args.chunk)[1].numel()
         return m * self.args.kv_heads * self.args.head_dim * (1 if fp8 else 2)
 
-    def check_dense_equals_full_list(self, kern) -> float:
+    def check_dense_equals_full_list(self, kern, sdpa: str = "flash") -> float:
         """Max |dense - sparse attention over every slot| for the chunk: both compute the same function,
         so this proves the dense baseline's mask, GQA and RoPE are the real ones."""
         c = self.args.chunk
-        dense = self.dense(c)()[0].transpose(0, 1)
+        dense = self.dense(c, sdpa)()[0].transpose(0, 1)
         ours = self.attend(kern, self.q[c], self.page_table)
         return (dense.float() - ours.float()).abs().max().item()
 
@@ -236,16 +230,55 @@ def graph_ms(fn) -> float:
     return graph_us(lambda _: fn(), GRAPH_CALLS, GRAPH_REPLAYS) / 1e3
 
 
+def dense_backends(layer: Layer, device: torch.device, row: dict) -> list[str]:
+    """The SDPA backends dense runs by (``dense.causal_attention``): flash, and on CUDA cuDNN where it runs the
+    chunk (its refusal is written to the row's ``sdpa_errors``), so that each dense figure is the faster one's."""
+    if device.type != "cuda":
+        return ["flash"]
+    try:
+        layer.dense(layer.args.chunk, "cudnn")()
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        row["sdpa_errors"] = {"cudnn": str(e).splitlines()[0][:200]}
+        return ["flash"]
+    return ["flash", "cudnn"]
+
+
+def graph_dense(layer: Layer, c: int, backends: list[str], row: dict) -> dict[str, float]:
+    """Backend -> milliseconds of dense attention for c queries in a CUDA graph (``graph_ms``); a backend whose call
+    cannot be captured is left out, its error written to the row's ``sdpa_errors`` (flash's is raised)."""
+    times = {}
+    for sdpa in backends:
+        try:
+            times[sdpa] = graph_ms(layer.dense(c, sdpa))
+        except RuntimeError as e:
+            if sdpa == "flash":
+                raise
+            row.setdefault("sdpa_errors", {})[f"{sdpa}, {c} queries, in a graph"] = str(e).splitlines()[0][:200]
+    return times
+
+
+def fastest(row: dict, key: str, by_sdpa: dict[str, float]) -> None:
+    """row[key] = the fastest backend's time, row[key's stem + "_sdpa"] = its name, and every backend's time under
+    row[key's stem + "_by_sdpa"]."""
+    stem = key.removesuffix("_ms")
+    row[key] = min(by_sdpa.values())
+    row[f"{stem}_sdpa"] = min(by_sdpa, key=by_sdpa.get)
+    row[f"{stem}_by_sdpa"] = by_sdpa
+
+
 def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: bool) -> dict:
     kern = get_kernels(args.kernels)
     layer = Layer(L, args, device)
     row = {"length": L}
+    backends = dense_backends(layer, device, row)
     if check:
-        diff = row["max_abs_diff_dense_vs_full_list"] = layer.check_dense_equals_full_list(kern)
-        if diff > 0.05:
-            raise RuntimeError(f"dense SDPA and sparse attention over the full list differ by {diff}")
-    row["dense_chunk_ms"] = ms(layer.dense(args.chunk))
-    row["dense_decode_ms"] = ms(layer.dense(1))
+        for sdpa in backends:
+            diff = row[f"max_abs_diff_dense_{sdpa}_vs_full_list"] = layer.check_dense_equals_full_list(kern, sdpa)
+            if diff > 0.05:
+                raise RuntimeError(f"dense SDPA ({sdpa}) and sparse attention over the full list differ by {diff}")
+    fastest(row, "dense_chunk_ms", {sdpa: ms(layer.dense(args.chunk, sdpa)) for sdpa in backends})
+    fastest(row, "dense_decode_ms", {sdpa: ms(layer.dense(1, sdpa)) for sdpa in backends})
     row["chunk_ms"] = ms(layer.ours_chunk(kern))
     row["miss_ms"] = time_decode(layer, kern, ms, hit=False)
     row["hit_ms"] = time_decode(layer, kern, ms, hit=True)
@@ -257,9 +290,9 @@ def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: boo
         row["fp8_vote_ms"] = ms(layer.parts(kern, fp8=True)["vote"])
         row["fp8_floor_ms"] = layer.middle_key_bytes(fp8=True) / bandwidth * 1e3
     if device.type == "cuda":  # the steps captured in CUDA graphs: the GPU's time (a decode step runs so in the engine)
-        row["graph_dense_chunk_ms"] = graph_ms(layer.dense(args.chunk))
+        fastest(row, "graph_dense_chunk_ms", graph_dense(layer, args.chunk, backends, row))
         row["graph_chunk_ms"] = graph_ms(layer.ours_chunk(kern))
-        row["graph_dense_decode_ms"] = graph_ms(layer.dense(1))
+        fastest(row, "graph_dense_decode_ms", graph_dense(layer, 1, backends, row))
         row["graph_miss_ms"] = time_decode(layer, kern, graph_ms, hit=False)
         row["graph_hit_ms"] = time_decode(layer, kern, graph_ms, hit=True)
         if args.fp8_select:
@@ -279,10 +312,10 @@ def table(rows: list[dict], fp8: bool) -> str:
         head += ["fp8 chunk", "fp8 chunk speedup", "fp8 miss", "fp8 miss / bf16 floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [kv_label(r["length"]), f"{r['dense_chunk_ms']:.3f}", f"{r['chunk_ms']:.3f}",
+        cells = [kv_label(r["length"]), dense_cell(r, "dense_chunk"), f"{r['chunk_ms']:.3f}",
                  f"{r['dense_chunk_ms'] / r['chunk_ms']:.1f}x",
                  f"{r['chunk_vote_ms']:.3f} / {r['chunk_topk_ms']:.3f} / {r['chunk_attention_ms']:.3f}",
-                 f"{r['dense_decode_ms']:.3f}", f"{r['miss_ms']:.3f}", f"{r['miss_ms'] / r['floor_ms']:.2f}x",
+                 dense_cell(r, "dense_decode"), f"{r['miss_ms']:.3f}", f"{r['miss_ms'] / r['floor_ms']:.2f}x",
                  f"{r['hit_ms']:.3f}", f"{r['hit_ms'] / r['dense_decode_ms']:.3f}x", f"{r['floor_ms']:.3f}"]
         if fp8:
             cells += [f"{r['fp8_chunk_ms']:.3f}", f"{r['dense_chunk_ms'] / r['fp8_chunk_ms']:.1f}x",
@@ -300,9 +333,10 @@ def graph_table(rows: list[dict], fp8: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         dense_decode = r["graph_dense_decode_ms"]
-        cells = [kv_label(r["length"]), f"{r['graph_dense_chunk_ms']:.3f}", f"{r['graph_chunk_ms']:.3f}",
+        cells = [kv_label(r["length"]), dense_cell(r, "graph_dense_chunk"), f"{r['graph_chunk_ms']:.3f}",
                  f"{r['graph_dense_chunk_ms'] / r['graph_chunk_ms']:.1f}x",
-                 f"{r['graph_chunk_ms'] / r['floor_ms']:.2f}x", f"{dense_decode:.3f}", f"{r['graph_miss_ms']:.3f}",
+                 f"{r['graph_chunk_ms'] / r['floor_ms']:.2f}x", dense_cell(r, "graph_dense_decode"),
+                 f"{r['graph_miss_ms']:.3f}",
                  f"{r['graph_miss_ms'] / r['floor_ms']:.2f}x", f"{r['graph_hit_ms']:.3f}",
                  f"{r['graph_hit_ms'] / dense_decode:.3f}x"]
         if fp8:
@@ -311,6 +345,28 @@ def graph_table(rows: list[dict], fp8: bool) -> str:
                       f"{r['graph_fp8_miss_ms'] / r['fp8_floor_ms']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def dense_cell(row: dict, stem: str) -> str:
+    """A dense time with its backend where several ran ("15.154 cudnn"); rows of runs before cuDNN was timed
+    (no ``_sdpa`` key) ran flash alone."""
+    sdpa = row.get(f"{stem}_sdpa")
+    return f"{row[stem + '_ms']:.3f}" + (f" {sdpa}" if sdpa and len(row.get(f"{stem}_by_sdpa", {})) > 1 else "")
+
+
+def backends_line(rows: list[dict]) -> str:
+    """Each dense figure's backends, where several ran: every backend's time, so that the faster one is seen."""
+    parts = []
+    for r in rows:
+        for stem in ("graph_dense_chunk", "graph_dense_decode", "dense_chunk", "dense_decode"):
+            by = r.get(f"{stem}_by_sdpa", {})
+            if len(by) > 1:
+                times = ", ".join(f"{name} {t:.3f}" for name, t in by.items())
+                parts.append(f"{kv_label(r['length'])} {stem.replace('_', ' ')}: {times}")
+        if r.get("sdpa_errors"):
+            parts.append(f"{kv_label(r['length'])}: not timed: {r['sdpa_errors']}")
+    return ("Dense by each SDPA backend (ms; the table takes the faster): " + "; ".join(parts) + ".\n\n"
+            if parts else "")
 
 
 def kv_label(n: int) -> str:
@@ -359,13 +415,13 @@ def render(result: dict) -> str:
         text += (f"Captured in CUDA graphs ({GRAPH_CALLS} calls a graph): the GPU's time, without the host's "
                  f"launches; a decode step runs so in the engine.\n\n{graph_table(rows, fp8)}\n\n")
     return text + (f"Launched from the host one call at a time (medians; where a step's kernels are short, the "
-                   f"host's launches set its time):\n\n{table(rows, fp8)}\n")
+                   f"host's launches set its time):\n\n{table(rows, fp8)}\n\n{backends_line(rows)}")
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "attention", help="one attention layer: dense SDPA against TokenSelect's kernels, per KV length",
-        description="Time one Llama-3-8B-shaped attention layer: dense flash SDPA against TokenSelect "
+        description="Time one Llama-3-8B-shaped attention layer: dense SDPA (flash and cuDNN) against TokenSelect "
                     "(prefill chunk, decode Selection-Cache miss and hit) and the read-K floor.")
     p.add_argument("--lengths", help=f"KV lengths (default {DEFAULT_LENGTHS}; with --tiny {TINY['lengths']})")
     p.add_argument("--kernels", default="triton", choices=["triton", "torch"])

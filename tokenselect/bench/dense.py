@@ -2,8 +2,8 @@
 
 Keys are rotated once, when they are cached; the cache holds ``batch`` sequences, each in ``max_tokens``
 contiguous rows, ``k, v: [n_layers, batch, max_tokens, n_kv_heads, head_dim]`` (token-major, flash attention's
-own layout). Attention is PyTorch SDPA (the flash backend on CUDA) with a bottom-right causal mask for a prefill
-chunk. The same model object and weights as the engine run underneath, prefill chunks through the same model
+own layout). A prefill chunk's attention is PyTorch SDPA, causal bottom-right (``causal_attention``), by the backend
+named (``sdpa``: flash, or cuDNN, the faster on Hopper; ``auto`` picks cuDNN there). The same model object and weights as the engine run underneath, prefill chunks through the same model
 runner and its CUDA graphs (``runner.py``): only the attention context differs, so the benchmarks'
 dense-vs-policy ratios measure attention and selection, nothing else.
 
@@ -29,12 +29,68 @@ from ..cuda_graphs import capture, warm_up
 from ..rope import rotate
 
 
+SDPA_CHOICES = ("auto", "flash", "cudnn")
+
+
+def sdpa_backend(sdpa: str, device: torch.device) -> str:
+    """The SDPA backend a dense prefill runs (``causal_attention``): ``flash`` or ``cudnn`` as named; ``auto``:
+    cuDNN on a Hopper GPU (compute capability 9.x), where it ran a 512-query chunk over 1M keys in 15.2 ms against
+    flash's 30.1 and a 128K prompt's one pass 1.7x faster (results/supporting/dense_backends_h200.md; slower than
+    flash on Ampere and Blackwell, by transformers' measurements), flash elsewhere."""
+    if sdpa not in SDPA_CHOICES:
+        raise ValueError(f"sdpa={sdpa!r}: one of {', '.join(SDPA_CHOICES)}")
+    if sdpa == "cudnn" and device.type != "cuda":
+        raise ValueError(f"sdpa=cudnn runs on a CUDA device, not {device.type}")
+    if sdpa != "auto":
+        return sdpa
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return "cudnn" if hopper and torch.backends.cudnn.is_available() else "flash"
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sdpa: str = "flash") -> torch.Tensor:
+    """Causal attention aligned bottom-right: q [B, H, c, d] over keys, values [B, KV, L, d] (c <= L, keys and
+    queries rotated), query i sees keys j <= i + L - c (the queries are the last c tokens); query head h reads kv
+    head h // (H // KV), no copy -> [B, H, c, d].
+
+    ``sdpa="flash"``: SDPA's flash backend with the bottom-right mask (where flash cannot run, a CPU or fp32, the
+    next backend that can). ``"cudnn"``: cuDNN's kernel, which takes a top-left causal flag and runs an explicit
+    mask about 2x slower (34.4 ms against 15.2 for the split above at 1M): a chunk after cached tokens runs as two
+    calls, its context unmasked and its own c keys causal (a square, where top-left is bottom-right), merged by the
+    two parts' log-sum-exp (``merge_by_lse``)."""
+    c, L = q.shape[2], keys.shape[2]
+    if sdpa == "flash":
+        backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if q.is_cuda
+                    else [SDPBackend.MATH])
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(c, L) if c > 1 else None,
+                                                  enable_gqa=True)
+    if sdpa != "cudnn":
+        raise ValueError(f"sdpa={sdpa!r}: flash or cudnn")
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention  # (q, k, v, bias, lse?, dropout, causal, debug)
+    if c == 1 or c == L:
+        return cudnn(q, keys, values, None, False, 0.0, c > 1, False)[0]
+    context = cudnn(q, keys[:, :, :L - c], values[:, :, :L - c], None, True, 0.0, False, False)[:2]
+    own = cudnn(q, keys[:, :, L - c:], values[:, :, L - c:], None, True, 0.0, True, False)[:2]
+    return merge_by_lse(*context, *own)
+
+
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, each part's output [B, H, c, d] normalised over its own keys with its
+    log-sum-exp [B, H, c] (natural log, any trailing size-1 dimension), combined into the attention over both (in
+    fp32, returned in out_a's dtype). A part without keys for a row has lse -inf and weighs 0."""
+    lse_a, lse_b = (x.reshape(*out_a.shape[:3], 1).float() for x in (lse_a, lse_b))
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    return ((out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)).to(out_a.dtype)
+
+
 class DenseRunner:
     """Prefill and decode up to ``batch`` sequences of ``llm``'s model with dense attention over a contiguous cache
     of ``max_tokens`` tokens each. With ``batch`` 1 (the default) ``forward``, ``prefill`` and ``generate`` run the
-    one sequence."""
+    one sequence. ``sdpa``: a prefill chunk's attention backend (``sdpa_backend``; decode steps run flash's
+    variable-length kernel in CUDA graphs, whatever it is)."""
 
-    def __init__(self, llm, max_tokens: int, batch: int = 1):
+    def __init__(self, llm, max_tokens: int, batch: int = 1, sdpa: str = "auto"):
         if llm.rope.spec.kind == "dynamic":
             raise ValueError("the dense baseline caches rotated keys: dynamic NTK, whose frequencies change "
                              "with the length, would rotate old and new keys differently")
@@ -45,10 +101,8 @@ class DenseRunner:
         self.batch, self.max_tokens = batch, max_tokens
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
         self.runner = llm.runner  # the engine's forward pass and CUDA graphs, as the policies run them
-        # flash wherever it applies (bf16, fp16: what the benchmark runs); other dtypes on a GPU (fp32, in
-        # the tests) fall back to the next kernel that takes them
-        self.backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-                         if llm.device.type == "cuda" else [SDPBackend.MATH])
+        # cuDNN takes bf16 and fp16 only: other dtypes (fp32, in the tests) run flash's path and its fallbacks
+        self.sdpa = sdpa_backend(sdpa, llm.device) if llm.dtype in (torch.bfloat16, torch.float16) else "flash"
         self.lengths = [0] * batch  # tokens cached, per sequence
         # the eager pass's work: (sequence, first row of its tokens in the pass, how many, positions [c]);
         # None while a decode step runs (``decode_attention``: its positions are ``self._positions``, on the device)
@@ -93,10 +147,7 @@ class DenseRunner:
         self.k[layer, seq, t:t + c] = rotate(k, positions, inv_freq, scale)
         self.v[layer, seq, t:t + c] = v
         keys, values = self.k[layer, seq, :t + c].transpose(0, 1), self.v[layer, seq, :t + c].transpose(0, 1)
-        mask = causal_lower_right(c, t + c) if c > 1 else None
-        with sdpa_kernel(self.backends):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                                 enable_gqa=True)
+        out = causal_attention(q.transpose(0, 1)[None], keys[None], values[None], self.sdpa)
         return out[0].transpose(0, 1)
 
     def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ reports its hit rate ("real text"): the decode rows with every layer selecting a
 reusing (theta=-1) bracket a real model's step, which lies between them according to that rate.
 
 The baselines run on the same weights: ``dense`` is attention as a conventional engine runs it
-(``bench/dense.py``: keys rotated once when cached, a contiguous cache, flash SDPA; on CUDA each decode step
-one CUDA graph, flash attention reading the key length on the device), prefilling in ``--chunk-size``
-chunks, ``dense:chunk=N`` in chunks of N and ``dense:chunk=all`` in one pass; ``transformers`` is Hugging
+(``bench/dense.py``: keys rotated once when cached, a contiguous cache, SDPA by cuDNN on Hopper and flash
+elsewhere, ``dense:sdpa=flash`` or ``cudnn`` to name one; on CUDA each decode step one CUDA graph, flash attention
+reading the key length on the device), prefilling in ``--chunk-size`` chunks, ``dense:chunk=N`` in chunks of N and
+``dense:chunk=all`` in one pass (settings joined by ``;``: ``dense:chunk=all;sdpa=flash``); ``transformers`` is Hugging
 Face transformers' own model and SDPA (``bench/hf_dense.py``: one-pass prefill, decode over its
 DynamicCache), what users run today. Every ratio is against the fastest baseline of the run at that
 length, prefill and decode each against their own. ``full`` is the engine's own full-attention policy
@@ -57,7 +58,7 @@ from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, default_chunk, policy_spec
 from ..policies.tokenselect import TokenSelectSettings
 from ..sampling import SamplingParams
-from .dense import DenseRunner
+from .dense import SDPA_CHOICES, DenseRunner
 from .floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
 from .hf_dense import measure_transformers, transformers_model
 
@@ -247,18 +248,21 @@ def full_offload_bytes(llm, length: int) -> int:
 DENSE = ("dense", "transformers")  # the baselines: rows without an engine policy
 
 
-def dense_chunk(spec: str, length: int, default: int) -> int:
-    """The prefill chunk of a dense row: ``dense`` (the run's --chunk-size), ``dense:chunk=8192`` or
-    ``dense:chunk=all`` (the whole prompt in one pass)."""
+def dense_settings(spec: str, length: int, default: int) -> tuple[int, str]:
+    """The prefill chunk and SDPA backend of a dense row: ``dense`` (the run's --chunk-size, ``sdpa=auto``),
+    ``dense:chunk=8192``, ``dense:chunk=all`` (the whole prompt in one pass), ``dense:sdpa=flash`` (or cudnn, auto:
+    ``dense.sdpa_backend``), both as ``dense:chunk=all;sdpa=flash``."""
     name, settings = policy_spec(spec)
-    if name != "dense" or set(settings) - {"chunk"}:
-        raise ValueError(f"{spec!r}: dense takes one setting, chunk=N or chunk=all")
-    chunk = settings.get("chunk", default)
+    if name != "dense" or set(settings) - {"chunk", "sdpa"}:
+        raise ValueError(f"{spec!r}: dense takes chunk=N or chunk=all, and sdpa={'|'.join(SDPA_CHOICES)}")
+    chunk, sdpa = settings.get("chunk", default), settings.get("sdpa", "auto")
+    if sdpa not in SDPA_CHOICES:
+        raise ValueError(f"{spec!r}: sdpa must be one of {', '.join(SDPA_CHOICES)}")
     if chunk == "all":
-        return length
+        return length, sdpa
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"{spec!r}: chunk must be a positive number of tokens or 'all'")
-    return chunk
+    return chunk, sdpa
 
 
 def chunk_label(chunk_size: int | None, config: dict) -> str:
@@ -271,14 +275,15 @@ def chunk_label(chunk_size: int | None, config: dict) -> str:
     return f"chunk {plain}" + (f" (TokenSelect {grouped}, in groups of {group})" if grouped != plain else "")
 
 
-def measure_dense(config: dict, ids: list[int], args, chunk: int) -> dict:
-    """Prefill (in chunks of ``chunk`` tokens) and decode with the dense baseline on an engine of the same
-    weights (its own KV pool left empty: the contiguous dense cache is the one that holds the sequence)."""
+def measure_dense(config: dict, ids: list[int], args, chunk: int, sdpa: str = "auto") -> dict:
+    """Prefill (in chunks of ``chunk`` tokens, attention by the SDPA backend ``sdpa``) and decode with the dense
+    baseline on an engine of the same weights (its own KV pool left empty: the contiguous dense cache is the one
+    that holds the sequence)."""
     llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
                      cuda_graphs=args.cuda_graphs)
     dev = llm.device
-    DenseRunner(llm, WARMUP_TOKENS + 2).generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # compile, warm up
-    runner = DenseRunner(llm, len(ids) + args.decode_steps + 2)
+    DenseRunner(llm, WARMUP_TOKENS + 2, sdpa=sdpa).generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # warm up
+    runner = DenseRunner(llm, len(ids) + args.decode_steps + 2, sdpa=sdpa)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     token, prefill = timed(dev, lambda: runner.prefill(ids, chunk).argmax())
@@ -290,7 +295,7 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int) -> dict:
     sync(dev)
     decode = (time.perf_counter() - start) / args.decode_steps
     return {"kv": kv_label(llm.dtype, "none"), "prefill_s": prefill, "decode_ms": decode * 1e3, "hit_rate": None,
-            "chunk": chunk, "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
+            "chunk": chunk, "sdpa": runner.sdpa, "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
 
 
 def measure_hf(config: dict, ids: list[int], args) -> dict:
@@ -326,7 +331,7 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
     ids = text_prompt(length, config["vocab_size"])
     try:
         row.update(measure_hf(config, ids, args) if spec == "transformers"
-                   else measure_dense(config, ids, args, dense_chunk(spec, length, args.chunk_size or default_chunk(
+                   else measure_dense(config, ids, args, *dense_settings(spec, length, args.chunk_size or default_chunk(
                        ModelConfig.from_dict(config).window))))
     except torch.OutOfMemoryError:
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
@@ -449,6 +454,11 @@ def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
     return out
 
 
+def row_label(row: dict) -> str:
+    """A row's policy as the table names it; a dense row's with the SDPA backend its prefill ran."""
+    return f"{row['policy']} ({row['sdpa']} SDPA)" if row.get("sdpa") else row["policy"]
+
+
 def table(rows: list[dict]) -> str:
     """Markdown table with speedups against the fastest baseline at the same length (``best_dense``: each
     phase against its own fastest), then a line a length naming those baselines."""
@@ -473,7 +483,7 @@ def table(rows: list[dict]) -> str:
         whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
         chunks = (f"{r['whole_graph_chunks']}/{r['prefill_chunks']}" if r.get("whole_graph_chunks") is not None
                   else "-")
-        lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} "
+        lines.append(f"| {n} | {row_label(r)} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} "
                      f"| {dx} | {fl} | {of} | {hit} | {chunks} | {whole} | {peak} |")
     kept = [r for r in rows if r.get("values_kept") is not None]
     if best or kept:
@@ -483,8 +493,8 @@ def table(rows: list[dict]) -> str:
                      "decode steps staged were found on the device (kept from the step before), the rest came over "
                      "the bus.")
     for length, b in best.items():
-        lines.append(f"x at {length // 1024}K: prefill against {b['prefill']['policy']} "
-                     f"({b['prefill']['prefill_s']:.2f} s), decode against {b['decode']['policy']} "
+        lines.append(f"x at {length // 1024}K: prefill against {row_label(b['prefill'])} "
+                     f"({b['prefill']['prefill_s']:.2f} s), decode against {row_label(b['decode'])} "
                      f"({b['decode']['decode_ms']:.2f} ms), the fastest dense rows of the run.")
     return "\n".join(lines)
 
@@ -575,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown policy {policy!r}: use {', '.join(DENSE)} or one of {', '.join(POLICIES)}")
         if name == "dense":
             try:
-                dense_chunk(policy, 1, args.chunk_size or 1)
+                dense_settings(policy, 1, args.chunk_size or 1)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
     check_hit_rate(args)
