@@ -8,6 +8,11 @@
 #                                                 sparse attention's chunk tile (128, 64, 4, 3); `bench attention
 #                                                 --fp8-select` of this tree, and its 1M row with that tile
 #   benchmarks/candidates_gpu.sh e2e OUTDIR       the 1M selecting step and the 128K prefill, both trees back to back
+#   benchmarks/candidates_gpu.sh totals OUTDIR    (the twenty-third session's head totals in parts) every kernel's GPU
+#                                                 tests in 8 shards; head_vote_gpu.py of both trees and of this one
+#                                                 at other TOTALS_TILE / TOTALS_PARTS; a 1M chunk's kernels profiled
+#                                                 in both trees; `bench attention --fp8-select --lengths 1m` of this
+#                                                 tree twice and of the packed one between; packed into totals.tgz
 #   benchmarks/candidates_gpu.sh final OUTDIR     on the tree as committed: `bench attention --fp8-select` (its
 #                                                 results/attention_h200.*), the mean kernel's column blocks, and the
 #                                                 CUDA tests of gpu_tests.sh in 6 processes (no kernel shards: the
@@ -17,9 +22,9 @@
 # at most 8 files: `final` packs everything into OUTDIR/final.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: candidates_gpu.sh kernels|e2e|final OUTDIR}
-out=${2:?usage: candidates_gpu.sh kernels|e2e|final OUTDIR}
-mkdir -p "$out"
+step=${1:?usage: candidates_gpu.sh kernels|totals|e2e|final OUTDIR}
+out=${2:?usage: candidates_gpu.sh kernels|totals|e2e|final OUTDIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
 benchmarks/before_after_e2e.sh unpack
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -49,6 +54,33 @@ sparse = importlib.import_module("tokenselect.kernels.sparse_attention")
 with mock.patch.object(sparse, "CHUNK_TILE", tuple(int(x) for x in sys.argv[2].split(","))):
     sys.exit(main(["bench", "attention", "--fp8-select", "--lengths", "1m", "--tag", "h200", "--output", sys.argv[1]]))
 PY
+    ;;
+  totals)
+    run kernel_tests env GRAPH_SHARDS=0 GPU_TESTS_LIMIT=300 benchmarks/gpu_tests.sh "$out/tests" 8
+    run vote_after python3 benchmarks/head_vote_gpu.py "$out/vote" after
+    run vote_before env PYTHONPATH=/tmp/before:$PWD/benchmarks python3 benchmarks/head_vote_gpu.py "$out/vote" before
+    for variant in tile=2048,4 tile=1024,4 tile=2048,8 parts=4 parts=16; do
+      run "vote_$variant" python3 - "$out/vote" "$variant" <<'PY'
+import sys
+from unittest import mock
+import head_vote_gpu
+from tokenselect.kernels import head_vote
+key, value = sys.argv[2].split("=")
+name, new = ("TOTALS_TILE", tuple(int(x) for x in value.split(","))) if key == "tile" else ("TOTALS_PARTS", int(value))
+with mock.patch.object(head_vote, name, new):
+    head_vote_gpu.main(sys.argv[1], sys.argv[2].replace(",", "x"))
+PY
+    done
+    run profile_after python3 benchmarks/attention_chunk_profile_gpu.py "$out/profile_after" --length 1m
+    run profile_before env PYTHONPATH=/tmp/before:$PWD/benchmarks \
+      python3 benchmarks/attention_chunk_profile_gpu.py "$out/profile_before" --length 1m
+    attention=(bench attention --fp8-select --lengths 1m --tag h200)
+    run attention_1 python3 -m tokenselect.cli "${attention[@]}" --output "$out/attn_after_1"
+    # `python3 -m` puts the working directory first on the path: the packed tree runs from its own
+    run attention_before bash -c 'cd /tmp/before && PYTHONPATH=/tmp/before python3 -m tokenselect.cli "${@:2}" \
+      --output "$1"' _ "$out/attn_before" "${attention[@]}"
+    run attention_2 python3 -m tokenselect.cli "${attention[@]}" --output "$out/attn_after_2"
+    tar czf "$out/totals.tgz" -C "$out" --exclude totals.tgz .
     ;;
   e2e)
     run ab1m env POLICIES=tokenselect STEPS=16 E2E_ARGS="--kv-dtype fp8 --kv-offload values" \
