@@ -625,9 +625,10 @@ def add_parser(subparsers) -> None:
     add_model_arguments(p)
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
     p.add_argument("--policies", default="dense,full,streaming,infllm,tokenselect",
-                   help="baselines: dense (flash attention over a contiguous rotated cache, prefill in --chunk-size "
-                        "chunks, decode steps as CUDA graphs), dense:chunk=N or dense:chunk=all (the prompt in one "
-                        "pass), transformers (Hugging Face transformers' SDPA on the same weights: one-pass prefill, "
+                   help="baselines: dense (SDPA over a contiguous rotated cache, prefill in --chunk-size "
+                        "chunks by cuDNN on Hopper and flash elsewhere, decode steps as CUDA graphs), dense:chunk=N or "
+                        "dense:chunk=all (the prompt in one pass), dense:sdpa=flash or dense:sdpa=cudnn (the prefill's "
+                        "SDPA backend named; settings joined by ';'), transformers (Hugging Face transformers' SDPA on the same weights: one-pass prefill, "
                         "DynamicCache decode); and engine policies, each optionally NAME:KEY=VALUE;... with its own "
                         "settings, e.g. tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's "
                         "speed). Every x is against the fastest baseline of the run at that length, prefill and "
