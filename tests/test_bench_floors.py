@@ -134,7 +134,8 @@ def test_the_engines_full_attention_is_a_dense_row_the_ratios_take_where_fastest
 
 def test_a_merge_adds_estimates_at_another_hit_rate_beside_the_runs_own(tmp_path):
     """``bench e2e --merge FILE --hit-rate R``: rows estimated at R from the merged runs' measured rows (not from an
-    estimate), beside the estimate the run wrote; a rate outside [0, 1] is refused before anything is read."""
+    estimate), beside the estimate the run wrote, or in its place at the run's own rate; a rate outside [0, 1] is
+    refused before anything is read."""
     measured = [_row("tokenselect", 2.0, 10.0, hit_rate=0.0), _row("tokenselect:theta=-1", 2.1, 6.0, hit_rate=1.0)]
     (tmp_path / "run.json").write_text(json.dumps({"device": "GPU", "config": "llama3-8b",
                                                    "rows": measured + e2e.estimated_rows(measured, 0.25)}))
@@ -147,6 +148,10 @@ def test_a_merge_adds_estimates_at_another_hit_rate_beside_the_runs_own(tmp_path
     estimates = {r["policy"]: r["decode_ms"] for r in rows if r.get("estimated")}
     assert estimates == {"tokenselect at 25% hits (estimate)": pytest.approx(9.0),
                          "tokenselect at 50% hits (estimate)": pytest.approx(8.0)}
+    args = parser.parse_args([*merge, "--hit-rate", "0.25", "--tag", "same"])  # the run's own rate: one row of it
+    assert args.func(args) == 0
+    rows = json.loads((tmp_path / "e2e_same.json").read_text())["rows"]
+    assert [r["policy"] for r in rows if r.get("estimated")] == ["tokenselect at 25% hits (estimate)"]
     with pytest.raises(SystemExit, match="--hit-rate must be between 0 and 1, not 1.5"):
         args = parser.parse_args([*merge, "--hit-rate", "1.5", "--tag", "bad"])
         args.func(args)

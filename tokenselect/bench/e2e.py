@@ -553,7 +553,8 @@ def merge(args: argparse.Namespace) -> int:
     """One table and plot from the JSON of several runs (e.g. one per length, each a device call of its
     own): rows in order of length, each keeping its own KV setting; dense ratios within each length. A row
     measured again in a later file (same length, policy and KV) replaces the earlier one in place. With
-    ``--hit-rate``, estimated rows at that rate are added beside those the runs wrote."""
+    ``--hit-rate``, estimated rows at that rate are added beside those the runs wrote (replacing a run's own
+    estimate at the same rate)."""
     check_hit_rate(args)
     runs = [json.loads(Path(f).read_text()) for f in args.merge]
     devices, configs = {r["device"] for r in runs}, {r["config"] for r in runs}
@@ -562,7 +563,9 @@ def merge(args: argparse.Namespace) -> int:
     latest = {(row["length"], row["policy"], row.get("kv")): row for r in runs for row in r["rows"]}
     rows = sorted(latest.values(), key=lambda row: row["length"])
     if args.hit_rate is not None:  # estimates at another hit rate, from the merged runs' measured rows
-        rows += estimated_rows([row for row in rows if not row.get("estimated")], args.hit_rate)
+        new = estimated_rows([row for row in rows if not row.get("estimated")], args.hit_rate)
+        again = {(row["length"], row["policy"], row.get("kv")) for row in new}  # a run's own estimate at this rate
+        rows = [row for row in rows if (row["length"], row["policy"], row.get("kv")) not in again] + new
     names = ", ".join(Path(f).stem for f in args.merge)
     print(save(Path(args.output), args.tag, f"{configs.pop()}, merged from {names}", devices.pop(),
                {"config": runs[0]["config"], "merged": [Path(f).name for f in args.merge]}, rows))
