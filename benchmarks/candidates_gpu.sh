@@ -8,7 +8,8 @@
 #                                                 sparse attention's chunk tile (128, 64, 4, 3); `bench attention
 #                                                 --fp8-select` of this tree, and its 1M row with that tile
 #   benchmarks/candidates_gpu.sh e2e OUTDIR       the 1M selecting step and the 128K prefill, both trees back to back
-#   benchmarks/candidates_gpu.sh totals OUTDIR    (the twenty-third session's head totals in parts) every kernel's GPU
+#   benchmarks/candidates_gpu.sh totals OUTDIR    (the twenty-third session's head totals in parts, timed slower and
+#                                                 dropped: results/supporting/head_totals_parts_h200.md) every kernel's GPU
 #                                                 tests in 8 shards; head_vote_gpu.py of both trees and of this one
 #                                                 at other TOTALS_TILE / TOTALS_PARTS; a 1M chunk's kernels profiled
 #                                                 in both trees; `bench attention --fp8-select --lengths 1m` of this
