@@ -78,6 +78,13 @@ def test_attention_over_two_key_sets_merged_by_lse_is_attention_over_both(cut):
     torch.testing.assert_close(merge_by_lse(*b, *a), want, rtol=0, atol=1e-6)
 
 
+def test_dense_runner_refuses_a_backend_it_cannot_run(tiny_llama):
+    llm = LLM(tiny_llama, "full", chunk_size=32, dtype="float32")
+    assert DenseRunner(llm, 50).sdpa == "flash"  # auto: flash wherever cuDNN cannot run
+    with pytest.raises(ValueError, match="cudnn"):  # on a CPU: no CUDA; on a GPU: not fp32
+        DenseRunner(llm, 50, sdpa="cudnn")
+
+
 def test_sdpa_backend_auto_and_names():
     cpu = torch.device("cpu")
     assert sdpa_backend("auto", cpu) == "flash" and sdpa_backend("flash", cpu) == "flash"

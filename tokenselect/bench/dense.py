@@ -101,8 +101,13 @@ class DenseRunner:
         self.batch, self.max_tokens = batch, max_tokens
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
         self.runner = llm.runner  # the engine's forward pass and CUDA graphs, as the policies run them
-        # cuDNN takes bf16 and fp16 only: other dtypes (fp32, in the tests) run flash's path and its fallbacks
-        self.sdpa = sdpa_backend(sdpa, llm.device) if llm.dtype in (torch.bfloat16, torch.float16) else "flash"
+        # cuDNN takes bf16 and fp16 only: with another dtype (fp32, in the tests) auto runs flash's path and its
+        # fallbacks, and a cudnn named is refused
+        self.sdpa = sdpa_backend(sdpa, llm.device)
+        if llm.dtype not in (torch.bfloat16, torch.float16) and self.sdpa == "cudnn":
+            if sdpa == "cudnn":
+                raise ValueError(f"sdpa=cudnn takes bf16 or fp16, not {llm.dtype}")
+            self.sdpa = "flash"
         self.lengths = [0] * batch  # tokens cached, per sequence
         # the eager pass's work: (sequence, first row of its tokens in the pass, how many, positions [c]);
         # None while a decode step runs (``decode_attention``: its positions are ``self._positions``, on the device)
