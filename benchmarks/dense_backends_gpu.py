@@ -8,9 +8,9 @@ first row's (flash's).
 Shapes: a prefill chunk of 512 queries over 128K and 1M keys and one of 8,192 over 128K (causal, bottom-right
 aligned: the chunk's queries are the last keys), a whole causal prompt in one pass (32K, 128K), a decode query
 over 128K and 1M keys, 8 decode queries over 32K keys each (unmasked, and with a padding mask, which a batch
-of caches of different lengths needs: cuDNN has no per-sequence key length here). A backend that refuses a mask form is tried in the
-next form: the ``causal_lower_right`` bias, a boolean mask tensor, and (cuDNN, which takes only a top-left
-causal flag) the chunk split in two, its context unmasked and its own c keys causal, merged by the two parts'
+of caches of different lengths needs: cuDNN has no per-sequence key length here). A backend that refuses a mask
+form is tried in the next form: the ``causal_lower_right`` bias, a boolean mask tensor, and (cuDNN, which takes
+only a top-left causal flag) the chunk split in two, its context unmasked and its own c keys causal, merged by the two parts'
 log-sum-exp. GQA is tried with ``enable_gqa``, then with the kv heads repeated to 32 (the repeat not timed; the
 row says so). Milliseconds are medians of 10 calls after 3 warm-up calls, timed by CUDA events. Writes
 OUTDIR/dense_backends.json and OUTDIR/dense_backends.md.
@@ -107,7 +107,8 @@ def case(name: str, batch: int, c: int, L: int, gen: torch.Generator) -> list[di
                     break  # GQA taken as it is: no need to time the repeated heads
     if not one and not square:
         for gqa in ("enable_gqa", "repeated"):
-            kk, vv = (k, v) if gqa == "enable_gqa" else (k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1))
+            kk, vv = ((k, v) if gqa == "enable_gqa"
+                      else (k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)))
             row = {"case": name, "batch": batch, "queries": c, "keys": L, "backend": "cudnn",
                    "mask": "split, lse merge", "gqa": gqa}
             try:
@@ -141,7 +142,8 @@ def main(out: str) -> None:
          "cudnn": torch.backends.cudnn.version(), "rows": rows}, indent=1))
     lines = [f"# Dense SDPA backends, one Llama-3-8B attention layer, {torch.cuda.get_device_name(0)} "
              f"(torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})", "",
-             "| case | backend | mask | GQA | ms | max abs diff vs the first backend run with that mask | error |", "|---|---|---|---|---|---|---|"]
+             "| case | backend | mask | GQA | ms | max abs diff vs the first backend run with that mask | error |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['backend']} | {r['mask']} | {r['gqa']} | {r.get('ms', '')} | "
                      f"{r.get('max_abs_diff_vs_first', '')} | {r.get('error', '')} |")

@@ -3,9 +3,10 @@
 Keys are rotated once, when they are cached; the cache holds ``batch`` sequences, each in ``max_tokens``
 contiguous rows, ``k, v: [n_layers, batch, max_tokens, n_kv_heads, head_dim]`` (token-major, flash attention's
 own layout). A prefill chunk's attention is PyTorch SDPA, causal bottom-right (``causal_attention``), by the backend
-named (``sdpa``: flash, or cuDNN, the faster on Hopper; ``auto`` picks cuDNN there). The same model object and weights as the engine run underneath, prefill chunks through the same model
-runner and its CUDA graphs (``runner.py``): only the attention context differs, so the benchmarks'
-dense-vs-policy ratios measure attention and selection, nothing else.
+named (``sdpa``: flash, or cuDNN, the faster on Hopper; ``auto`` picks cuDNN there). The same model object and
+weights as the engine run underneath, prefill chunks through the same model runner and its CUDA graphs
+(``runner.py``): only the attention context differs, so the benchmarks' dense-vs-policy ratios measure attention and
+selection, nothing else.
 
 A prompt is prefilled one sequence at a time (``prefill(ids, chunk_size, seq)``); a decode step
 (``decode(tokens)``) runs one token of each of the first ``n`` sequences, as a serving engine batches them.
@@ -34,8 +35,8 @@ SDPA_CHOICES = ("auto", "flash", "cudnn")
 
 def sdpa_backend(sdpa: str, device: torch.device) -> str:
     """The SDPA backend a dense prefill runs (``causal_attention``): ``flash`` or ``cudnn`` as named; ``auto``:
-    cuDNN on a Hopper GPU (compute capability 9.x), where it ran a 512-query chunk over 1M keys in 15.2 ms against
-    flash's 30.1 and a 128K prompt's one pass 1.7x faster (results/supporting/dense_backends_h200.md; slower than
+    cuDNN on a Hopper GPU (compute capability 9.x), where it ran a 512-query chunk over 1M keys in 14.8 ms against
+    flash's 30.2 and a 128K prompt's one pass 1.7x faster (results/supporting/dense_backends_h200.md; slower than
     flash on Ampere and Blackwell, by transformers' measurements), flash elsewhere."""
     if sdpa not in SDPA_CHOICES:
         raise ValueError(f"sdpa={sdpa!r}: one of {', '.join(SDPA_CHOICES)}")
@@ -54,7 +55,7 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     ``sdpa="flash"``: SDPA's flash backend with the bottom-right mask (where flash cannot run, a CPU or fp32, the
     next backend that can). ``"cudnn"``: cuDNN's kernel, which takes a top-left causal flag and runs an explicit
-    mask about 2x slower (34.4 ms against 15.2 for the split above at 1M): a chunk after cached tokens runs as two
+    mask about 2x slower (33-34 ms against 14.8 for the split below at 1M): a chunk after cached tokens runs as two
     calls, its context unmasked and its own c keys causal (a square, where top-left is bottom-right), merged by the
     two parts' log-sum-exp (``merge_by_lse``)."""
     c, L = q.shape[2], keys.shape[2]
@@ -62,8 +63,8 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if q.is_cuda
                     else [SDPBackend.MATH])
         with sdpa_kernel(backends):
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(c, L) if c > 1 else None,
-                                                  enable_gqa=True)
+            mask = causal_lower_right(c, L) if c > 1 else None
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
     if sdpa != "cudnn":
         raise ValueError(f"sdpa={sdpa!r}: flash or cudnn")
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention  # (q, k, v, bias, lse?, dropout, causal, debug)

@@ -282,7 +282,8 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int, sdpa: str = "a
     llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
                      cuda_graphs=args.cuda_graphs)
     dev = llm.device
-    DenseRunner(llm, WARMUP_TOKENS + 2, sdpa=sdpa).generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # warm up
+    warm = DenseRunner(llm, WARMUP_TOKENS + 2, sdpa=sdpa)
+    warm.generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # compile, warm up
     runner = DenseRunner(llm, len(ids) + args.decode_steps + 2, sdpa=sdpa)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -295,7 +296,8 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int, sdpa: str = "a
     sync(dev)
     decode = (time.perf_counter() - start) / args.decode_steps
     return {"kv": kv_label(llm.dtype, "none"), "prefill_s": prefill, "decode_ms": decode * 1e3, "hit_rate": None,
-            "chunk": chunk, "sdpa": runner.sdpa, "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
+            "chunk": chunk, "sdpa": runner.sdpa,
+            "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
 
 
 def measure_hf(config: dict, ids: list[int], args) -> dict:
@@ -631,8 +633,8 @@ def add_parser(subparsers) -> None:
                    help="baselines: dense (SDPA over a contiguous rotated cache, prefill in --chunk-size "
                         "chunks by cuDNN on Hopper and flash elsewhere, decode steps as CUDA graphs), dense:chunk=N or "
                         "dense:chunk=all (the prompt in one pass), dense:sdpa=flash or dense:sdpa=cudnn (the prefill's "
-                        "SDPA backend named; settings joined by ';'), transformers (Hugging Face transformers' SDPA on the same weights: one-pass prefill, "
-                        "DynamicCache decode); and engine policies, each optionally NAME:KEY=VALUE;... with its own "
+                        "SDPA backend named; settings joined by ';'), transformers (Hugging Face transformers' SDPA "
+                        "on the same weights: one-pass prefill, DynamicCache decode); and engine policies, each optionally NAME:KEY=VALUE;... with its own "
                         "settings, e.g. tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's "
                         "speed). Every x is against the fastest baseline of the run at that length, prefill and "
                         "decode each their own (default: dense,full,streaming,infllm,tokenselect)")
