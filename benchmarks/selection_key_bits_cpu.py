@@ -8,6 +8,8 @@ reference's vote mass the chosen tokens carry (mass), and how much of the refere
 holds (a two-stage selection's first stage over narrow keys, its second rescoring those over the full ones).
 
     PYTHONPATH=$PWD/benchmarks python3 benchmarks/selection_key_bits_cpu.py --model smollm2-135m-instruct
+    PYTHONPATH=$PWD/benchmarks python3 benchmarks/selection_key_bits_cpu.py --model qwen2.5-coder-0.5b-instruct \
+        --dense-until 0
 
 Forms (bytes a token and kv head at head_dim d, scales in fp16 unless said):
 - fp8: the engine's selection keys today, e4m3 by a plain cast (d);
@@ -62,10 +64,10 @@ FORMS = {
 }
 
 
-def record(model: str, tokens: int, steps: int, every: int) -> tuple[list[dict], int]:
-    """The policy's k and, for every ``every``-th head soft vote call past the prompt's first quarter, the query,
-    the live candidates' keys (fp32 copies, [N, n_kv, d]) and the scale, tagged prefill or decode."""
-    llm = LLM(model, "tokenselect", kernels="torch", theta=None, kv_cache_tokens=tokens + steps + 64)
+def record(model: str, tokens: int, steps: int, every: int, settings: dict) -> tuple[list[dict], int]:
+    """The policy's k and, for every ``every``-th head soft vote call, the query, the live candidates' keys (fp32
+    copies, [N, n_kv, d]) and the scale, tagged prefill or decode. settings: TokenSelect's own, beside theta off."""
+    llm = LLM(model, "tokenselect", kernels="torch", theta=None, kv_cache_tokens=tokens + steps + 64, **settings)
     policy = llm.policy
     vote = policy.kernels.head_soft_vote
     calls, seen, phase = [], [0], ["prefill"]
@@ -121,12 +123,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--every", type=int, default=7, help="record every N-th vote call (all layers come round)")
+    ap.add_argument("--dense-until", type=int, help="TokenSelect's dense_until (0: select inside the window too, "
+                                                        "for a model whose window holds TOKENS)")
     ap.add_argument("--k", type=int, action="append",
                     help="the top-k sizes compared (repeatable; default the policy's k and 256: at 16K tokens the "
                          "policy's 2048 is an eighth of the candidates, where at 1M it is 0.2%%)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    calls, policy_k = record(args.model, args.tokens, args.steps, args.every)
+    settings = {} if args.dense_until is None else {"dense_until": args.dense_until}
+    calls, policy_k = record(args.model, args.tokens, args.steps, args.every, settings)
     for k in args.k or [policy_k, 256]:
         results = compare(calls, k)
         print(f"\n| {args.model}, {args.tokens} tokens of prose, k {k}: form | phase | calls | recall mean | recall min "
