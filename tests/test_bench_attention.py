@@ -74,3 +74,27 @@ def test_full_size_on_cpu_is_refused(tmp_path):
     args = parse("--device", "cpu", "--output", str(tmp_path))
     with pytest.raises(SystemExit, match="--tiny"):
         args.func(args)
+
+
+def test_a_backend_that_cannot_be_captured_is_left_out_and_named(monkeypatch):
+    """cuDNN's dense call failing in a CUDA graph leaves flash's time alone, with the refusal in the row; flash
+    failing is an error."""
+    class Layer:  # dense(c, sdpa) -> what graph_ms is handed: the backend's name, or "broken" for those listed
+        def __init__(self, broken):
+            self.broken = broken
+
+        def dense(self, c, sdpa):
+            return "broken" if sdpa in self.broken else sdpa
+
+    def graph_ms(fn):
+        if fn == "broken":
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return {"flash": 1.0, "cudnn": 0.5}[fn]
+
+    monkeypatch.setattr(attention, "graph_ms", graph_ms)
+    row = {}
+    assert attention.graph_dense(Layer(["cudnn"]), 1, ["flash", "cudnn"], row) == {"flash": 1.0}
+    assert row["sdpa_errors"] == {"cudnn, 1 queries, in a graph": "operation not permitted when stream is capturing"}
+    assert attention.graph_dense(Layer([]), 1, ["flash", "cudnn"], {}) == {"flash": 1.0, "cudnn": 0.5}
+    with pytest.raises(RuntimeError, match="capturing"):
+        attention.graph_dense(Layer(["flash"]), 1, ["flash", "cudnn"], {})
