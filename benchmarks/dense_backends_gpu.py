@@ -10,10 +10,10 @@ aligned: the chunk's queries are the last keys), a whole causal prompt in one pa
 over 128K and 1M keys, 8 decode queries over 32K keys each (unmasked, and with a padding mask, which a batch
 of caches of different lengths needs: cuDNN has no per-sequence key length here). A backend that refuses a mask
 form is tried in the next form: the ``causal_lower_right`` bias, a boolean mask tensor, and (cuDNN, which takes
-only a top-left causal flag) the chunk split in two, its context unmasked and its own c keys causal, merged by the two parts'
-log-sum-exp. GQA is tried with ``enable_gqa``, then with the kv heads repeated to 32 (the repeat not timed; the
-row says so). Milliseconds are medians of 10 calls after 3 warm-up calls, timed by CUDA events. Writes
-OUTDIR/dense_backends.json and OUTDIR/dense_backends.md.
+only a top-left causal flag) the chunk split in two, its context unmasked and its own c keys causal, merged by the
+two parts' log-sum-exp (the benches' own ``bench.dense.causal_attention``). GQA is tried with ``enable_gqa``, then
+with the kv heads repeated to 32 (the repeat not timed; the row says so). Milliseconds are medians of 10 calls
+after 3 warm-up calls, timed by CUDA events. Writes OUTDIR/dense_backends.json and OUTDIR/dense_backends.md.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+from tokenselect.bench.dense import causal_attention
 
 H, KV, D = 32, 8, 128
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -44,19 +46,6 @@ def median_ms(fn, reps: int = 10, warm: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
-
-
-def cudnn_split(q, k, v):
-    """Bottom-right causal attention of q [B, H, c, d] over k, v [B, H, L, d] by cuDNN's aten op in two parts: the
-    first L - c keys unmasked, the last c causal (square: top-left == bottom-right), merged by log-sum-exp."""
-    c, L = q.shape[2], k.shape[2]
-    op = torch.ops.aten._scaled_dot_product_cudnn_attention
-    out_a, lse_a = op(q, k[:, :, :L - c], v[:, :, :L - c], None, True, 0.0, False, False)[:2]
-    out_b, lse_b = op(q, k[:, :, L - c:], v[:, :, L - c:], None, True, 0.0, True, False)[:2]
-    lse_a, lse_b = lse_a.view(*q.shape[:3], 1).float(), lse_b.view(*q.shape[:3], 1).float()
-    top = torch.maximum(lse_a, lse_b)
-    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    return ((out_a.float() * wa + out_b.float() * wb) / (wa + wb)).to(q.dtype)
 
 
 def case(name: str, batch: int, c: int, L: int, gen: torch.Generator) -> list[dict]:
@@ -112,10 +101,10 @@ def case(name: str, batch: int, c: int, L: int, gen: torch.Generator) -> list[di
             row = {"case": name, "batch": batch, "queries": c, "keys": L, "backend": "cudnn",
                    "mask": "split, lse merge", "gqa": gqa}
             try:
-                out = cudnn_split(q, kk, vv)
+                out = causal_attention(q, kk, vv, "cudnn")
                 torch.cuda.synchronize()
                 row["max_abs_diff_vs_first"] = float((out.float() - want["causal_lower_right"].float()).abs().max())
-                row["ms"] = round(median_ms(lambda: cudnn_split(q, kk, vv)), 3)
+                row["ms"] = round(median_ms(lambda: causal_attention(q, kk, vv, "cudnn")), 3)
                 print(json.dumps(row), flush=True)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
