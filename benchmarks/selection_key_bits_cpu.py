@@ -134,8 +134,9 @@ def main() -> None:
     calls, policy_k = record(args.model, args.tokens, args.steps, args.every, settings)
     for k in args.k or [policy_k, 256]:
         results = compare(calls, k)
-        print(f"\n| {args.model}, {args.tokens} tokens of prose, k {k}: form | phase | calls | recall mean | recall min "
-              f"| mass mean | mass min | top-2k holds (min) | top-4k holds (min) |\n|---|---|---|---|---|---|---|---|---|")
+        print(f"\n| {args.model}, {args.tokens} tokens of prose, k {k}: form | phase | calls | recall mean "
+              f"| recall min | mass mean | mass min | top-2k holds (min) | top-4k holds (min) |\n"
+              f"|---|---|---|---|---|---|---|---|---|")
         for (phase, name), rows in sorted(results.items(), key=lambda kv: (kv[0][0], list(FORMS).index(kv[0][1]))):
             recall, mass, held2, held4 = zip(*rows)
             print(f"| {name} | {phase} | {len(rows)} | {sum(recall) / len(rows):.1%} | {min(recall):.1%} | "

@@ -634,7 +634,8 @@ def add_parser(subparsers) -> None:
                         "chunks by cuDNN on Hopper and flash elsewhere, decode steps as CUDA graphs), dense:chunk=N or "
                         "dense:chunk=all (the prompt in one pass), dense:sdpa=flash or dense:sdpa=cudnn (the prefill's "
                         "SDPA backend named; settings joined by ';'), transformers (Hugging Face transformers' SDPA "
-                        "on the same weights: one-pass prefill, DynamicCache decode); and engine policies, each optionally NAME:KEY=VALUE;... with its own "
+                        "on the same weights: one-pass prefill, DynamicCache decode); and engine policies, each "
+                        "optionally NAME:KEY=VALUE;... with its own "
                         "settings, e.g. tokenselect:theta=-1 (the Selection Cache always reuses: the hit path's "
                         "speed). Every x is against the fastest baseline of the run at that length, prefill and "
                         "decode each their own (default: dense,full,streaming,infllm,tokenselect)")
