@@ -17,8 +17,11 @@ import argparse
 
 from tokenselect.bench.e2e import CONFIGS
 from tokenselect.bench.floors import decode_floor, weight_bytes
+from tokenselect.policies.tokenselect import TokenSelectSettings
 
-TOKENSELECT = {"attention": "tokenselect", "k": 2048, "n_init": 128, "n_local": 512, "dense_until": 0}
+DEFAULTS = TokenSelectSettings()  # the policy's own defaults, selecting from the first token past its fixed ones
+TOKENSELECT = {"attention": "tokenselect", "k": DEFAULTS.k, "n_init": DEFAULTS.n_init, "n_local": DEFAULTS.n_local,
+               "dense_until": 0}
 
 
 def batch_floor_ms(config: dict, settings: dict | None, length: int, batch: int, bandwidth: float,
