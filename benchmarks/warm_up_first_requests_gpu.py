@@ -4,12 +4,13 @@ the next in the bench).
 
 For each setting, a fresh process (an engine of the model given, or the shipped one, at its defaults) on an empty
 Triton cache (``TRITON_CACHE_DIR``): the seconds to build the engine and to warm it up, then requests of token-id
-prompts of ragged lengths near the warm-up's, one after another, each timed to its answer with ``max_tokens`` 1
-(its time to first token: the prefill's), then a second round of the same lengths (compiled by then: what a warmed
-engine should show from the first). No HTTP: the server's warm-up is this call (the device machine has no web
-stack: uvicorn).
+prompts of ragged lengths (near the warm-up's, or near ``--request-tokens``), one after another, each timed to its
+answer with ``max_tokens`` 1 (its time to first token: the prefill's; ``--max-tokens`` for decode steps too), then
+a second round of the same lengths (compiled by then: what a warmed engine should show from the first). No HTTP:
+the server's warm-up is this call (the device machine has no web stack: uvicorn).
 
-    PYTHONPATH=$PWD python3 benchmarks/warm_up_first_requests_gpu.py OUTDIR [--tokens N] [--model M] [--device cuda]
+    PYTHONPATH=$PWD python3 benchmarks/warm_up_first_requests_gpu.py OUTDIR [--tokens N] [--request-tokens N]
+        [--warm-ups N,N,..] [--max-tokens N] [--model M] [--device cuda]
 
 Writes OUTDIR/warm_up_first_requests.{json,md}.
 """
@@ -53,13 +54,14 @@ def timed_requests(args, phase: list[str], compiles: list[dict]) -> dict:
     if args.device == "cuda":
         torch.cuda.synchronize()
     row["warm_up_s"] = round(time.perf_counter() - started, 2)
-    lengths = [args.tokens - 5, args.tokens * 3 // 4 - 3, args.tokens // 2 + 7]
+    n = args.request_tokens or args.tokens
+    lengths = [n - 5, n * 3 // 4 - 3, n // 2 + 7]
     for round_ in (1, 2):
         for n in lengths:
             prompt = [rng.randrange(100, vocab) for _ in range(n)]
             phase[0] = f"round {round_}: {n}"
             t = time.perf_counter()
-            llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+            llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
             seconds = round(time.perf_counter() - t, 3)
             named = [f"{c['kernel']} {c['seconds']:.2f} s ({', '.join(changed_args(c, compiles)) or 'new'})"
                      for c in compiles if c["phase"] == phase[0]]
@@ -71,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("output", type=Path)
     ap.add_argument("--tokens", type=int, default=32768, help="the warm-up prompt's length (default 32768)")
+    ap.add_argument("--request-tokens", type=int, default=None,
+                    help="the longest request's length, about (default: --tokens); the others 3/4 and 1/2 of it")
+    ap.add_argument("--warm-ups", default=None,
+                    help="comma-separated warm-up lengths to compare (default: 0 and --tokens)")
+    ap.add_argument("--max-tokens", type=int, default=1,
+                    help="tokens each request generates (default 1: its time to first token; more: its decode too)")
     ap.add_argument("--model", default=None, help="default: the shipped model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--warm-up", type=int, default=None, help=argparse.SUPPRESS)  # set in the child processes
@@ -78,18 +86,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.warm_up is not None:
         return child(args)
     rows = []
-    for warm_up in (0, args.tokens):
+    warm_ups = [int(w) for w in args.warm_ups.split(",")] if args.warm_ups else [0, args.tokens]
+    for warm_up in warm_ups:
         root = str(Path(__file__).resolve().parent.parent)  # this tree's tokenselect, whatever is installed
         env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton_"),
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, __file__, str(args.output), "--tokens", str(args.tokens), "--device", args.device,
-                   "--warm-up", str(warm_up)] + (["--model", args.model] if args.model else [])
+                   "--warm-up", str(warm_up), "--request-tokens", str(args.request_tokens or args.tokens),
+                   "--max-tokens", str(args.max_tokens)]
+        command += ["--model", args.model] if args.model else []
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "warm_up_first_requests.json").write_text(json.dumps(
-        {"tokens": args.tokens, "model": args.model, "device": args.device, "rows": rows}, indent=1))
+        {"tokens": args.tokens, "request_tokens": args.request_tokens or args.tokens, "max_tokens": args.max_tokens,
+         "model": args.model, "device": args.device, "rows": rows}, indent=1))
     lines = ["| warm-up tokens | engine built s | warm-up s | " + " | ".join(
         f"round {r['round']}: {r['tokens']} tokens s" for r in rows[0]["requests"]) + " |",
         "|---|---|---|" + "---|" * len(rows[0]["requests"])]

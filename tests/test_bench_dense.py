@@ -125,6 +125,22 @@ def test_dense_runner_prefills_alike_with_cudnn_and_flash(tiny_llama):
         flash.reset(), cudnn.reset()
 
 
+def test_dense_runner_builds_plans_only_for_cudnn_and_forgets_the_prompt(tiny_llama):
+    """``build_plans`` prefills the prompt untimed with cuDNN (its execution plans, one per chunk shape, cached) and
+    leaves the runner empty: its next prefill is a fresh runner's; with flash it does nothing."""
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    llm = LLM(tiny_llama, "full", chunk_size=32, dtype=dtype)
+    prompt = ids(150, 5)
+    flash = DenseRunner(llm, 200, sdpa="flash")
+    assert not flash.build_plans(prompt, 32) and flash.lengths == [0]
+    if not torch.cuda.is_available():
+        return
+    fresh, warmed = DenseRunner(llm, 200, sdpa="cudnn"), DenseRunner(llm, 200, sdpa="cudnn")
+    assert warmed.build_plans(prompt, 32) and warmed.lengths == [0]
+    torch.testing.assert_close(warmed.prefill(prompt, 32), fresh.prefill(prompt, 32), rtol=0, atol=0)
+    assert warmed.lengths == [150]
+
+
 def test_dense_runner_refuses_length_dependent_rope(tiny_llama):
     """Keys rotated once when cached cannot follow dynamic NTK's changing frequencies."""
     with pytest.raises(ValueError, match="dynamic NTK"):

@@ -52,15 +52,18 @@ def test_the_compile_probe_times_the_warm_up_and_each_repeat(tmp_path):
 
 def test_the_warm_up_probe_times_first_requests_with_and_without_it(tmp_path):
     """On the CPU (no Triton compile): an engine of the shipped model in a process of its own without a warm-up and
-    one with it, each timing the same three ragged prompts twice; the warm-up's seconds only where it ran."""
-    load("warm_up_first_requests_gpu").main([str(tmp_path), "--tokens", "300", "--device", "cpu"])
+    one with it, each timing the same three ragged prompts (near --request-tokens) twice; the warm-up's seconds only
+    where it ran."""
+    load("warm_up_first_requests_gpu").main([str(tmp_path), "--tokens", "300", "--request-tokens", "320",
+                                             "--warm-ups", "0,300", "--max-tokens", "2", "--device", "cpu"])
     result = json.loads((tmp_path / "warm_up_first_requests.json").read_text())
+    assert (result["tokens"], result["request_tokens"], result["max_tokens"]) == (300, 320, 2)
     cold, warm = result["rows"]
     assert (cold["warm_up_tokens"], warm["warm_up_tokens"]) == (0, 300)
     assert cold["warm_up_s"] == 0 and warm["warm_up_s"] > 0
     for row in result["rows"]:
-        assert [(r["round"], r["tokens"]) for r in row["requests"]] == [(1, 295), (1, 222), (1, 157)] + [
-            (2, 295), (2, 222), (2, 157)]
+        assert [(r["round"], r["tokens"]) for r in row["requests"]] == [(1, 315), (1, 237), (1, 167)] + [
+            (2, 315), (2, 237), (2, 167)]
         assert all(r["seconds"] > 0 and r["compiles"] == [] for r in row["requests"])
     assert "| 300 |" in (tmp_path / "warm_up_first_requests.md").read_text()
 

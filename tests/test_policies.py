@@ -538,6 +538,7 @@ def test_selective_policies_attend_densely_up_to_the_window_and_select_past_it(t
     assert policy.mode(255, 1) == ALL and policy.mode(224, 32) == ALL  # last position 255: inside
     assert policy.mode(256, 1) == SELECT and policy.mode(225, 32) == SELECT  # one past the window
     assert policy.mode(20, 1) == ALL  # below n_init + budget + n_local the list holds everything anyway
+    assert policy.selection_threshold == 256  # the window dominates: a decode step after 256 cached tokens selects
     ids = torch.randint(2, 300, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     dense = llm.prompt_logits(ids)
     llm.set_attention("full")
@@ -620,6 +621,19 @@ def test_a_selective_policy_runs_as_a_graph_while_it_selects_or_with_the_values_
         assert policy.mode(5, 1) == ALL and policy.mode(100, 1) == SELECT
         assert policy.graph_ready(100, 1)
         assert policy.graph_ready(5, 1) == (cache is on_device)
+
+
+def test_selection_threshold_is_the_first_length_whose_steps_select():
+    """``selection_threshold``: a decode step after that many cached tokens selects, one after one fewer attends
+    every token, whether the list's capacity (1 + 4 + 1 tokens: 7) or ``dense_until`` (40) sets it; full attention
+    never selects."""
+    from tokenselect.policies.full import FullAttention
+    cache = KVCache(1, 16, 2, 8, torch.float32, torch.device("cpu"))
+    for dense_until, want in ((0, 7), (7, 7), (40, 40)):
+        policy = TokenSelect(cache, TORCH, k=4, n_init=1, n_local=1, dense_until=dense_until)
+        assert policy.selection_threshold == want
+        assert (policy.mode(want - 1, 1), policy.mode(want, 1), policy.mode(want, 8)) == (ALL, SELECT, SELECT)
+    assert FullAttention(cache, TORCH).selection_threshold is None
 
 
 def test_tokenselect_graph_state_is_its_selection_cache():

@@ -17,7 +17,7 @@ from tokenselect.engine import LLM
 from tokenselect.errors import TokenSelectError
 from tokenselect.sampling import SamplingParams
 from tokenselect.cli import build_parser, cmd_serve
-from tokenselect.server import create_app, uvicorn_config
+from tokenselect.server import create_app, uvicorn_config, warm_up_prompt
 from tokenselect.server_options import ServerOptions
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -330,3 +330,20 @@ def test_warm_up_runs_before_the_server_listens(checkpoint, reference):
     for bad in (-1, llm.max_model_len - 16):
         with pytest.raises(TokenSelectError, match="--warm-up-tokens"):
             create_app(llm, NAME, ServerOptions(warm_up_tokens=bad))
+
+
+def test_the_default_warm_up_passes_the_selection_threshold_on_a_gpu_only(checkpoint):
+    """Unset, --warm-up-tokens is ``LLM.default_warm_up_tokens`` on a GPU: two prefill chunks past the policy's
+    selection threshold (two chunks for full attention), capped to what a request may hold; on a CPU none."""
+    llm = LLM(checkpoint, **SETTINGS)
+    threshold = llm.policy.selection_threshold
+    assert threshold == llm.window == 256  # dense_until: the window, past TokenSelect's list of the tiny model
+    assert llm.default_warm_up_tokens() == threshold + 2 * 32
+    prompt = warm_up_prompt(llm, None)
+    assert len(prompt) == (threshold + 64 if llm.device.type == "cuda" else 0)
+    assert len(warm_up_prompt(llm, 0)) == 0 and len(warm_up_prompt(llm, 100)) == 100
+    small = LLM(checkpoint, "tokenselect", kv_cache_tokens=300, chunk_size=32)
+    assert small.default_warm_up_tokens() == small.max_model_len - 17  # the warm-up's 16 decode steps + 1 fit
+    warm_up_prompt(small, small.default_warm_up_tokens())  # a request the engine takes
+    full = LLM(checkpoint, "full", kv_cache_tokens=4096, chunk_size=32)
+    assert full.default_warm_up_tokens() == 64

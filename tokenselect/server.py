@@ -519,9 +519,12 @@ def check_fields(body: _Request, options: ServerOptions) -> None:
         check_text(s, "stop")
 
 
-def warm_up_prompt(llm, tokens: int) -> list[int]:
-    """``--warm-up-tokens``' prompt for ``LLM.warm_up``: the vocabulary's ids in turn ([] for none), checked as a
-    request of the warm-up's first prompt; TokenSelectError naming the flag for one the engine cannot serve."""
+def warm_up_prompt(llm, tokens: int | None) -> list[int]:
+    """``--warm-up-tokens``' prompt for ``LLM.warm_up``: the vocabulary's ids in turn ([] for none; None: on a GPU
+    ``LLM.default_warm_up_tokens``, none on a CPU), checked as a request of the warm-up's first prompt;
+    TokenSelectError naming the flag for one the engine cannot serve."""
+    if tokens is None:
+        return warm_up_prompt(llm, llm.default_warm_up_tokens() if llm.device.type == "cuda" else 0)
     prompt = [i % llm.config.vocab_size for i in range(max(tokens, 0))]
     try:
         if tokens < 0:

@@ -48,10 +48,12 @@ class ServerOptions:
     retry_after: int = _option(1, "seconds a 429 tells the client to wait (Retry-After)", type=int, metavar="SECONDS")
     shutdown_timeout: float = _option(30.0, "seconds running requests get to finish on shutdown (SIGTERM, "
                                             "Ctrl-C); then they are aborted", type=float, metavar="SECONDS")
-    warm_up_tokens: int = _option(
-        0, "before taking requests, serve a prompt of this many tokens and two a few shorter that end inside a "
-           "chunk (LLM.warm_up), so that the first requests do not wait for kernel compiles and CUDA graph captures "
-           "(past the policy's selection threshold to warm its selection too); 0: none", type=int, metavar="N")
+    warm_up_tokens: int | None = _option(
+        None, "before taking requests, serve a prompt of this many tokens and two a few shorter that end inside a "
+              "chunk (LLM.warm_up), so that the first requests do not wait for kernel compiles and CUDA graph "
+              "captures; 0: none; default: on a GPU two prefill chunks past the policy's selection threshold "
+              "(LLM.default_warm_up_tokens: 12,289 for TokenSelect on a model of an 8K window), none on a CPU",
+        type=int, metavar="N")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOptions":

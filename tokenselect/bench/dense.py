@@ -227,6 +227,18 @@ class DenseRunner:
             logits = self.forward(t[start:start + chunk_size], seq)
         return logits
 
+    def build_plans(self, ids: list[int], chunk_size: int) -> bool:
+        """With cuDNN: prefill ``ids`` in chunks of ``chunk_size`` untimed and forget them, so that cuDNN's execution
+        plan for each of the prompt's chunk shapes is built (on the host, about 62 ms each on an H200 at 64K keys,
+        against 1 ms of attention: ``results/supporting/dense_chunk_lengths_h200.md``) and cached, as a server in
+        steady state has them (a chunk's context is a multiple of the chunk size). True if it ran; flash builds
+        no plans (False)."""
+        if self.sdpa != "cudnn":
+            return False
+        self.prefill(ids, chunk_size)
+        self.reset()
+        return True
+
     def reset(self) -> None:
         """Forget every sequence (the cache is reused from its start; the recorded graphs stay valid)."""
         self.lengths = [0] * self.batch

@@ -285,6 +285,7 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int, sdpa: str = "a
     warm = DenseRunner(llm, WARMUP_TOKENS + 2, sdpa=sdpa)
     warm.generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # compile, warm up
     runner = DenseRunner(llm, len(ids) + args.decode_steps + 2, sdpa=sdpa)
+    runner.build_plans(ids, chunk)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     token, prefill = timed(dev, lambda: runner.prefill(ids, chunk).argmax())

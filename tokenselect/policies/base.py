@@ -141,6 +141,12 @@ class AttentionPolicy:
         """What a step of ``w`` tokens after ``t`` cached ones does (``SeqStep.mode``), decided on the host."""
         return ALL
 
+    @property
+    def selection_threshold(self) -> int | None:
+        """The fewest cached tokens from which every step selects (``mode``); None for a policy that attends every
+        token. A warm-up prompt past it compiles the selection (``LLM.default_warm_up_tokens``)."""
+        return None
+
     def prepare(self, seq_id: int, slots: torch.Tensor, t: int, capacity: int, decode: bool,
                 q_shape: tuple[int, int, int], q_dtype: torch.dtype) -> int:
         """Host work before a step of the sequence; returns its row of per-sequence state (``SeqStep.row``).
@@ -288,6 +294,11 @@ class SelectivePolicy(AttentionPolicy):
         if t <= self.n_init + self.budget + self.n_local or t + w <= self.dense_until:
             return ALL
         return SELECT
+
+    @property
+    def selection_threshold(self) -> int:
+        """Past the list's capacity and at ``dense_until`` (a step of w >= 1 tokens then ends past it)."""
+        return max(self.n_init + self.budget + self.n_local + 1, self.dense_until)
 
     def graph_ready(self, t: int, w: int = 1) -> bool:
         """Once it selects (the list's length no longer moves), and while it attends every token: that list is
