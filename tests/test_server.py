@@ -347,3 +347,6 @@ def test_the_default_warm_up_passes_the_selection_threshold_on_a_gpu_only(checkp
     warm_up_prompt(small, small.default_warm_up_tokens())  # a request the engine takes
     full = LLM(checkpoint, "full", kv_cache_tokens=4096, chunk_size=32)
     assert full.default_warm_up_tokens() == 64
+    from tokenselect.bench.e2e import CONFIGS  # an 8K window at the engine's defaults: the figure --help gives
+    eight_k = LLM.random({**CONFIGS["tiny"], "max_position_embeddings": 8192}, "tokenselect", kv_cache_tokens=20000)
+    assert (eight_k.chunk_size, eight_k.default_warm_up_tokens()) == (2048, 12288)

@@ -680,8 +680,8 @@ class LLM:
         """The length of the warm-up prompt a server serves by default on a GPU (``warm_up``; ``tokenselect serve
         --warm-up-tokens``): two prefill chunks past the default policy's selection threshold (two chunks for one
         that never selects), so that its selecting prefill chunks and decode steps compile and record their
-        graphs; at most what one request may hold. On an H200 a 120K-token request after such a warm-up compiled
-        only merge-kernel variants for its split count, 0.6 s (``benchmarks/results/supporting/
+        graphs; at most what one request may hold. On an H200 a first 120K-token request after such a warm-up
+        compiled one variant of the split merge kernel (0.43 s), and nothing else (``benchmarks/results/supporting/
         warm_up_past_threshold_h200.md``)."""
         tokens = (self.policy.selection_threshold or 0) + 2 * self.chunk_size
         return max(0, min(tokens, self.max_model_len - WARMUP_DECODE_STEPS - 1))

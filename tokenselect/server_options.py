@@ -52,7 +52,7 @@ class ServerOptions:
         None, "before taking requests, serve a prompt of this many tokens and two a few shorter that end inside a "
               "chunk (LLM.warm_up), so that the first requests do not wait for kernel compiles and CUDA graph "
               "captures; 0: none; default: on a GPU two prefill chunks past the policy's selection threshold "
-              "(LLM.default_warm_up_tokens: 12,289 for TokenSelect on a model of an 8K window), none on a CPU",
+              "(LLM.default_warm_up_tokens: 12,288 for TokenSelect on a model of an 8K window), none on a CPU",
         type=int, metavar="N")
 
     @classmethod
