@@ -312,7 +312,7 @@ def test_serve_command_line(checkpoint):
     assert ServerOptions.from_args(args).allowed_hosts == ("a.example", "*.b.example")
 
 
-def test_warm_up_runs_before_the_server_listens(checkpoint, reference):
+def test_warm_up_runs_before_the_server_listens(checkpoint, reference, capsys):
     """--warm-up-tokens: the engine serves the warm-up (a prompt past TokenSelect's selection threshold, then two
     ending inside a chunk) before uvicorn listens; it leaves every KV slot free and no prompt in the prefix cache,
     and the requests after it get what ``LLM.generate`` gives. A warm-up the engine cannot serve is refused."""
@@ -327,6 +327,8 @@ def test_warm_up_runs_before_the_server_listens(checkpoint, reference):
         body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         assert got == expected(reference, PROMPTS[1], max_tokens=8, temperature=0)
+    said = capsys.readouterr().err  # what the user sees while waiting, and after
+    assert "warming up on a 300-token prompt" in said and "--warm-up-tokens 0" in said and "warmed up in" in said
     for bad in (-1, llm.max_model_len - 16):
         with pytest.raises(TokenSelectError, match="--warm-up-tokens"):
             create_app(llm, NAME, ServerOptions(warm_up_tokens=bad))

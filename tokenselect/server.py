@@ -563,6 +563,8 @@ def create_app(llm, served_model_name: str | None = None, options: ServerOptions
     @asynccontextmanager
     async def lifespan(app):
         if warm_up:  # before the engine thread takes it, and before uvicorn listens
+            print(f"tokenselect: warming up on a {len(warm_up):,}-token prompt before listening (--warm-up-tokens 0 "
+                  f"skips it)", file=sys.stderr, flush=True)
             started = time.perf_counter()
             await asyncio.to_thread(llm.warm_up, warm_up)
             print(f"tokenselect: warmed up in {time.perf_counter() - started:.1f} s ({len(warm_up)} prompt tokens)",
