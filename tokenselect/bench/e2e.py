@@ -634,7 +634,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths, e.g. 32k,128k,512k,1m")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="baselines: dense (SDPA over a contiguous rotated cache, prefill in --chunk-size "
-                        "chunks by cuDNN on Hopper and flash elsewhere, decode steps as CUDA graphs), dense:chunk=N or "
+                        "chunks by cuDNN on Hopper, its plan for each chunk shape built by an untimed pass first as "
+                        "a server in steady state has them, and flash elsewhere; decode steps as CUDA graphs), "
+                        "dense:chunk=N or "
                         "dense:chunk=all (the prompt in one pass), dense:sdpa=flash or dense:sdpa=cudnn (the prefill's "
                         "SDPA backend named; settings joined by ';'), transformers (Hugging Face transformers' SDPA "
                         "on the same weights: one-pass prefill, DynamicCache decode); and engine policies, each "
