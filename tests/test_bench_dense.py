@@ -92,6 +92,10 @@ def test_sdpa_backend_auto_and_names():
         sdpa_backend("cudnn", cpu)
     with pytest.raises(ValueError, match="one of auto, flash, cudnn"):
         sdpa_backend("math", cpu)
+    cuda = torch.device("cuda")  # the dtype rule needs no GPU: it is decided before one is asked for
+    with pytest.raises(ValueError, match="sdpa=cudnn takes bf16 or fp16, not torch.float32"):
+        sdpa_backend("cudnn", cuda, torch.float32)
+    assert sdpa_backend("auto", cuda, torch.float32) == "flash"
     if torch.cuda.is_available():
         hopper = torch.cuda.get_device_capability()[0] == 9
         assert sdpa_backend("auto", torch.device("cuda")) == ("cudnn" if hopper else "flash")

@@ -33,19 +33,23 @@ from ..rope import rotate
 SDPA_CHOICES = ("auto", "flash", "cudnn")
 
 
-def sdpa_backend(sdpa: str, device: torch.device) -> str:
-    """The SDPA backend a dense prefill runs (``causal_attention``): ``flash`` or ``cudnn`` as named; ``auto``:
-    cuDNN on a Hopper GPU (compute capability 9.x), where it ran a 512-query chunk over 1M keys in 14.8 ms against
-    flash's 30.2 and a 128K prompt's one pass 1.7x faster (results/supporting/dense_backends_h200.md; slower than
-    flash on Ampere and Blackwell, by transformers' measurements), flash elsewhere."""
+def sdpa_backend(sdpa: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The SDPA backend a dense prefill of ``dtype`` runs (``causal_attention``): ``flash`` or ``cudnn`` as named;
+    ``auto``: cuDNN on a Hopper GPU (compute capability 9.x), where it ran a 512-query chunk over 1M keys in 14.8 ms
+    against flash's 30.2 and a 128K prompt's one pass 1.7x faster (results/supporting/dense_backends_h200.md; slower
+    than flash on Ampere and Blackwell, by transformers' measurements), flash elsewhere and for a dtype cuDNN does
+    not take (it takes bf16 and fp16; flash's path falls back to the next backend that takes fp32)."""
     if sdpa not in SDPA_CHOICES:
         raise ValueError(f"sdpa={sdpa!r}: one of {', '.join(SDPA_CHOICES)}")
+    halves = dtype in (torch.bfloat16, torch.float16)
     if sdpa == "cudnn" and device.type != "cuda":
         raise ValueError(f"sdpa=cudnn runs on a CUDA device, not {device.type}")
+    if sdpa == "cudnn" and not halves:
+        raise ValueError(f"sdpa=cudnn takes bf16 or fp16, not {dtype}")
     if sdpa != "auto":
         return sdpa
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return "cudnn" if hopper and torch.backends.cudnn.is_available() else "flash"
+    hopper_halves = halves and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return "cudnn" if hopper_halves and torch.backends.cudnn.is_available() else "flash"
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sdpa: str = "flash") -> torch.Tensor:
@@ -102,13 +106,7 @@ class DenseRunner:
         self.batch, self.max_tokens = batch, max_tokens
         self.model, self.rope, self.device = llm.model, llm.rope, llm.device
         self.runner = llm.runner  # the engine's forward pass and CUDA graphs, as the policies run them
-        # cuDNN takes bf16 and fp16 only: with another dtype (fp32, in the tests) auto runs flash's path and its
-        # fallbacks, and a cudnn named is refused
-        self.sdpa = sdpa_backend(sdpa, llm.device)
-        if llm.dtype not in (torch.bfloat16, torch.float16) and self.sdpa == "cudnn":
-            if sdpa == "cudnn":
-                raise ValueError(f"sdpa=cudnn takes bf16 or fp16, not {llm.dtype}")
-            self.sdpa = "flash"
+        self.sdpa = sdpa_backend(sdpa, llm.device, llm.dtype)
         self.lengths = [0] * batch  # tokens cached, per sequence
         # the eager pass's work: (sequence, first row of its tokens in the pass, how many, positions [c]);
         # None while a decode step runs (``decode_attention``: its positions are ``self._positions``, on the device)
