@@ -26,7 +26,8 @@ from kernel_sass import resource_usage  # noqa: E402  (benchmarks/: a cubin's re
 H100 = GPUTarget("cuda", 90, 32)
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
         ("paged_dot", "paged_argmax", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check",
-         "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds", "query_mean")}
+         "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds", "query_mean",
+         "cudnn_attention")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, aligned: tuple = (), **options):
@@ -88,17 +89,29 @@ def main() -> None:
                     {"HALF": 64, "HALF_P": 64, "D_P": 128, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot,
                      "IEEE": ieee, "ROTATED": rotated, "SPLIT": split, "LIVE": live}, num_warps=warps,
                     num_stages=stages)
-            compile_one("sparse_attention", "_rotate_keys_kernel", {
-                "k_ptr": f"*{kv}", "slot_ptr": i64p, "kpos_ptr": i64p, "inv_freq_ptr": "*fp32", "out_ptr": f"*{q}",
-                "n_valid_ptr": i64p, "N": i32, "n_kv": i32, "rope_scale": f32, "k_stride_slot": i32,
-                "k_stride_kvh": i32, "slot_stride_b": i32, "kpos_stride_b": i32, "inv_stride_b": i32},
-                {"HALF": 64, "HALF_P": 64, "BLOCK_N": 32, "LIVE": live})
+            # the Triton path's keys (a graph's live prefix or the whole list); without one, cuDNN's path: the keys
+            # with the values gathered, and the queries (their own rows)
+            cudnn_path = ((False, True), (True, False)) if not live and not ieee else ()
+            for direct, gather_v in ((False, False),) + cudnn_path:
+                compile_one("sparse_attention", "_rotate_keys_kernel", {
+                    "k_ptr": f"*{q if direct else kv}", "slot_ptr": i64p, "kpos_ptr": i64p, "inv_freq_ptr": "*fp32",
+                    "out_ptr": f"*{q}", "n_valid_ptr": i64p, "N": i32, "n_kv": i32, "rope_scale": f32,
+                    "k_stride_slot": i32, "k_stride_kvh": i32, "slot_stride_b": i32, "kpos_stride_b": i32,
+                    "inv_stride_b": i32, "k_stride_b": i32, "v_ptr": f"*{kv}", "v_out_ptr": f"*{q}",
+                    "v_stride_slot": i32, "v_stride_kvh": i32},
+                    {"HALF": 64, "HALF_P": 64, "BLOCK_N": 8 if direct else 32, "LIVE": live, "DIRECT": direct,
+                     "GATHER_V": gather_v})
         block_r, block_n, warps, stages = mods["window_mass"].FP32_TILE if ieee else mods["window_mass"].TILE
         compile_one("window_mass", "_window_mass_kernel", {
             "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "C": i32, "N": i32, "W": i32,
             "n_local": i32, "G": i32, "H": i32, "qk_scale": f32, "k_stride_slot": i32, "k_stride_kvh": i32},
             {"D": 128, "D_P": 128, "G_P": 4, "BLOCK_R": block_r, "BLOCK_N": block_n, "DOT_TY": dot, "IEEE": ieee},
             num_warps=warps, num_stages=stages)
+    for out in ("*bf16", "*fp16"):  # cuDNN's two parts of a chunk merged into the engine's rows
+        compile_one("cudnn_attention", "_merge_kernel", {
+            "a_ptr": out, "la_ptr": "*fp32", "b_ptr": out, "lb_ptr": "*fp32", "out_ptr": out, "C": i32, "H": i32,
+            "D": i32, **{f"{x}_s{i}": i32 for x in ("a", "b", "la", "lb", "o") for i in range(3)}},
+            {"BLOCK_C": 32, "D_P": 128})
     compile_one("sparse_attention", "_merge_kernel", {
         "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "rows": i32, "splits": i32},
         {"D": 128, "D_P": 128, "SPLITS_P": 32, "BLOCK_S": 32, "BLOCK_ROWS": 2})

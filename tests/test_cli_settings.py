@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenselect import cli, engine
+from tokenselect.kernels.cudnn_attention import PlanBudget
 
 
 @pytest.fixture
@@ -66,6 +67,26 @@ def test_select_dtype_reaches_the_cache_the_policy_scores(tiny_llama, built, sel
     assert (llm.cache.k_select is llm.cache.k) is (want == llm.dtype)
 
 
+def test_chunk_attention_reaches_the_kernels_the_policy_attends_with(tiny_llama, built, capsys):
+    """--chunk-attention: auto is cuDNN's path on a Hopper GPU (the Triton kernels with
+    ``sparse_attention(cudnn=PlanBudget())``), the Triton kernel elsewhere; triton names the kernel; cudnn where
+    it cannot run is refused with the reason, and no engine is made."""
+    assert generate(tiny_llama, "--attention", "tokenselect", "--k", "8", "--n-init", "2", "--n-local", "4") == 0
+    assert generate(tiny_llama, "--attention", "tokenselect", "--chunk-attention", "triton") == 0
+    auto, named = built
+    hopper = auto.device.type == "cuda" and auto.dtype != torch.float32 and torch.cuda.get_device_capability()[0] == 9
+    assert auto.chunk_attention == ("cudnn" if hopper else "triton") and named.chunk_attention == "triton"
+    assert auto.kernels.name == ("triton+cudnn" if hopper else "triton" if auto.device.type == "cuda" else "torch")
+    assert named.kernels.name == ("triton" if named.device.type == "cuda" else "torch")
+    if hopper:
+        assert isinstance(auto.kernels.sparse_attention.keywords["cudnn"], PlanBudget)
+    if auto.device.type == "cpu":
+        capsys.readouterr()
+        assert generate(tiny_llama, "--chunk-attention", "cudnn") != 0
+        assert "error: chunk_attention=cudnn runs with the triton kernels on CUDA" in capsys.readouterr().err
+        assert len(built) == 2
+
+
 def test_defaults_fit_the_window_when_nothing_is_set(tiny_llama, built):
     """No flags and no file: the paper's defaults scaled to the 256-token window (k 2048 -> 64, ...)."""
     assert generate(tiny_llama, "--attention", "tokenselect") == 0
@@ -85,12 +106,12 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
         "--k 5 --n-init 1 --n-local 2 --theta 0.5 --selector topk --score-scale sqrt_d --span 3 --n-spans 4 "
         "--block-size 8 --repr-keys 2 --page-size 4 --positions original --kernels torch --rope-scaling dynamic:4 "
         "--chunk-size 48 --dtype float32 --device cpu --kv-cache-tokens 640 --kv-dtype fp8 --kv-offload values "
-        "--select-dtype fp8 --no-cuda-graphs".split())
+        "--select-dtype fp8 --no-cuda-graphs --chunk-attention triton".split())
     want = {"k": 5, "n_init": 1, "n_local": 2, "theta": 0.5, "selector": "topk", "score_scale": "sqrt_d", "span": 3,
             "n_spans": 4, "positions": "original", "block_size": 8, "repr_keys": 2, "page_size": 4,
             "kernels": "torch", "rope_scaling": "dynamic:4", "chunk_size": 48, "dtype": "float32", "device": "cpu",
             "kv_cache_tokens": 640, "kv_dtype": "fp8", "kv_offload": "values", "select_dtype": "fp8",
-            "cuda_graphs": False}
+            "cuda_graphs": False, "chunk_attention": "triton"}
     got = policy_kwargs(args)
     assert got == want and all(type(got[key]) is type(value) for key, value in want.items())
     assert policy_kwargs(args, "tokenselect", engine=False) == {
@@ -99,7 +120,8 @@ def test_every_policy_and_engine_flag_parses_to_its_setting(tmp_path):
     for choice, values in (("--selector", ("soft_vote", "hard_vote", "topk")),
                            ("--positions", ("reindex", "original", "fixed")),
                            ("--kernels", ("triton", "torch")), ("--kv-dtype", ("auto", "fp8", "bf16", "fp16", "fp32")),
-                           ("--kv-offload", ("none", "values")), ("--select-dtype", ("auto", "fp8", "kv"))):
+                           ("--kv-offload", ("none", "values")), ("--select-dtype", ("auto", "fp8", "kv")),
+                           ("--chunk-attention", ("auto", "triton", "cudnn"))):
         for value in values:
             assert getattr(parser.parse_args([choice, value]), choice[2:].replace("-", "_")) == value
         with pytest.raises(SystemExit):

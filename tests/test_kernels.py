@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from tokenselect import LLM, SamplingParams
-from tokenselect.kernels import get_kernels
+from tokenselect.kernels import chunk_attention_backend, get_kernels
+from tokenselect.kernels.cudnn_attention import PlanBudget, merge_by_lse, merge_by_lse_ref
 from tokenselect.kernels.dot import exact_dot_type, query_dot_type
 from tokenselect.kernels.fast_exp import exp2_ftz, exp_ftz
 from tokenselect.kernels.head_vote import head_soft_vote_ref
@@ -37,6 +38,8 @@ from policy_steps import step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 paged_dot_module = importlib.import_module("tokenselect.kernels.paged_dot")  # (the package's name is the function)
+attention_module = importlib.import_module("tokenselect.kernels.sparse_attention")
+cudnn_module = importlib.import_module("tokenselect.kernels.cudnn_attention")
 TRITON, TORCH = get_kernels("triton"), get_kernels("torch")
 N_KV = 2
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -871,6 +874,174 @@ def test_sparse_attention_explicit_softmax_scale_and_fp8_pool():
     key_pos, q_pos, inv_freq, _ = rope_inputs(5, 800, 128, gen)
     args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, 1.0, 0.05)
     assert_attention_close(TRITON.sparse_attention(*args), TORCH.sparse_attention(*args), torch.bfloat16)
+
+
+# the cuDNN path against the fp64 reference, a fraction of the largest output: measured (the interpreter, cuDNN's
+# reference in its place; tests below) at most 2.8e-2 in bf16 (the Triton kernel 2.6e-2 on the same inputs, the bf16
+# reference itself 1.4e-2) and 9.2e-4 in fp16; the keys are rounded to 16 bits after RoPE at positions up to 2.1M
+CUDNN_PATH_ATOL_OF_MAX = {torch.bfloat16: 3.5e-2, torch.float16: 1.5e-3}
+
+
+def assert_close_to_exact(got: torch.Tensor, q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, rope_scale=1.0,
+                          sm_scale=None) -> None:
+    """One sequence's sparse attention ``got`` [c, H, d] against the reference computed in fp64."""
+    exact = TORCH.sparse_attention(q.double(), k_pool.double(), v_pool.double(), slots, key_pos, q_pos, inv_freq,
+                                   rope_scale, sm_scale)
+    bound = CUDNN_PATH_ATOL_OF_MAX[got.dtype] * exact.abs().max().item()
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=bound)
+
+
+@pytest.fixture
+def cudnn_or_its_reference(monkeypatch):
+    """The cuDNN path's attention calls: cuDNN itself on CUDA; on a CPU, where cuDNN cannot run, its plain-PyTorch
+    reference in their place (so that everything around them, the rotation and gather, the split and the merge
+    kernel, runs in the interpreter). Yields the number of chunks that took the cuDNN path (a list of one int)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(cudnn_module, "cudnn_attention", cudnn_module.cudnn_attention_ref)
+    taken = [0]
+    chunk = attention_module._chunk_by_cudnn
+
+    def counted(*args):
+        taken[0] += 1
+        return chunk(*args)
+    monkeypatch.setattr(attention_module, "_chunk_by_cudnn", counted)
+    yield taken
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("batch,c,n", [(1, 64, 64), (1, 64, 1000), (3, 128, 300), (2, 192, 700)])
+def test_sparse_attention_by_cudnn_matches_reference(cudnn_or_its_reference, batch, c, n, group, dtype):
+    """With a cuDNN budget: chunks of a multiple of 64 queries over whole lists (a chunk alone, c == n; after
+    a context; a batch of groups, each its own list) against the fp64 reference, per sequence, at key positions up
+    to 2.1M; the path was taken for every call."""
+    gen = torch.Generator().manual_seed(batch * 1000 + c + n + group)
+    d = 128
+    q = query((batch, c, N_KV * group, d), dtype, gen)
+    k_pool, v_pool = pool(n + 300, d, dtype, gen), pool(n + 300, d, dtype, gen)
+    slots = torch.stack([slot_list(n, n + 300, gen) for _ in range(batch)])
+    key_pos, _, inv_freq, scale = rope_inputs(c, n, d, gen)
+    q_pos = key_pos[-c:].expand(batch, c)
+    got = TRITON.sparse_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale, cudnn=PlanBudget())
+    assert cudnn_or_its_reference == [1] and got.shape == q.shape and got.dtype == dtype
+    for b in range(batch):
+        assert_close_to_exact(got[b], q[b], k_pool, v_pool, slots[b], key_pos, q_pos[b], inv_freq, scale)
+
+
+def test_sparse_attention_by_cudnn_reads_fp8_pools_and_a_softmax_scale(cudnn_or_its_reference):
+    gen = torch.Generator().manual_seed(8)
+    q = query((64, 8, 128), torch.bfloat16, gen)
+    k_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e4m3fn)
+    v_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e5m2)
+    slots = slot_list(800, 900, gen)
+    key_pos, q_pos, inv_freq, _ = rope_inputs(64, 800, 128, gen)
+    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, 1.0, 0.05)
+    got = TRITON.sparse_attention(*args, cudnn=PlanBudget())
+    assert cudnn_or_its_reference == [1]
+    assert_close_to_exact(got, *args)
+
+
+@pytest.mark.parametrize("c,dtype,live,taken", [(64, torch.bfloat16, False, True), (63, torch.bfloat16, False, False),
+                                                 (65, torch.bfloat16, False, False), (128, torch.float32, False, False),
+                                                 (64, torch.bfloat16, True, False), (2, torch.bfloat16, False, False)])
+def test_sparse_attention_takes_cudnn_only_for_whole_lists_of_64_query_multiples(cudnn_or_its_reference, c, dtype,
+                                                                                 live, taken):
+    """The cuDNN path's boundary: c == CUDNN_GRAIN takes it; 63 and 65 queries (a prompt's ragged end: a plan for one
+    use), fp32, a graph's live prefix (n_valid) and a decode-sized chunk take the Triton kernel.
+    Either way the result is the reference's."""
+    gen = torch.Generator().manual_seed(c + live)
+    n = 400
+    q = query((c, 8, 128), dtype, gen)
+    k_pool, v_pool = pool(n + 100, 128, dtype, gen), pool(n + 100, 128, dtype, gen)
+    slots = slot_list(n, n + 100, gen)
+    key_pos, q_pos, inv_freq, scale = rope_inputs(c, n, 128, gen)
+    n_valid = torch.tensor(n, device=DEVICE) if live else None
+    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale)
+    got = TRITON.sparse_attention(*args, n_valid=n_valid, cudnn=PlanBudget())
+    assert cudnn_or_its_reference == [int(taken)]
+    if taken:
+        assert_close_to_exact(got, *args)
+    else:
+        assert_attention_close(got, TORCH.sparse_attention(*args), dtype)
+
+
+def test_sparse_attention_by_cudnn_admits_a_bounded_set_of_shapes(cudnn_or_its_reference):
+    """A budget of 2 shapes: a first and a second shape run by cuDNN, a third by the Triton kernel (PyTorch keeps a
+    plan for every shape cuDNN runs), a first shape again by cuDNN; each result the reference's."""
+    gen = torch.Generator().manual_seed(3)
+    budget = PlanBudget(limit=2)
+    k_pool, v_pool = pool(1200, 128, torch.bfloat16, gen), pool(1200, 128, torch.bfloat16, gen)
+    taken = []
+    for c, n in ((64, 300), (128, 300), (64, 500), (64, 300)):
+        q = query((c, 8, 128), torch.bfloat16, gen)
+        slots = slot_list(n, 1200, gen)
+        key_pos, q_pos, inv_freq, scale = rope_inputs(c, n, 128, gen)
+        args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale)
+        before = cudnn_or_its_reference[0]
+        got = TRITON.sparse_attention(*args, cudnn=budget)
+        taken.append(cudnn_or_its_reference[0] - before)
+        assert_close_to_exact(got, *args)
+    assert taken == [1, 1, 0, 1] and len(budget.shapes) == 2
+
+
+def test_chunk_attention_backend_resolves_and_refuses():
+    """auto: cuDNN only where it is the faster (never on a CPU, never for fp32: decided without asking a GPU);
+    cudnn named where it cannot run, an unknown name, or cudnn with the torch kernels: a ValueError that says why."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert chunk_attention_backend("auto", "triton", cpu, torch.bfloat16) == "triton"
+    assert chunk_attention_backend("auto", "triton", cuda, torch.float32) == "triton"
+    assert chunk_attention_backend("auto", "torch", cuda, torch.bfloat16) == "triton"
+    assert chunk_attention_backend("triton", "triton", cuda, torch.bfloat16) == "triton"
+    assert chunk_attention_backend("cudnn", "triton", cuda, torch.float16) == "cudnn"
+    for kernels, device, dtype in (("triton", cpu, torch.bfloat16), ("torch", cuda, torch.bfloat16),
+                                   ("triton", cuda, torch.float32)):
+        with pytest.raises(ValueError, match="chunk_attention=cudnn runs with the triton kernels on CUDA in bf16"):
+            chunk_attention_backend("cudnn", kernels, device, dtype)
+    with pytest.raises(ValueError, match="chunk_attention='flash': one of auto, triton, cudnn"):
+        chunk_attention_backend("flash", "triton", cuda, torch.bfloat16)
+    first, second = (get_kernels("triton", "cudnn").sparse_attention.keywords["cudnn"] for _ in range(2))
+    assert isinstance(first, PlanBudget) and first is not second  # a budget for each engine
+    assert get_kernels("triton", "triton") is TRITON
+    with pytest.raises(ValueError, match="chunk_attention='cudnn' with torch kernels"):
+        get_kernels("torch", "cudnn")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,heads,c,d", [(1, 1, 1, 64), (2, 8, 100, 128), (3, 4, 33, 80)])
+def test_merge_by_lse_matches_reference(batch, heads, c, d, dtype):
+    """The merge kernel against its reference: parts at cuDNN's [B, H, c, d] strides (a transpose of token-major
+    rows), written into the engine's [B, c, H, d] rows; some rows' second part without keys (lse -inf: weight 0),
+    lse with cuDNN's trailing size-1 dimension; d not a power of two (80)."""
+    gen = torch.Generator().manual_seed(batch * 100 + c + d)
+    a, b = (torch.randn(batch, c, heads, d, generator=gen).to(DEVICE, dtype).transpose(1, 2) for _ in range(2))
+    lse_a, lse_b = (3 * torch.randn(batch, heads, c, 1, generator=gen).to(DEVICE) for _ in range(2))
+    lse_b[:, :, ::3] = float("-inf")
+    out = torch.empty(batch, c, heads, d, dtype=dtype, device=DEVICE)
+    got = merge_by_lse(a, lse_a, b, lse_b, out=out.transpose(1, 2))
+    want = merge_by_lse_ref(a, lse_a, b, lse_b)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.transpose(1, 2), want, **({} if dtype == torch.bfloat16 else dict(atol=1e-6,
+                                                                                                      rtol=1e-6)))
+    torch.testing.assert_close(out.transpose(1, 2)[:, :, ::3], a[:, :, ::3])  # weight 0: the first part, as it is
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="cuDNN runs on CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("c,L", [(64, 64), (100, 1000), (512, 2688)])
+def test_cudnn_attention_matches_its_reference(c, L, group, causal):
+    """cuDNN's attention and log-sum-exp (natural log, [B, H, c, 1]) against the plain-PyTorch reference that stands in
+    for it on a CPU, GQA 1/4/8, top-left causal or none, on strided [B, H, *, d] views of token-major rows."""
+    gen = torch.Generator().manual_seed(c + L + group)
+    q = torch.randn(2, c, 2 * group, 128, generator=gen).to(DEVICE, torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2, L, 2, 128, generator=gen).to(DEVICE, torch.bfloat16).transpose(1, 2) for _ in range(2))
+    if causal and c != L:
+        k, v = k[:, :, :c], v[:, :, :c]
+    got, got_lse = cudnn_module.cudnn_attention(q, k, v, causal)
+    want, want_lse = cudnn_module.cudnn_attention_ref(q, k, v, causal)
+    assert got_lse.shape == want_lse.shape == (2, 2 * group, c, 1)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-2, rtol=0)  # scores from bf16 q and k in fp32
+    assert_attention_close(got.transpose(1, 2), want.transpose(1, 2), torch.bfloat16)
 
 
 def naive_attention(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, rope_scale, sm_scale):

@@ -26,7 +26,7 @@ from .attention import Chunk, RopeFrequencies
 from .config import ModelConfig
 from .data import default_model_path
 from .errors import ContextTooLong, TokenSelectError
-from .kernels import get_kernels
+from .kernels import chunk_attention_backend, get_kernels
 from .kv_cache import KEPT_INDEX_BYTES, KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_device, resolve_dtype
 from .models.registry import resolve_model
@@ -215,7 +215,8 @@ class LLM:
         if kernels == "triton" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("triton kernels on the CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
                              "before starting (slow; meant for tests), or use kernels='torch'")
-        self.kernels = get_kernels(kernels)
+        self.chunk_attention = chunk_attention_backend(s.chunk_attention, kernels, self.device, self.dtype)
+        self.kernels = get_kernels(kernels, self.chunk_attention)
         group = fitted_settings(attention, policy_settings, self.window).get("prefill_group", 0)
         self.chunk_size = s.chunk_size or default_chunk(self.window, group)
         if s.tail_chunk > self.chunk_size:

@@ -159,12 +159,21 @@ class Validated:
         check(type(self), vars(self), type(self).__name__)
 
 
+CHUNK_ATTENTION = ("auto", "triton", "cudnn")  # ``kernels.chunk_attention_backend`` resolves them
+
+
 @dataclass(frozen=True)
 class EngineSettings(Validated):
     """What the engine runs with, whatever the policy (``LLM(...)`` keywords, ``tokenselect`` flags)."""
 
     kernels: str | None = setting(None, "kernels of the policies and of attention", choices=("triton", "torch"),
                                   none="triton on CUDA, torch on the CPU")
+    chunk_attention: str = setting("auto", "what runs a prefill chunk's attention over its selected list: triton (the "
+                                           "sparse attention kernel), cudnn (PyTorch's cuDNN attention over the "
+                                           "list's rotated keys and gathered values, 1.4x the kernel over "
+                                           "TokenSelect's chunks on an H200; CUDA, bf16/fp16, chunks of a multiple "
+                                           "of 64 queries), auto: cudnn on Hopper GPUs, else triton",
+                                   choices=CHUNK_ATTENTION)
     rope_scaling: str | None = setting(None, "override RoPE scaling, e.g. dynamic:4, ntk:8, yarn:4, linear:2",
                                        none="the checkpoint's")
     chunk_size: int | None = setting(None, "prefill chunk", unit="tokens", low=1, kind=int,

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cuda_graphs import capture, warm_up
+from ..kernels.cudnn_attention import chunk_by_cudnn, cudnn_preferred
 from ..rope import rotate
 
 
@@ -35,21 +36,19 @@ SDPA_CHOICES = ("auto", "flash", "cudnn")
 
 def sdpa_backend(sdpa: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """The SDPA backend a dense prefill of ``dtype`` runs (``causal_attention``): ``flash`` or ``cudnn`` as named;
-    ``auto``: cuDNN on a Hopper GPU (compute capability 9.x), where it ran a 512-query chunk over 1M keys in 14.8 ms
-    against flash's 30.2 and a 128K prompt's one pass 1.7x faster (results/supporting/dense_backends_h200.md; slower
-    than flash on Ampere and Blackwell, by transformers' measurements), flash elsewhere and for a dtype cuDNN does
-    not take (it takes bf16 and fp16; flash's path falls back to the next backend that takes fp32)."""
+    ``auto``: cuDNN where it is the faster (``kernels.cudnn_attention.cudnn_preferred``: a Hopper GPU, where it ran
+    a 512-query chunk over 1M keys in 14.8 ms against flash's 30.2 and a 128K prompt's one pass 1.7x faster,
+    results/supporting/dense_backends_h200.md), flash elsewhere and for a dtype cuDNN does not take (it takes bf16
+    and fp16; flash's path falls back to the next backend that takes fp32)."""
     if sdpa not in SDPA_CHOICES:
         raise ValueError(f"sdpa={sdpa!r}: one of {', '.join(SDPA_CHOICES)}")
-    halves = dtype in (torch.bfloat16, torch.float16)
     if sdpa == "cudnn" and device.type != "cuda":
         raise ValueError(f"sdpa=cudnn runs on a CUDA device, not {device.type}")
-    if sdpa == "cudnn" and not halves:
+    if sdpa == "cudnn" and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"sdpa=cudnn takes bf16 or fp16, not {dtype}")
     if sdpa != "auto":
         return sdpa
-    hopper_halves = halves and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return "cudnn" if hopper_halves and torch.backends.cudnn.is_available() else "flash"
+    return "cudnn" if cudnn_preferred(device, dtype) else "flash"
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sdpa: str = "flash") -> torch.Tensor:
@@ -59,9 +58,8 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     ``sdpa="flash"``: SDPA's flash backend with the bottom-right mask (where flash cannot run, a CPU or fp32, the
     next backend that can). ``"cudnn"``: cuDNN's kernel, which takes a top-left causal flag and runs an explicit
-    mask about 2x slower (33-34 ms against 14.8 for the split below at 1M): a chunk after cached tokens runs as two
-    calls, its context unmasked and its own c keys causal (a square, where top-left is bottom-right), merged by the
-    two parts' log-sum-exp (``merge_by_lse``)."""
+    mask about 2x slower (33-34 ms against 14.8 for the split at 1M): a chunk after cached tokens runs as two
+    calls merged by their log-sum-exps (``kernels.cudnn_attention.chunk_by_cudnn``)."""
     c, L = q.shape[2], keys.shape[2]
     if sdpa == "flash":
         backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if q.is_cuda
@@ -71,22 +69,7 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
     if sdpa != "cudnn":
         raise ValueError(f"sdpa={sdpa!r}: flash or cudnn")
-    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention  # (q, k, v, bias, lse?, dropout, causal, debug)
-    if c == 1 or c == L:
-        return cudnn(q, keys, values, None, False, 0.0, c > 1, False)[0]
-    context = cudnn(q, keys[:, :, :L - c], values[:, :, :L - c], None, True, 0.0, False, False)[:2]
-    own = cudnn(q, keys[:, :, L - c:], values[:, :, L - c:], None, True, 0.0, True, False)[:2]
-    return merge_by_lse(*context, *own)
-
-
-def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint key sets, each part's output [B, H, c, d] normalised over its own keys with its
-    log-sum-exp [B, H, c] (natural log, any trailing size-1 dimension), combined into the attention over both (in
-    fp32, returned in out_a's dtype). A part without keys for a row has lse -inf and weighs 0."""
-    lse_a, lse_b = (x.reshape(*out_a.shape[:3], 1).float() for x in (lse_a, lse_b))
-    top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    return ((out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)).to(out_a.dtype)
+    return chunk_by_cudnn(q, keys, values)
 
 
 class DenseRunner:

@@ -1,6 +1,9 @@
 """Kernels behind the attention policies, each with a plain-PyTorch reference of the same function.
 
-``get_kernels("torch")`` returns the references; ``get_kernels("triton")`` the Triton kernels.
+``get_kernels("torch")`` returns the references; ``get_kernels("triton")`` the Triton kernels, and
+``get_kernels("triton", "cudnn")`` those with a prefill chunk's sparse attention by cuDNN where it runs
+(``sparse_attention(cudnn=PlanBudget())``, a budget of its own each call); ``chunk_attention_backend`` says which a
+device gets by default.
 
 Triton compiles for GPUs only; on a machine without CUDA its kernels can run only in Triton's
 interpreter, which is chosen when ``@triton.jit`` decorates them, i.e. when the kernel modules are
@@ -10,11 +13,14 @@ Importing this package changes no setting of the process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
 
+from ..settings import CHUNK_ATTENTION
+from .cudnn_attention import PlanBudget, cudnn_preferred
 from .block_scores import block_scores, block_scores_ref
 from .head_vote import head_soft_vote, head_soft_vote_ref
 from .page_bounds import page_scores, page_scores_ref
@@ -90,12 +96,33 @@ def triton_interpreted() -> bool:
     return type(_scores_kernel).__name__ == "InterpretedFunction"
 
 
-def get_kernels(name: str) -> Kernels:
-    """name: "torch" | "triton"."""
+def chunk_attention_backend(choice: str, kernels: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What runs a prefill chunk's sparse attention with ``kernels`` for queries of ``dtype`` on ``device``:
+    "triton" (the sparse attention kernel) or "cudnn" (``sparse_attention``'s cuDNN path), as named; "auto": cuDNN
+    where it is the faster (``cudnn_attention.cudnn_preferred``: Hopper, bf16/fp16), else Triton. The torch
+    kernels have one path of their own: "triton" stands for it."""
+    if choice not in CHUNK_ATTENTION:
+        raise ValueError(f"chunk_attention={choice!r}: one of {', '.join(CHUNK_ATTENTION)}")
+    if choice == "cudnn" and (kernels != "triton" or device.type != "cuda" or
+                              dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"chunk_attention=cudnn runs with the triton kernels on CUDA in bf16 or fp16, not with "
+                         f"{kernels} kernels on {device.type} in {dtype}")
+    if choice == "auto":
+        return "cudnn" if kernels == "triton" and cudnn_preferred(device, dtype) else "triton"
+    return choice
+
+
+def get_kernels(name: str, chunk_attention: str = "triton") -> Kernels:
+    """name: "torch" | "triton"; chunk_attention (with "triton"): "triton" | "cudnn", what runs a prefill chunk's
+    sparse attention (``chunk_attention_backend``; "cudnn": with a ``PlanBudget`` of its own, so one per engine)."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernels {name!r}; use torch or triton")
     if name == "triton" and not torch.cuda.is_available() and not triton_interpreted():
         raise RuntimeError("Triton kernels on the CPU run only in Triton's interpreter, and TRITON_INTERPRET=1 was "
                            "not set when tokenselect.kernels was imported: set TRITON_INTERPRET=1 before starting "
                            "(slow; meant for tests), or use kernels='torch'")
-    return KERNELS[name]
+    if chunk_attention == "triton":
+        return KERNELS[name]
+    if chunk_attention != "cudnn" or name != "triton":
+        raise ValueError(f"chunk_attention={chunk_attention!r} with {name} kernels: triton, or cudnn with triton")
+    return replace(KERNELS[name], name="triton+cudnn", sparse_attention=partial(sparse_attention, cudnn=PlanBudget()))

@@ -20,6 +20,11 @@ dtype (rounding them exactly as the in-kernel cast would), and the attention ker
 The key list is split across programs (split-K, "flash decoding") when there are too few row
 blocks to fill the GPU, as for a single decode query; a second small kernel then merges the
 partial results by their log-sum-exp. With one split the attention kernel writes the output itself.
+
+On a Hopper GPU cuDNN's attention runs a chunk's products at 625 TFLOP/s where this kernel's tile reaches about 285
+(results/supporting/chunk_attention_paths_h200.md), so with a ``cudnn`` budget a chunk of a multiple of 64
+queries over a whole list gathers its rotated keys and its values into buffers and runs cuDNN on them
+(``_chunk_by_cudnn``): 1.4x this kernel over TokenSelect's four groups of 512 queries, level over one 512-query chunk.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..rope import rotate
+from .cudnn_attention import PlanBudget, chunk_by_cudnn
 from .dot import INTERPRETED, mma, query_dot_type
 from .operands import rows_in_place
 from .splits import key_splits, live_keys_per_split
@@ -102,23 +108,33 @@ def _rope_halves(x1, x2, pos, inv_freq, rope_scale):
 
 @triton.jit
 def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_valid_ptr, N, n_kv, rope_scale,
-                        k_stride_slot, k_stride_kvh, slot_stride_b, kpos_stride_b, inv_stride_b,
-                        HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr, LIVE: tl.constexpr):
+                        k_stride_slot, k_stride_kvh, slot_stride_b, kpos_stride_b, inv_stride_b, k_stride_b,
+                        v_ptr, v_out_ptr, v_stride_slot, v_stride_kvh,
+                        HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr, LIVE: tl.constexpr,
+                        DIRECT: tl.constexpr, GATHER_V: tl.constexpr):
     """Program = a block of list entries j of sequence b (axis 1): out[b, j, kvh] = RoPE(k_pool[slots[b, j], kvh],
     key_pos[b, j]) for every kv head, in out's dtype; the angles are computed once for all heads. LIVE: only the
-    first ``n_valid[b]`` entries (the others are neither read nor written)."""
+    first ``n_valid[b]`` entries (the others are neither read nor written). DIRECT: the rows are b's own, row j at
+    ``k_ptr + b * k_stride_b + j * k_stride_slot`` (no slot list: a chunk's queries). GATHER_V: also
+    v_out[b, j, kvh] = v_pool[slots[b, j], kvh] in v_out's dtype (the values read in the same pass)."""
     b = tl.program_id(1).to(tl.int64)
     slot_ptr += b * slot_stride_b
     kpos_ptr += b * kpos_stride_b
     inv_freq_ptr += b * inv_stride_b
+    k_ptr += b * k_stride_b
     out_ptr += b * N * n_kv * (2 * HALF)
+    if GATHER_V:
+        v_out_ptr += b * N * n_kv * (2 * HALF)
     if LIVE:
         N = tl.minimum(tl.load(n_valid_ptr + b).to(tl.int32), N)
     j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, HALF_P)
     j_ok, dim_ok = j < N, half < HALF
     ok = j_ok[:, None] & dim_ok[None, :]
-    slot = tl.load(slot_ptr + j, mask=j_ok, other=0).to(tl.int64)
+    if DIRECT:
+        slot = j.to(tl.int64)
+    else:
+        slot = tl.load(slot_ptr + j, mask=j_ok, other=0).to(tl.int64)
     cos, sin = _cos_sin(tl.load(kpos_ptr + j, mask=j_ok, other=0).to(tl.float32)[:, None] *
                         tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)[None, :])
     cos, sin = cos * rope_scale, sin * rope_scale
@@ -129,6 +145,12 @@ def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_vali
         out_base = out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
         tl.store(out_base, (k1 * cos - k2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(out_base + HALF, (k2 * cos + k1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+        if GATHER_V:
+            v_base = v_ptr + slot[:, None] * v_stride_slot + kvh * v_stride_kvh + half[None, :]
+            v_out = v_out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
+            tl.store(v_out, tl.load(v_base, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_out + HALF, tl.load(v_base + HALF, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty),
+                     mask=ok)
 
 
 @triton.jit
@@ -290,19 +312,27 @@ DECODE_TILE, FP32_DECODE_TILE = (16, 64, 4, 2), (16, 16, 4, 3)
 CHUNK_TILE, FP32_CHUNK_TILE = (64, 64, 4, 3), (32, 32, 4, 2)
 TARGET_PROGRAMS = 396  # decode split-K: programs to aim for (3 per SM of an H100)
 ROTATE_BLOCK = 32  # list entries per program of the key-rotation kernel
+QUERY_ROTATE_BLOCK = 8  # queries per program where cuDNN's path rotates them (all heads each: 4 x 512 -> 256 programs)
+# chunk lengths the cuDNN path takes: PyTorch builds (~60 ms on the host) and caches a cuDNN plan for each shape, so
+# a prompt's ragged last chunk, whose length is any, would build one for a single use; it takes the Triton kernel
+CUDNN_GRAIN = 64
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
 
 
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                      key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float = 1.0,
-                     sm_scale: float | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, n_valid: torch.Tensor | None = None,
+                     cudnn: PlanBudget | None = None) -> torch.Tensor:
     """Triton version of :func:`sparse_attention_ref` (same arguments, same result up to rounding), a batch of
     sequences in one launch of each kernel. With ``n_valid`` the grid is planned for all n entries; the kernels
     read the live length on the device and share it out among the splits. A batched operand may be any [B, n]
-    view whose rows are contiguous (a slot table's rows; a shared list expanded, stride 0)."""
+    view whose rows are contiguous (a slot table's rows; a shared list expanded, stride 0).
+
+    With ``cudnn`` (CUDA, bf16/fp16 queries) a chunk of a multiple of CUDNN_GRAIN queries over a whole list (no
+    ``n_valid``), of a shape the budget admits, runs as ``_chunk_by_cudnn``; everything else as above."""
     if q.dim() == 3:  # one sequence: a batch of one
         return sparse_attention(q[None], k_pool, v_pool, slots[None], key_pos, q_pos[None], inv_freq, rope_scale,
-                                sm_scale, None if n_valid is None else n_valid.view(1))[0]
+                                sm_scale, None if n_valid is None else n_valid.view(1), cudnn)[0]
     batch, c, n_heads, d = q.shape
     n_kv, n = k_pool.shape[1], slots.shape[1]
     group = n_heads // n_kv
@@ -329,11 +359,16 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     strides = (slots.stride(0), key_pos.stride(0) if key_pos.dim() == 2 else 0,
                inv_freq.stride(0) if inv_freq.dim() == 2 else 0)  # per sequence: its slots, key positions, frequencies
     rotated = row_blocks > 1
+    if (cudnn is not None and n_valid is None and not ieee and c % CUDNN_GRAIN == 0
+            and cudnn.admits((batch, c, n, n_heads, n_kv, d, q.dtype))):
+        return _chunk_by_cudnn(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, float(rope_scale), float(sm_scale),
+                               strides, stride_tok)
     if rotated:  # rotate each key once instead of once per row block
         keys = torch.empty(batch, n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
         _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
             k_pool, slots, key_pos, inv_freq, keys, n_valid, n, n_kv, float(rope_scale), k_pool.stride(0),
-            k_pool.stride(1), *strides, HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=n_valid is not None)
+            k_pool.stride(1), *strides, 0, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK,
+            LIVE=n_valid is not None, DIRECT=False, GATHER_V=False)
         k_stride_row, k_stride_kvh, k_stride_b = keys.stride(1), keys.stride(2), keys.stride(0)
     else:
         keys, k_stride_row, k_stride_kvh, k_stride_b = k_pool, k_pool.stride(0), k_pool.stride(1), 0
@@ -357,4 +392,33 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         block_rows = max(1, min(16, MERGE_TILE // (block_s * d_p)))
         _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
                                                          SPLITS_P=splits_p, BLOCK_S=block_s, BLOCK_ROWS=block_rows)
+    return out
+
+
+def _chunk_by_cudnn(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                    key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
+                    sm_scale: float, strides: tuple[int, int, int], stride_tok: int) -> torch.Tensor:
+    """A batch of chunks by cuDNN's attention (``kernels.cudnn_attention``), 1.4x the Triton kernel over four
+    groups of 512 queries (results/supporting/chunk_attention_paths_h200.md): the list's keys rotated and its values
+    gathered into [B, n, n_kv, d] buffers in one pass, the queries rotated into [B, c, H, d] (both by
+    ``_rotate_keys_kernel``, so keys round as the Triton path's do), then the context and the chunk's own keys as
+    two cuDNN calls merged by their log-sum-exps. Operands as ``sparse_attention`` has prepared them (rows read in
+    place; q's sequences ``c * stride_tok`` apart) -> [B, c, H, d]."""
+    batch, c, n_heads, d = q.shape
+    n, n_kv = slots.shape[1], k_pool.shape[1]
+    half_p = max(16, triton.next_power_of_2(d // 2))
+    keys = torch.empty(batch, n, n_kv, d, dtype=q.dtype, device=q.device)
+    values = torch.empty_like(keys)
+    _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
+        k_pool, slots, key_pos, inv_freq, keys, None, n, n_kv, rope_scale, k_pool.stride(0), k_pool.stride(1),
+        *strides, 0, v_pool, values, v_pool.stride(0), v_pool.stride(1), HALF=d // 2, HALF_P=half_p,
+        BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True)
+    queries = torch.empty(batch, c, n_heads, d, dtype=q.dtype, device=q.device)
+    _rotate_keys_kernel[(triton.cdiv(c, QUERY_ROTATE_BLOCK), batch)](
+        q, q_pos, q_pos, inv_freq, queries, None, c, n_heads, rope_scale, stride_tok, d, 0, q_pos.stride(0),
+        strides[2], c * stride_tok, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=QUERY_ROTATE_BLOCK,
+        LIVE=False, DIRECT=True, GATHER_V=False)
+    out = torch.empty_like(queries)
+    chunk_by_cudnn(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), sm_scale,
+                   out=out.transpose(1, 2))
     return out
