@@ -58,6 +58,7 @@ from ..parallel import SELECTIONS
 from ..policies import POLICIES, PolicyStats, default_chunk, policy_spec
 from ..policies.tokenselect import TokenSelectSettings
 from ..sampling import SamplingParams
+from ..settings import CHUNK_ATTENTION
 from .dense import SDPA_CHOICES, DenseRunner
 from .floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
 from .hf_dense import measure_transformers, transformers_model
@@ -377,7 +378,8 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
         slots = length + max(args.decode_steps + args.profile_steps, WARMUP_DECODE_STEPS) + 8
         llm = LLM.random(config, policy_spec(policies[0])[0], device=args.device, kv_dtype=args.kv_dtype,
                          kv_offload=args.kv_offload, select_dtype=args.select_dtype, kv_cache_tokens=slots,
-                         chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+                         chunk_size=args.chunk_size, kernels=args.kernels, chunk_attention=args.chunk_attention,
+                         cuda_graphs=args.cuda_graphs,
                          prefix_cache=False,  # the timed prompt starts with the warm-up's: it would be reused
                          tensor_parallel_size=args.tensor_parallel_size, tp_selection=args.tp_selection)
     except (torch.OutOfMemoryError, HostMemoryError) as e:
@@ -394,6 +396,7 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
         row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
+               "chunk_attention": llm.chunk_attention,
                "tensor_parallel_size": args.tensor_parallel_size, "tp_selection": args.tp_selection}  # peak_gb: rank 0's GPU (the ranks' shares match)
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
@@ -443,14 +446,14 @@ def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
     (``tokenselect:theta=-1``), the decode step a model reusing ``hit_rate`` of its selections would see: a
     layer that hits skips its scoring, vote and top-k and nothing else, so the step is the mix
     ``hit_rate * hit + (1 - hit_rate) * selecting`` (and likewise its floor). Prefill is the selecting row's."""
-    found = {(r["length"], r.get("kv"), r["policy"]): r for r in rows if "error" not in r}
+    found = {row_key(r): r for r in rows if "error" not in r}
     out = []
-    for (length, kv, policy), select in found.items():
-        hit = found.get((length, kv, "tokenselect:theta=-1"))
+    for (length, policy, kv, chunks), select in found.items():
+        hit = found.get((length, "tokenselect:theta=-1", kv, chunks))
         if policy != "tokenselect" or hit is None:
             continue
         mix = {"length": length, "policy": f"tokenselect at {hit_rate:.0%} hits (estimate)", "kv": kv,
-               "estimated": True, "prefill_s": select["prefill_s"], "hit_rate": hit_rate,
+               "chunk_attention": chunks, "estimated": True, "prefill_s": select["prefill_s"], "hit_rate": hit_rate,
                "decode_ms": hit_rate * hit["decode_ms"] + (1 - hit_rate) * select["decode_ms"],
                "peak_gb": max(select["peak_gb"] or 0, hit["peak_gb"] or 0) or None}
         if select.get("floor_ms") is not None and hit.get("floor_ms") is not None:
@@ -460,8 +463,11 @@ def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
 
 
 def row_label(row: dict) -> str:
-    """A row's policy as the table names it; a dense row's with the SDPA backend its prefill ran."""
-    return f"{row['policy']} ({row['sdpa']} SDPA)" if row.get("sdpa") else row["policy"]
+    """A row's policy as the table names it; a dense row's with the SDPA backend its prefill ran, an engine row's
+    with cuDNN where its prefill chunks' attention ran by cuDNN (``--chunk-attention``)."""
+    if row.get("sdpa"):
+        return f"{row['policy']} ({row['sdpa']} SDPA)"
+    return f"{row['policy']} (cudnn chunks)" if row.get("chunk_attention") == "cudnn" else row["policy"]
 
 
 def table(rows: list[dict]) -> str:
@@ -533,6 +539,8 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandw
              + (f", tensor parallel over {args.tensor_parallel_size} ({args.tp_selection} selection)"
                if getattr(args, "tensor_parallel_size", 1) > 1 else "")
              + (f", copy bandwidth {bandwidth / 1e9:,.0f} GB/s" if bandwidth else ""))
+    engines = sorted({r["chunk_attention"] for r in rows if "chunk_attention" in r})
+    title += f", the engine's prefill chunk attention by {' and '.join(engines)}" if engines else ""
     return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload,
                                                              "copy_bandwidth": bandwidth}, rows)
 
@@ -557,7 +565,7 @@ def save(out: Path, tag: str, title: str, device: str, meta: dict, rows: list[di
 def merge(args: argparse.Namespace) -> int:
     """One table and plot from the JSON of several runs (e.g. one per length, each a device call of its
     own): rows in order of length, each keeping its own KV setting; dense ratios within each length. A row
-    measured again in a later file (same length, policy and KV) replaces the earlier one in place. With
+    measured again in a later file (same length, policy, KV and chunk attention) replaces the earlier one in place. With
     ``--hit-rate``, estimated rows at that rate are added beside those the runs wrote (replacing a run's own
     estimate at the same rate)."""
     check_hit_rate(args)
@@ -565,16 +573,21 @@ def merge(args: argparse.Namespace) -> int:
     devices, configs = {r["device"] for r in runs}, {r["config"] for r in runs}
     if len(devices) > 1 or len(configs) > 1:
         raise SystemExit(f"cannot merge runs of different devices or models: {sorted(devices)}, {sorted(configs)}")
-    latest = {(row["length"], row["policy"], row.get("kv")): row for r in runs for row in r["rows"]}
+    latest = {row_key(row): row for r in runs for row in r["rows"]}
     rows = sorted(latest.values(), key=lambda row: row["length"])
     if args.hit_rate is not None:  # estimates at another hit rate, from the merged runs' measured rows
         new = estimated_rows([row for row in rows if not row.get("estimated")], args.hit_rate)
-        again = {(row["length"], row["policy"], row.get("kv")) for row in new}  # a run's own estimate at this rate
-        rows = [row for row in rows if (row["length"], row["policy"], row.get("kv")) not in again] + new
+        again = {row_key(row) for row in new}  # a run's own estimate at this rate
+        rows = [row for row in rows if row_key(row) not in again] + new
     names = ", ".join(Path(f).stem for f in args.merge)
     print(save(Path(args.output), args.tag, f"{configs.pop()}, merged from {names}", devices.pop(),
                {"config": runs[0]["config"], "merged": [Path(f).name for f in args.merge]}, rows))
     return 0
+
+
+def row_key(row: dict) -> tuple:
+    """What makes two rows one measurement, the later replacing the earlier in a merge."""
+    return row["length"], row["policy"], row.get("kv"), row.get("chunk_attention")
 
 
 def check_hit_rate(args: argparse.Namespace) -> None:
@@ -660,6 +673,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N prefill chunks and N extra decode steps (writes <stem>_profile.txt)")
     p.add_argument("--kernels", choices=["triton", "torch"])
+    p.add_argument("--chunk-attention", default="auto", choices=CHUNK_ATTENTION,
+                   help="the engine's prefill chunk attention (its --chunk-attention): cudnn on Hopper by default")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run steps through CUDA graphs captured around attention, dense included (default: on with CUDA)")
     p.add_argument("--device", default=None)
