@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from tokenselect.kernels.cudnn_attention import cudnn_attention_ref
+
 from benchmark_scripts import BENCHMARKS, load
 
 
@@ -230,3 +232,23 @@ def test_the_chunk_tile_sweep_swaps_the_tile_and_draws_a_prefill_groups_lists():
     assert torch.equal(lists[:, -sweep.QUERIES:], own)
     assert all(row.unique().numel() == sweep.LIST for row in lists)
     assert int(lists[:, :-sweep.QUERIES].max()) < sweep.POOL - sweep.QUERIES * sweep.GROUPS
+
+
+def test_the_chunk_attention_paths_parts_make_the_sparse_attention(monkeypatch):
+    """The paths bench's cuDNN parts as ``sparse_attention``'s path runs them: the keys rotated and the values
+    gathered at each group's list, the queries rotated at their positions, the context and own attention (cuDNN's
+    reference in its place on a CPU) merged: the reference's sparse attention of each group (Triton's interpreter)."""
+    paths = load("chunk_attention_paths_gpu")
+    monkeypatch.setattr(paths, "POOL", 600)
+    monkeypatch.setattr(paths, "CONTEXT", 100)
+    monkeypatch.setattr(paths, "LAYERS", 1)
+    monkeypatch.setattr(paths, "cudnn_attention", cudnn_attention_ref)
+    (ops,) = paths.operands(torch.Generator().manual_seed(0), 2, 64, torch.device("cpu"))
+    parts = paths.CudnnParts(ops)
+    prepared = parts.prepare()
+    got = parts.merge(parts.context(*prepared), parts.own(*prepared))
+    assert ops["slots"].shape == (2, 164) and got.shape == ops["q"].shape
+    for b in range(2):
+        want = paths.attention.sparse_attention_ref(ops["q"][b], ops["k_pool"], ops["v_pool"], ops["slots"][b],
+                                                    ops["key_pos"], ops["q_pos"][b], ops["inv_freq"])
+        torch.testing.assert_close(got[b].float(), want.float(), rtol=2 ** -6, atol=2e-2 * want.abs().max().item())
