@@ -237,13 +237,14 @@ def test_the_chunk_tile_sweep_swaps_the_tile_and_draws_a_prefill_groups_lists():
 def test_the_chunk_attention_paths_parts_make_the_sparse_attention(monkeypatch):
     """The paths bench's cuDNN parts as ``sparse_attention``'s path runs them: the keys rotated and the values
     gathered at each group's list, the queries rotated at their positions, the context and own attention (cuDNN's
-    reference in its place on a CPU) merged: the reference's sparse attention of each group (Triton's interpreter)."""
+    reference in its place) merged: the reference's sparse attention of each group."""
     paths = load("chunk_attention_paths_gpu")
     monkeypatch.setattr(paths, "POOL", 600)
     monkeypatch.setattr(paths, "CONTEXT", 100)
     monkeypatch.setattr(paths, "LAYERS", 1)
     monkeypatch.setattr(paths, "cudnn_attention", cudnn_attention_ref)
-    (ops,) = paths.operands(torch.Generator().manual_seed(0), 2, 64, torch.device("cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernels compiled, or interpreted
+    (ops,) = paths.operands(torch.Generator().manual_seed(0), 2, 64, device)
     parts = paths.CudnnParts(ops)
     prepared = parts.prepare()
     got = parts.merge(parts.context(*prepared), parts.own(*prepared))
