@@ -865,14 +865,20 @@ def test_sparse_attention_of_a_batch_is_each_sequence_alone(monkeypatch, c, n, o
     assert_attention_close(got, batched_ref, dtype)
 
 
-def test_sparse_attention_explicit_softmax_scale_and_fp8_pool():
-    gen = torch.Generator().manual_seed(7)
-    q = query((5, 8, 128), torch.bfloat16, gen)
+def fp8_pools_call(c: int, seed: int, v_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple:
+    """``sparse_attention``'s arguments for a bf16 chunk of c queries over fp8 pools (800 of 900 slots listed), rope
+    scale 1 and an explicit softmax scale of 0.05."""
+    gen = torch.Generator().manual_seed(seed)
+    q = query((c, 8, 128), torch.bfloat16, gen)
     k_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e4m3fn)
-    v_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e4m3fn)
+    v_pool = pool(900, 128, torch.float32, gen).to(v_dtype)
     slots = slot_list(800, 900, gen)
-    key_pos, q_pos, inv_freq, _ = rope_inputs(5, 800, 128, gen)
-    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, 1.0, 0.05)
+    key_pos, q_pos, inv_freq, _ = rope_inputs(c, 800, 128, gen)
+    return q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, 1.0, 0.05
+
+
+def test_sparse_attention_explicit_softmax_scale_and_fp8_pool():
+    args = fp8_pools_call(5, 7)
     assert_attention_close(TRITON.sparse_attention(*args), TORCH.sparse_attention(*args), torch.bfloat16)
 
 
@@ -929,13 +935,7 @@ def test_sparse_attention_by_cudnn_matches_reference(cudnn_or_its_reference, bat
 
 
 def test_sparse_attention_by_cudnn_reads_fp8_pools_and_a_softmax_scale(cudnn_or_its_reference):
-    gen = torch.Generator().manual_seed(8)
-    q = query((64, 8, 128), torch.bfloat16, gen)
-    k_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e4m3fn)
-    v_pool = pool(900, 128, torch.float32, gen).to(torch.float8_e5m2)
-    slots = slot_list(800, 900, gen)
-    key_pos, q_pos, inv_freq, _ = rope_inputs(64, 800, 128, gen)
-    args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, 1.0, 0.05)
+    args = fp8_pools_call(64, 8, torch.float8_e5m2)
     got = TRITON.sparse_attention(*args, cudnn=PlanBudget())
     assert cudnn_or_its_reference == [1]
     assert_close_to_exact(got, *args)
