@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..cuda_graphs import capture, warm_up
-from ..kernels.cudnn_attention import chunk_by_cudnn, cudnn_preferred
+from ..kernels.cudnn_attention import CUDNN_DTYPES, chunk_by_cudnn, cudnn_preferred
 from ..rope import rotate
 
 
@@ -44,7 +44,7 @@ def sdpa_backend(sdpa: str, device: torch.device, dtype: torch.dtype = torch.bfl
         raise ValueError(f"sdpa={sdpa!r}: one of {', '.join(SDPA_CHOICES)}")
     if sdpa == "cudnn" and device.type != "cuda":
         raise ValueError(f"sdpa=cudnn runs on a CUDA device, not {device.type}")
-    if sdpa == "cudnn" and dtype not in (torch.bfloat16, torch.float16):
+    if sdpa == "cudnn" and dtype not in CUDNN_DTYPES:
         raise ValueError(f"sdpa=cudnn takes bf16 or fp16, not {dtype}")
     if sdpa != "auto":
         return sdpa

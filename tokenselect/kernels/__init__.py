@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..settings import CHUNK_ATTENTION
-from .cudnn_attention import PlanBudget, cudnn_preferred
+from .cudnn_attention import CUDNN_DTYPES, PlanBudget, cudnn_preferred
 from .block_scores import block_scores, block_scores_ref
 from .head_vote import head_soft_vote, head_soft_vote_ref
 from .page_bounds import page_scores, page_scores_ref
@@ -104,7 +104,7 @@ def chunk_attention_backend(choice: str, kernels: str, device: torch.device, dty
     if choice not in CHUNK_ATTENTION:
         raise ValueError(f"chunk_attention={choice!r}: one of {', '.join(CHUNK_ATTENTION)}")
     if choice == "cudnn" and (kernels != "triton" or device.type != "cuda" or
-                              dtype not in (torch.bfloat16, torch.float16)):
+                              dtype not in CUDNN_DTYPES):
         raise ValueError(f"chunk_attention=cudnn runs with the triton kernels on CUDA in bf16 or fp16, not with "
                          f"{kernels} kernels on {device.type} in {dtype}")
     if choice == "auto":

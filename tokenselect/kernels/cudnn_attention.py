@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 
 
+CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's attention takes
+
+
 class PlanBudget:
     """The chunk shapes one engine lets cuDNN run. PyTorch builds a cuDNN plan for each new shape (about 60 ms on the
     host) and keeps every one it builds (its cache has no bound), so a server whose clients choose per-request
@@ -41,7 +44,7 @@ class PlanBudget:
 def cudnn_preferred(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether cuDNN's attention is the faster choice for ``dtype`` on ``device``: a Hopper GPU, bf16 or fp16 (slower
     than flash on Ampere and Blackwell by transformers' measurements), cuDNN present."""
-    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and torch.backends.cudnn.is_available()
+    return (device.type == "cuda" and dtype in CUDNN_DTYPES and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 

@@ -362,7 +362,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if (cudnn is not None and n_valid is None and not ieee and c % CUDNN_GRAIN == 0
             and cudnn.admits((batch, c, n, n_heads, n_kv, d, q.dtype))):
         return _chunk_by_cudnn(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, float(rope_scale), float(sm_scale),
-                               strides, stride_tok)
+                               strides, stride_tok, half_p)
     if rotated:  # rotate each key once instead of once per row block
         keys = torch.empty(batch, n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
         _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
@@ -397,16 +397,16 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 def _chunk_by_cudnn(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                     key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
-                    sm_scale: float, strides: tuple[int, int, int], stride_tok: int) -> torch.Tensor:
+                    sm_scale: float, strides: tuple[int, int, int], stride_tok: int, half_p: int) -> torch.Tensor:
     """A batch of chunks by cuDNN's attention (``kernels.cudnn_attention``), 1.4x the Triton kernel over four
     groups of 512 queries (results/supporting/chunk_attention_paths_h200.md): the list's keys rotated and its values
     gathered into [B, n, n_kv, d] buffers in one pass, the queries rotated into [B, c, H, d] (both by
     ``_rotate_keys_kernel``, so keys round as the Triton path's do), then the context and the chunk's own keys as
     two cuDNN calls merged by their log-sum-exps. Operands as ``sparse_attention`` has prepared them (rows read in
-    place; q's sequences ``c * stride_tok`` apart) -> [B, c, H, d]."""
+    place; q's sequences ``c * stride_tok`` apart; half_p: d / 2 padded as the rotation kernel takes it) ->
+    [B, c, H, d]."""
     batch, c, n_heads, d = q.shape
     n, n_kv = slots.shape[1], k_pool.shape[1]
-    half_p = max(16, triton.next_power_of_2(d // 2))
     keys = torch.empty(batch, n, n_kv, d, dtype=q.dtype, device=q.device)
     values = torch.empty_like(keys)
     _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
