@@ -28,11 +28,20 @@
 #            InfLLM                                                                        (about 3 minutes)
 #   1m       1M tokens, fp8 KV with the values in host memory: TokenSelect and its hit path (about 3.5 minutes)
 #   1m-more  1M tokens likewise: streaming and InfLLM                                      (about 4 minutes)
+#   best-dense  the headline table's 128K and 32K rows (results/e2e_best_dense_<gpu>.md): every policy against
+#            the dense runner in 512-token chunks, in 8192-token chunks and in one pass, and transformers, at 128K,
+#            then 32K with streaming and InfLLM added; OUTDIR/e2e_{128k,32k}_best_dense_<gpu>.{md,json,log}
+#                                                                              (about 6 minutes on an H200)
+#   best-dense-256k  its 256K rows, four processes one after another (each run's JSON its own, merged below):
+#            TokenSelect and its hit path, dense in 8192-token chunks, full, dense in one pass (16 decode steps);
+#            OUTDIR/e2e_256k_{ts,dense8192,full,denseall}_best_dense_<gpu>.{md,json,log} (about 7 minutes)
+#   best-dense-merge  (no GPU) those runs -> e2e_best_dense_<gpu>.{md,json,png}, with the decode step at SmolLM2's
+#            27.4% hit rate
 #   merge    (no GPU) those of OUTDIR's e2e_{128k,256k,512k,1m,1m_more}_h100.json that exist (a later file's row
 #            replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
 set -euo pipefail
 # the files' suffix names the GPU that measured them: h100, h200 (GPU_TAG=... to choose; a CPU: h100)
-gpu=${GPU_TAG:-$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | grep -io 'h[0-9]\+' | tr A-Z a-z)}
+gpu=${GPU_TAG:-$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | grep -io 'h[0-9]\+' | tr A-Z a-z || true)}
 gpu=${gpu:-h100}
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
@@ -64,8 +73,26 @@ case "$part" in
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm "${extra[@]}" ;;
   1m) "${e2e[@]}" --lengths 1m --tag 1m_$gpu "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
   1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_$gpu "${offload[@]}" --policies streaming,infllm "${extra[@]}" ;;
+  best-dense)
+    for len in 128k 32k; do
+      more=(); [[ $len == 32k ]] && more=(streaming infllm)
+      policies=$(IFS=,; echo "dense,dense:chunk=8192,dense:chunk=all,transformers,full,${more[*]:+${more[*]},}tokenselect,tokenselect:theta=-1")
+      "${e2e[@]}" --lengths $len --tag ${len}_best_dense_$gpu --hit-rate 0.274 --policies "$policies" "${extra[@]}" \
+        2>&1 | tee "$out/e2e_${len}_best_dense_$gpu.log" || failed=1
+    done
+    exit ${failed:-0} ;;
+  best-dense-256k)
+    for run in ts:tokenselect,tokenselect:theta=-1 dense8192:dense:chunk=8192 full:full denseall:dense:chunk=all; do
+      tag=256k_${run%%:*}_best_dense_$gpu
+      "${e2e[@]}" --decode-steps 16 --lengths 256k --tag "$tag" --policies "${run#*:}" "${extra[@]}" 2>&1 \
+        | tee "$out/e2e_$tag.log" || failed=1
+    done
+    exit ${failed:-0} ;;
+  best-dense-merge)
+    "${e2e[@]}" --hit-rate 0.274 --tag best_dense_$gpu --merge "$out"/e2e_{128k,32k}_best_dense_$gpu.json \
+      "$out"/e2e_256k_{ts,dense8192,full,denseall}_best_dense_$gpu.json "${extra[@]}" ;;
   merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_"$gpu".json; do [[ -f $f ]] && runs+=("$f"); done
          "${e2e[@]}" --tag "$gpu" --merge "${runs[@]}" "${extra[@]}" ;;
-  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m, 1m-more or merge" >&2
+  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m, 1m-more, best-dense, best-dense-256k, best-dense-merge or merge" >&2
      exit 2 ;;
 esac
