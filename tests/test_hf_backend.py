@@ -331,6 +331,50 @@ def test_unknown_settings_and_policies_raise():
         generate(model, distinct_tokens(PROMPT, 16), 2, "tokenselect", tshf.PolicyCache("reattention", n_local=60))
 
 
+def test_chunk_attention_is_checked_and_resolved_as_the_engines():
+    """chunk_attention: an unknown name fails when the cache is made; cudnn where it cannot run (the CPU) fails at
+    the first step with the reason; auto resolves to the kernels' own path there, and the state names it."""
+    with pytest.raises(ValueError, match="chunk_attention='flash': one of auto, triton, cudnn"):
+        tshf.SelectionCache(chunk_attention="flash")
+    model = tiny("llama")
+    ids = distinct_tokens(PROMPT, 17)
+    with pytest.raises(ValueError, match="cudnn runs with the triton kernels on CUDA in bf16 or fp16, not with torch"):
+        generate(model, ids, 2, "tokenselect", tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0,
+                                                                    chunk_attention="cudnn"))
+    cache = tshf.SelectionCache(k=8, n_init=4, n_local=8, dense_until=0)
+    generate(model, ids, 2, "tokenselect", cache)
+    assert cache.state.chunk_attention == "triton" and cache.state.kernels.name == "torch"
+
+
+def chunked_logits(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """The logits of ``ids`` [1, n] prefilled through ``cache`` in chunks of ``chunk`` tokens, [1, n, vocab] fp32."""
+    with torch.no_grad():
+        return torch.cat([model(ids[:, i:i + chunk], past_key_values=cache).logits
+                          for i in range(0, ids.shape[1], chunk)], dim=1).float()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunk_attention_by_cudnn_equals_the_triton_kernel(dtype):
+    """A bf16/fp16 model on CUDA whose 128-token prefill chunks select (dense_until 0): its chunks' attention by
+    cuDNN (the two chunks past the budget admitted by the cache's PlanBudget) gives the logits of the Triton
+    kernel's, within the dtype's rounding. head_dim 64, GQA 2."""
+    model = tiny("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", dtype)
+    model.set_attn_implementation("tokenselect")
+    ids = torch.tensor([distinct_tokens(3 * 128, 18)], device="cuda")
+    logits = {}
+    for path in ("triton", "cudnn"):
+        cache = tshf.SelectionCache(k=32, n_init=4, n_local=32, dense_until=0, theta=None, chunk_attention=path)
+        logits[path] = chunked_logits(model, ids, cache, 128)
+        kernels = cache.state.kernels
+        assert cache.state.chunk_attention == path and kernels.name == ("triton+cudnn" if path == "cudnn" else "triton")
+        if path == "cudnn":  # the selecting chunks' one shape (128 queries over the list) ran by cuDNN
+            assert [shape[1] for shape in kernels.sparse_attention.keywords["cudnn"].shapes] == [128]
+        assert cache.selected[0].numel() == 4 + 32 + 32
+    err = (logits["cudnn"] - logits["triton"]).abs().max().item()
+    assert err < 0.05 * logits["triton"].abs().max().item(), err
+
+
 def test_readme_example_runs(tiny_llama, tmp_path, monkeypatch, capsys):
     """The README's example as written (PATH the tiny Llama, a book past its 256-token window: 2,860 tokens): the
     run without a cache selects with TokenSelect's defaults, the one with a SelectionCache with its settings."""

@@ -25,7 +25,8 @@ policy object (``make_policy``) over a second, un-rotated copy of the keys (``Ke
 them after RoPE) and asks it, for each layer's step, the engine's one question (``AttentionPolicy.attend``); the
 engine's ``sparse_attention`` then rotates each listed key to the position the policy gave it. A step that
 attends every token at its own position, and a sliding-window layer, is transformers' own SDPA attention.
-Kernels: the PyTorch references on the CPU, the Triton kernels on CUDA (``kernels.get_kernels``).
+Kernels: the PyTorch references on the CPU, the Triton kernels on CUDA (``kernels.get_kernels``), a prefill chunk's
+attention by cuDNN where the engine's would (``chunk_attention``, as the engine's setting: auto, triton, cudnn).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernels import get_kernels
+from .kernels import check_chunk_attention, chunk_attention_backend, get_kernels
 from .policies import POLICIES, default_chunk, make_policy, policy_settings
 from .policies.base import SeqStep, start_step
 from .rope import RopeSpec, rotate
@@ -114,8 +115,11 @@ class PolicyState:
     before the step's own tokens: [n] for a batch of one; for a batch, a list of one per row (None for a row that
     attended densely)."""
 
-    def __init__(self, policy: str, settings: dict, kernels: str | None = None, chunk: int | None = None):
+    def __init__(self, policy: str, settings: dict, kernels: str | None = None, chunk: int | None = None,
+                 chunk_attention: str = "auto"):
         self.policy_name, self.settings, self.kernels_name, self.chunk = policy, settings, kernels, chunk
+        # as asked; resolved by ``build``, where the device and dtype are known
+        self.chunk_attention = check_chunk_attention(chunk_attention)
         self.policy = None
         self.pools: KeyPools | None = None
         self.selected: dict[int, torch.Tensor | list] = {}
@@ -131,7 +135,8 @@ class PolicyState:
         b, n_kv, _, d = key.shape
         self.pools = KeyPools(config.num_hidden_layers, b, n_kv, d, key.dtype, key.device)
         name = self.kernels_name or ("triton" if key.device.type == "cuda" else "torch")
-        self.kernels = get_kernels(name)
+        self.chunk_attention = chunk_attention_backend(self.chunk_attention, name, key.device, key.dtype)
+        self.kernels = get_kernels(name, self.chunk_attention)
         self.policy = make_policy(self.policy_name, self.pools, self.kernels, window, self.chunk, self.settings)
 
     def inv_freq(self, module: torch.nn.Module, d: int, device: torch.device) -> torch.Tensor:
@@ -172,14 +177,16 @@ class PolicyCache(DynamicCache):
     """A ``DynamicCache`` (post-RoPE keys/values per layer, [B, H_kv, T, d]) that also runs one of the engine's
     policies: ``PolicyCache("quest", k=1024)``. settings: the policy's own (``tokenselect.policies
     .policy_settings(name)``; left out: the engine's defaults fitted to the model's window); kernels: "torch" |
-    "triton" | None (Triton on CUDA); chunk: the policy's prefill chunk (InfLLM sizes its memory by it, ReAttention
-    its spans; default the engine's, 512 or a quarter of a small window); config: the model's config (transformers
-    uses it for sliding-window layers). One cache serves one ``generate``."""
+    "triton" | None (Triton on CUDA); chunk_attention: what runs a prefill chunk's attention over its list, "auto"
+    (cuDNN on Hopper in bf16/fp16, else the kernels' own), "triton" or "cudnn" (the engine's setting of that name;
+    resolved at the first step, then ``state.chunk_attention`` names it); chunk: the policy's prefill chunk (InfLLM
+    sizes its memory by it, ReAttention its spans; default the engine's, 512 or a quarter of a small window); config:
+    the model's config (transformers uses it for sliding-window layers). One cache serves one ``generate``."""
 
     def __init__(self, policy: str = "tokenselect", *, kernels: str | None = None, chunk: int | None = None,
-                 config=None, **settings):
+                 chunk_attention: str = "auto", config=None, **settings):
         super().__init__(config=config)
-        self.state = PolicyState(policy, check_settings(policy, settings), kernels, chunk)
+        self.state = PolicyState(policy, check_settings(policy, settings), kernels, chunk, chunk_attention)
         self.active_layer: int | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -205,8 +212,10 @@ class SelectionCache(PolicyCache):
     (None: the model's window; 0: the paper's, select past n_init + k + n_local), selector, score_scale,
     positions."""
 
-    def __init__(self, *, kernels: str | None = None, chunk: int | None = None, config=None, **settings):
-        super().__init__("tokenselect", kernels=kernels, chunk=chunk, config=config, **settings)
+    def __init__(self, *, kernels: str | None = None, chunk: int | None = None, chunk_attention: str = "auto",
+                 config=None, **settings):
+        super().__init__("tokenselect", kernels=kernels, chunk=chunk, chunk_attention=chunk_attention, config=config,
+                         **settings)
 
 
 _ACTIVE = threading.local()  # .cache: the PolicyCache whose update ran last in this thread (the layer about to attend)

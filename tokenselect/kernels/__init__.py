@@ -96,13 +96,19 @@ def triton_interpreted() -> bool:
     return type(_scores_kernel).__name__ == "InterpretedFunction"
 
 
+def check_chunk_attention(choice: str) -> str:
+    """The choice if it is one of ``CHUNK_ATTENTION``, else a ValueError naming them (before any device is known)."""
+    if choice not in CHUNK_ATTENTION:
+        raise ValueError(f"chunk_attention={choice!r}: one of {', '.join(CHUNK_ATTENTION)}")
+    return choice
+
+
 def chunk_attention_backend(choice: str, kernels: str, device: torch.device, dtype: torch.dtype) -> str:
     """What runs a prefill chunk's sparse attention with ``kernels`` for queries of ``dtype`` on ``device``:
     "triton" (the sparse attention kernel) or "cudnn" (``sparse_attention``'s cuDNN path), as named; "auto": cuDNN
     where it is the faster (``cudnn_attention.cudnn_preferred``: Hopper, bf16/fp16), else Triton. The torch
     kernels have one path of their own: "triton" stands for it."""
-    if choice not in CHUNK_ATTENTION:
-        raise ValueError(f"chunk_attention={choice!r}: one of {', '.join(CHUNK_ATTENTION)}")
+    check_chunk_attention(choice)
     if choice == "cudnn" and (kernels != "triton" or device.type != "cuda" or
                               dtype not in CUDNN_DTYPES):
         raise ValueError(f"chunk_attention=cudnn runs with the triton kernels on CUDA in bf16 or fp16, not with "
