@@ -34,12 +34,12 @@
 #                                                                              (about 6 minutes on an H200)
 #   best-dense-256k  its 256K rows, four processes one after another (each run's JSON its own, merged below):
 #            TokenSelect and its hit path, dense in 8192-token chunks, full, dense in one pass (16 decode steps);
-#            OUTDIR/e2e_256k_{ts,dense8192,full,denseall}_best_dense_<gpu>.{md,json,log} (about 7 minutes)
+#            OUTDIR/e2e_256k_{ts,dense8192,full,denseall}_best_dense_<gpu>.{md,json,log} (about 6 minutes)
 #   best-dense-512k  its 512K rows (bf16 KV: 69 GB on an H200): TokenSelect and its hit path, then dense in
 #            8192-token chunks (two passes of about 130 s: the plans' and the timed one); no full or one-pass row (the
 #            call's limit); OUTDIR/e2e_512k_{dense8192,ts}_best_dense_<gpu>.{md,json,log} (about 6 minutes)
-#   best-dense-merge  (no GPU) those runs that exist -> e2e_best_dense_<gpu>.{md,json,png}, with the decode step at SmolLM2's
-#            27.4% hit rate
+#   best-dense-merge  (no GPU) those runs that exist -> e2e_best_dense_<gpu>.{md,json,png}, with the decode
+#            step at SmolLM2's 27.4% hit rate
 #   merge    (no GPU) those of OUTDIR's e2e_{128k,256k,512k,1m,1m_more}_h100.json that exist (a later file's row
 #            replaces an earlier one) -> one table and plot, e2e_h100.{md,json,png}
 set -euo pipefail
@@ -79,7 +79,8 @@ case "$part" in
   best-dense)
     for len in 128k 32k; do
       more=(); [[ $len == 32k ]] && more=(streaming infllm)
-      policies=$(IFS=,; echo "dense,dense:chunk=8192,dense:chunk=all,transformers,full,${more[*]:+${more[*]},}tokenselect,tokenselect:theta=-1")
+      policies=$(IFS=,; echo "dense,dense:chunk=8192,dense:chunk=all,transformers,full,${more[*]:+${more[*]},}"\
+"tokenselect,tokenselect:theta=-1")
       "${e2e[@]}" --lengths $len --tag ${len}_best_dense_$gpu --hit-rate 0.274 --policies "$policies" "${extra[@]}" \
         2>&1 | tee "$out/e2e_${len}_best_dense_$gpu.log" || failed=1
     done
@@ -99,11 +100,14 @@ case "$part" in
     done
     exit ${failed:-0} ;;
   best-dense-merge)
-    runs=(); for f in "$out"/e2e_{32k,128k}_best_dense_$gpu.json "$out"/e2e_256k_{dense8192,denseall,full,ts}_best_dense_$gpu.json \
-                      "$out"/e2e_512k_{dense8192,ts}_best_dense_$gpu.json; do [[ -f $f ]] && runs+=("$f"); done
+    runs=()
+    for f in "$out"/e2e_{32k,128k}_best_dense_$gpu.json \
+             "$out"/e2e_256k_{dense8192,denseall,full,ts}_best_dense_$gpu.json \
+             "$out"/e2e_512k_{dense8192,ts}_best_dense_$gpu.json; do [[ -f $f ]] && runs+=("$f"); done
     "${e2e[@]}" --hit-rate 0.274 --tag best_dense_$gpu --merge "${runs[@]}" "${extra[@]}" ;;
   merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_"$gpu".json; do [[ -f $f ]] && runs+=("$f"); done
          "${e2e[@]}" --tag "$gpu" --merge "${runs[@]}" "${extra[@]}" ;;
-  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m, 1m-more, best-dense, best-dense-256k, best-dense-512k, best-dense-merge or merge" >&2
+  *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m," \
+          "1m-more, best-dense, best-dense-256k, best-dense-512k, best-dense-merge or merge" >&2
      exit 2 ;;
 esac
