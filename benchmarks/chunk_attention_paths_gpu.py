@@ -67,21 +67,11 @@ class CudnnParts:
         self.c, self.n = c, ops["slots"].shape[1]
 
     def prepare(self):
-        """Keys rotated and values gathered in one pass, queries rotated: [B, *, heads, d] seen as [B, heads, *, d]."""
-        o, (batch, c), n = self.ops, self.ops["q"].shape[:2], self.n
-        keys = torch.empty(batch, n, KV, D, dtype=o["q"].dtype, device=o["q"].device)
-        values = torch.empty_like(keys)
-        inv_freq, key_pos = o["inv_freq"], o["key_pos"].expand(batch, n)
-        attention._rotate_keys_kernel[(triton.cdiv(n, attention.ROTATE_BLOCK), batch)](
-            o["k_pool"], o["slots"], key_pos, inv_freq, keys, None, n, KV, 1.0, o["k_pool"].stride(0),
-            o["k_pool"].stride(1), o["slots"].stride(0), key_pos.stride(0), 0, 0, o["v_pool"], values,
-            o["v_pool"].stride(0), o["v_pool"].stride(1), HALF=D // 2, HALF_P=D // 2, BLOCK_N=attention.ROTATE_BLOCK,
-            LIVE=False, DIRECT=False, GATHER_V=True)
-        queries = torch.empty_like(o["q"])
-        attention._rotate_keys_kernel[(triton.cdiv(c, attention.QUERY_ROTATE_BLOCK), batch)](
-            o["q"], o["q_pos"], o["q_pos"], inv_freq, queries, None, c, HEADS, 1.0, HEADS * D, D, 0,
-            o["q_pos"].stride(0), 0, c * HEADS * D, None, None, 0, 0, HALF=D // 2, HALF_P=D // 2,
-            BLOCK_N=attention.QUERY_ROTATE_BLOCK, LIVE=False, DIRECT=True, GATHER_V=False)
+        """Keys rotated and values gathered in one pass, queries rotated (``sparse_attention.cudnn_operands``):
+        [B, *, heads, d] seen as [B, heads, *, d]."""
+        o = self.ops
+        queries, keys, values = attention.cudnn_operands(o["q"], o["k_pool"], o["v_pool"], o["slots"], o["key_pos"],
+                                                         o["q_pos"], o["inv_freq"])
         return queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
 
     def context(self, q, k, v):

@@ -99,8 +99,9 @@ def main() -> None:
                     "k_stride_slot": i32, "k_stride_kvh": i32, "slot_stride_b": i32, "kpos_stride_b": i32,
                     "inv_stride_b": i32, "k_stride_b": i32, "v_ptr": f"*{kv}", "v_out_ptr": f"*{q}",
                     "v_stride_slot": i32, "v_stride_kvh": i32},
-                    {"HALF": 64, "HALF_P": 64, "BLOCK_N": 8 if direct else 32, "LIVE": live, "DIRECT": direct,
-                     "GATHER_V": gather_v})
+                    {"HALF": 64, "HALF_P": 64, "LIVE": live, "DIRECT": direct, "GATHER_V": gather_v,
+                     "BLOCK_N": mods["sparse_attention"].QUERY_ROTATE_BLOCK if direct
+                     else mods["sparse_attention"].ROTATE_BLOCK})
         block_r, block_n, warps, stages = mods["window_mass"].FP32_TILE if ieee else mods["window_mass"].TILE
         compile_one("window_mass", "_window_mass_kernel", {
             "q_ptr": f"*{q}", "k_ptr": f"*{kv}", "slot_ptr": i64p, "out_ptr": "*fp32", "C": i32, "N": i32, "W": i32,

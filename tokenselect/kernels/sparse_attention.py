@@ -112,8 +112,10 @@ def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_vali
                         v_ptr, v_out_ptr, v_stride_slot, v_stride_kvh,
                         HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr, LIVE: tl.constexpr,
                         DIRECT: tl.constexpr, GATHER_V: tl.constexpr):
-    """Program = a block of list entries j of sequence b (axis 1): out[b, j, kvh] = RoPE(k_pool[slots[b, j], kvh],
-    key_pos[b, j]) for every kv head, in out's dtype; the angles are computed once for all heads. LIVE: only the
+    """Program = a block of list entries j of sequence b (axis 1) for kv head kvh (axis 2): out[b, j, kvh] =
+    RoPE(k_pool[slots[b, j], kvh], key_pos[b, j]) in out's dtype. A head a program, not every head in a loop of one
+    program: the loop's loads ran one after another, a chain of n_kv latencies (32 for a chunk's queries); the
+    angles are computed again for each head, a few instructions an element against its bytes. LIVE: only the
     first ``n_valid[b]`` entries (the others are neither read nor written). DIRECT: the rows are b's own, row j at
     ``k_ptr + b * k_stride_b + j * k_stride_slot`` (no slot list: a chunk's queries). GATHER_V: also
     v_out[b, j, kvh] = v_pool[slots[b, j], kvh] in v_out's dtype (the values read in the same pass)."""
@@ -138,19 +140,18 @@ def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_vali
     cos, sin = _cos_sin(tl.load(kpos_ptr + j, mask=j_ok, other=0).to(tl.float32)[:, None] *
                         tl.load(inv_freq_ptr + half, mask=dim_ok, other=0.0)[None, :])
     cos, sin = cos * rope_scale, sin * rope_scale
-    for kvh in range(n_kv):
-        k_base = k_ptr + slot[:, None] * k_stride_slot + kvh * k_stride_kvh + half[None, :]
-        k1 = tl.load(k_base, mask=ok, other=0.0).to(tl.float32)
-        k2 = tl.load(k_base + HALF, mask=ok, other=0.0).to(tl.float32)
-        out_base = out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
-        tl.store(out_base, (k1 * cos - k2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(out_base + HALF, (k2 * cos + k1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
-        if GATHER_V:
-            v_base = v_ptr + slot[:, None] * v_stride_slot + kvh * v_stride_kvh + half[None, :]
-            v_out = v_out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
-            tl.store(v_out, tl.load(v_base, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty), mask=ok)
-            tl.store(v_out + HALF, tl.load(v_base + HALF, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty),
-                     mask=ok)
+    kvh = tl.program_id(2).to(tl.int64)
+    k_base = k_ptr + slot[:, None] * k_stride_slot + kvh * k_stride_kvh + half[None, :]
+    k1 = tl.load(k_base, mask=ok, other=0.0).to(tl.float32)
+    k2 = tl.load(k_base + HALF, mask=ok, other=0.0).to(tl.float32)
+    out_base = out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
+    tl.store(out_base, (k1 * cos - k2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_base + HALF, (k2 * cos + k1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+    if GATHER_V:
+        v_base = v_ptr + slot[:, None] * v_stride_slot + kvh * v_stride_kvh + half[None, :]
+        v_out = v_out_ptr + (j.to(tl.int64) * n_kv + kvh)[:, None] * (2 * HALF) + half[None, :]
+        tl.store(v_out, tl.load(v_base, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty), mask=ok)
+        tl.store(v_out + HALF, tl.load(v_base + HALF, mask=ok, other=0.0).to(v_out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -311,12 +312,23 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, rows, splits, D: tl.constexpr,
 DECODE_TILE, FP32_DECODE_TILE = (16, 64, 4, 2), (16, 16, 4, 3)
 CHUNK_TILE, FP32_CHUNK_TILE = (64, 64, 4, 3), (32, 32, 4, 2)
 TARGET_PROGRAMS = 396  # decode split-K: programs to aim for (3 per SM of an H100)
-ROTATE_BLOCK = 32  # list entries per program of the key-rotation kernel
-QUERY_ROTATE_BLOCK = 8  # queries per program where cuDNN's path rotates them (all heads each: 4 x 512 -> 256 programs)
+ROTATE_BLOCK = 32  # list entries per program (of one kv head) of the key-rotation kernel
+QUERY_ROTATE_BLOCK = 32  # queries per program (of one head) where cuDNN's path rotates them
 # chunk lengths the cuDNN path takes: PyTorch builds (~60 ms on the host) and caches a cuDNN plan for each shape, so
 # a prompt's ragged last chunk, whose length is any, would build one for a single use; it takes the Triton kernel
 CUDNN_GRAIN = 64
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
+
+
+def padded_half(d: int) -> int:
+    """d / 2 padded to the power of two (at least 16) the kernels' tiles of a RoPE half take."""
+    return max(16, triton.next_power_of_2(d // 2))
+
+
+def list_strides(slots: torch.Tensor, key_pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[int, int, int]:
+    """Each sequence's step in slots [B, n], key_pos and inv_freq (0 where one row is shared by every sequence)."""
+    return (slots.stride(0), key_pos.stride(0) if key_pos.dim() == 2 else 0,
+            inv_freq.stride(0) if inv_freq.dim() == 2 else 0)
 
 
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
@@ -338,7 +350,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     group = n_heads // n_kv
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     dot_ty, ieee = query_dot_type(q.dtype, k_pool.dtype)
-    half_p, d_p = max(16, triton.next_power_of_2(d // 2)), max(16, triton.next_power_of_2(d))
+    half_p, d_p = padded_half(d), max(16, triton.next_power_of_2(d))
     if c * group <= DECODE_TILE[0]:  # one row block per kv head
         tile = FP32_DECODE_TILE if ieee else DECODE_TILE
     else:
@@ -356,16 +368,15 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if q.stride(3) != 1 or q.stride(2) != d or batch > 1 and q.stride(0) != c * stride_tok:
         q = q.contiguous()
         stride_tok = q.stride(1)
-    strides = (slots.stride(0), key_pos.stride(0) if key_pos.dim() == 2 else 0,
-               inv_freq.stride(0) if inv_freq.dim() == 2 else 0)  # per sequence: its slots, key positions, frequencies
+    strides = list_strides(slots, key_pos, inv_freq)
     rotated = row_blocks > 1
     if (cudnn is not None and n_valid is None and not ieee and c % CUDNN_GRAIN == 0
             and cudnn.admits((batch, c, n, n_heads, n_kv, d, q.dtype))):
         return _chunk_by_cudnn(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, float(rope_scale), float(sm_scale),
-                               strides, stride_tok, half_p)
+                               stride_tok)
     if rotated:  # rotate each key once instead of once per row block
         keys = torch.empty(batch, n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
-        _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
+        _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
             k_pool, slots, key_pos, inv_freq, keys, n_valid, n, n_kv, float(rope_scale), k_pool.stride(0),
             k_pool.stride(1), *strides, 0, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK,
             LIVE=n_valid is not None, DIRECT=False, GATHER_V=False)
@@ -395,29 +406,41 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
-def _chunk_by_cudnn(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                    key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
-                    sm_scale: float, strides: tuple[int, int, int], stride_tok: int, half_p: int) -> torch.Tensor:
-    """A batch of chunks by cuDNN's attention (``kernels.cudnn_attention``), 1.4x the Triton kernel over four
-    groups of 512 queries (results/supporting/chunk_attention_paths_h200.md): the list's keys rotated and its values
-    gathered into [B, n, n_kv, d] buffers in one pass, the queries rotated into [B, c, H, d] (both by
-    ``_rotate_keys_kernel``, so keys round as the Triton path's do), then the context and the chunk's own keys as
-    two cuDNN calls merged by their log-sum-exps. Operands as ``sparse_attention`` has prepared them (rows read in
-    place; q's sequences ``c * stride_tok`` apart; half_p: d / 2 padded as the rotation kernel takes it) ->
-    [B, c, H, d]."""
+def cudnn_operands(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                   key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float = 1.0,
+                   stride_tok: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the cuDNN path attends: the list's keys rotated and its values gathered into [B, n, n_kv, d] buffers
+    in one pass, the queries rotated into [B, c, H, d] (both by ``_rotate_keys_kernel``, so keys round as the Triton
+    path's do). q [B, c, H, d] (its sequences ``c * stride_tok`` apart, default contiguous); slots, q_pos [B, *]
+    and key_pos, inv_freq [*] or [B, *] read in place (rows of contiguous entries, inv_freq fp32) -> (queries,
+    keys, values)."""
     batch, c, n_heads, d = q.shape
     n, n_kv = slots.shape[1], k_pool.shape[1]
+    half_p = padded_half(d)
+    stride_tok = q.stride(1) if stride_tok is None else stride_tok
+    strides = list_strides(slots, key_pos, inv_freq)
     keys = torch.empty(batch, n, n_kv, d, dtype=q.dtype, device=q.device)
     values = torch.empty_like(keys)
-    _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch)](
-        k_pool, slots, key_pos, inv_freq, keys, None, n, n_kv, rope_scale, k_pool.stride(0), k_pool.stride(1),
-        *strides, 0, v_pool, values, v_pool.stride(0), v_pool.stride(1), HALF=d // 2, HALF_P=half_p,
-        BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True)
+    _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
+        k_pool, slots, key_pos, inv_freq, keys, None, n, n_kv, float(rope_scale), k_pool.stride(0),
+        k_pool.stride(1), *strides, 0, v_pool, values, v_pool.stride(0), v_pool.stride(1), HALF=d // 2,
+        HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True)
     queries = torch.empty(batch, c, n_heads, d, dtype=q.dtype, device=q.device)
-    _rotate_keys_kernel[(triton.cdiv(c, QUERY_ROTATE_BLOCK), batch)](
-        q, q_pos, q_pos, inv_freq, queries, None, c, n_heads, rope_scale, stride_tok, d, 0, q_pos.stride(0),
+    _rotate_keys_kernel[(triton.cdiv(c, QUERY_ROTATE_BLOCK), batch, n_heads)](
+        q, q_pos, q_pos, inv_freq, queries, None, c, n_heads, float(rope_scale), stride_tok, d, 0, q_pos.stride(0),
         strides[2], c * stride_tok, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=QUERY_ROTATE_BLOCK,
         LIVE=False, DIRECT=True, GATHER_V=False)
+    return queries, keys, values
+
+
+def _chunk_by_cudnn(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                    key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
+                    sm_scale: float, stride_tok: int) -> torch.Tensor:
+    """A batch of chunks by cuDNN's attention (``kernels.cudnn_attention``), 1.4x the Triton kernel over four
+    groups of 512 queries (results/supporting/chunk_attention_paths_h200.md): ``cudnn_operands``, then the context
+    and the chunk's own keys as two cuDNN calls merged by their log-sum-exps. Operands as ``sparse_attention`` has
+    prepared them -> [B, c, H, d]."""
+    queries, keys, values = cudnn_operands(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, rope_scale, stride_tok)
     out = torch.empty_like(queries)
     chunk_by_cudnn(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), sm_scale,
                    out=out.transpose(1, 2))
