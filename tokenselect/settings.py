@@ -170,7 +170,7 @@ class EngineSettings(Validated):
                                   none="triton on CUDA, torch on the CPU")
     chunk_attention: str = setting("auto", "what runs a prefill chunk's attention over its selected list: triton (the "
                                            "sparse attention kernel), cudnn (PyTorch's cuDNN attention over the "
-                                           "list's rotated keys and gathered values, 1.4x the kernel over "
+                                           "list's rotated keys and gathered values, 1.5x the kernel over "
                                            "TokenSelect's chunks on an H200; CUDA, bf16/fp16, chunks of a multiple "
                                            "of 64 queries), auto: cudnn on Hopper GPUs, else triton",
                                    choices=CHUNK_ATTENTION)

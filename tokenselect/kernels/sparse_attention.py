@@ -24,7 +24,8 @@ partial results by their log-sum-exp. With one split the attention kernel writes
 On a Hopper GPU cuDNN's attention runs a chunk's products at 625 TFLOP/s where this kernel's tile reaches about 285
 (results/supporting/chunk_attention_paths_h200.md), so with a ``cudnn`` budget a chunk of a multiple of 64
 queries over a whole list gathers its rotated keys and its values into buffers and runs cuDNN on them
-(``_chunk_by_cudnn``): 1.4x this kernel over TokenSelect's four groups of 512 queries, level over one 512-query chunk.
+(``_chunk_by_cudnn``): 1.5x this kernel over TokenSelect's four groups of 512 queries, 1.3x over one 512-query chunk
+(results/supporting/chunk_attention_rotate_heads_h200.md).
 """
 
 from __future__ import annotations
@@ -436,8 +437,7 @@ def cudnn_operands(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
 def _chunk_by_cudnn(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                     key_pos: torch.Tensor, q_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
                     sm_scale: float, stride_tok: int) -> torch.Tensor:
-    """A batch of chunks by cuDNN's attention (``kernels.cudnn_attention``), 1.4x the Triton kernel over four
-    groups of 512 queries (results/supporting/chunk_attention_paths_h200.md): ``cudnn_operands``, then the context
+    """A batch of chunks by cuDNN's attention (``kernels.cudnn_attention``): ``cudnn_operands``, then the context
     and the chunk's own keys as two cuDNN calls merged by their log-sum-exps. Operands as ``sparse_attention`` has
     prepared them -> [B, c, H, d]."""
     queries, keys, values = cudnn_operands(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, rope_scale, stride_tok)
