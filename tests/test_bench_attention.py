@@ -69,6 +69,23 @@ def test_dense_figures_are_the_faster_backends_and_name_it(tmp_path):
     assert "1K dense chunk: flash 3.000, cudnn 1.500" in text and "1K dense decode: flash 0.200, cudnn 0.250" in text
 
 
+def test_the_chunks_attention_is_resolved_as_the_engines_and_named(tmp_path):
+    """--chunk-attention reaches the kernels as the engine's setting does: auto on a CPU is the kernels' own path
+    (recorded, the title silent), cudnn where it cannot run is refused with the reason, and a cuDNN run's title
+    names it."""
+    args = parse("--device", "cpu", "--tiny", "--kernels", "torch", "--lengths", "1k", "--output", str(tmp_path),
+                 "--no-check")
+    assert args.chunk_attention == "auto" and args.func(args) == 0
+    result = json.loads((tmp_path / "attention.json").read_text())
+    assert result["chunk_attention"] == "triton" and "chunks' attention by" not in attention.render(result)
+    result["chunk_attention"] = "cudnn"
+    assert "torch kernels, chunks' attention by cudnn, on cpu" in attention.render(result)
+    refused = parse("--device", "cpu", "--tiny", "--kernels", "torch", "--chunk-attention", "cudnn", "--output",
+                    str(tmp_path))
+    with pytest.raises(ValueError, match="cudnn runs with the triton kernels on CUDA in bf16 or fp16, not with torch"):
+        refused.func(refused)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_full_size_on_cpu_is_refused(tmp_path):
     args = parse("--device", "cpu", "--output", str(tmp_path))

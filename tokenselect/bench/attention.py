@@ -41,12 +41,13 @@ import torch
 
 from ..cuda_graphs import capture, warm_up
 from ..eval.runner import parse_length
-from ..kernels import get_kernels
+from ..kernels import chunk_attention_backend, get_kernels
 from ..kv_cache import KVCache
 from ..models.loader import resolve_device
 from ..policies import start_step
 from ..policies.tokenselect import TokenSelect
 from ..rope import RopeSpec, rotate
+from ..settings import CHUNK_ATTENTION
 from .dense import causal_attention
 
 DEFAULT_LENGTHS = "32k,128k,512k,1m"
@@ -267,8 +268,8 @@ def fastest(row: dict, key: str, by_sdpa: dict[str, float]) -> None:
     row[f"{stem}_by_sdpa"] = by_sdpa
 
 
-def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: bool) -> dict:
-    kern = get_kernels(args.kernels)
+def measure(L: int, args, device: torch.device, ms, bandwidth: float, check: bool, kern) -> dict:
+    """One KV length's row, ours by ``kern`` (``get_kernels`` with the run's chunk attention)."""
     layer = Layer(L, args, device)
     row = {"length": L}
     backends = dense_backends(layer, device, row)
@@ -347,6 +348,13 @@ def graph_table(rows: list[dict], fp8: bool) -> str:
     return "\n".join(lines)
 
 
+def chunks_label(result: dict) -> str:
+    """The title's note of how our chunks attended: ", chunks' attention by cudnn" (runs before the setting: the
+    kernel's, unnamed)."""
+    chunks = result.get("chunk_attention")
+    return f", chunks' attention by {chunks}" if chunks and chunks != "triton" else ""
+
+
 def dense_cell(row: dict, stem: str) -> str:
     """A dense time with its backend where several ran ("15.154 cudnn"); rows of runs before cuDNN was timed
     (no ``_sdpa`` key) ran flash alone."""
@@ -383,13 +391,17 @@ def run(args: argparse.Namespace) -> int:
         args = argparse.Namespace(**{**vars(args), **TINY, "lengths": args.lengths or TINY["lengths"]})
     ms = timer(device)
     bandwidth = copy_bandwidth(device, ms)
+    # what runs a chunk's attention over its list, as the engine resolves its setting for these operands
+    chunks = chunk_attention_backend(args.chunk_attention, args.kernels, device, torch.bfloat16)
+    kern = get_kernels(args.kernels, chunks)
     rows = []
     for i, length in enumerate(parse_length(x) for x in (args.lengths or DEFAULT_LENGTHS).split(",")):
-        rows.append(measure(length, args, device, ms, bandwidth, check=i == 0 and not args.no_check))
+        rows.append(measure(length, args, device, ms, bandwidth, check=i == 0 and not args.no_check, kern=kern))
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = {k: v for k, v in vars(args).items() if k != "func"}
-    result = {"device": name, "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "args": meta, "rows": rows}
+    result = {"device": name, "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "args": meta,
+              "chunk_attention": chunks, "rows": rows}
     report = render(result)
     print(report)
     out = Path(args.output)
@@ -406,7 +418,7 @@ def render(result: dict) -> str:
     a, rows, fp8 = result["args"], result["rows"], result["args"]["fp8_select"]
     graphs = bool(rows) and "graph_chunk_ms" in rows[0]
     text = (f"# Attention, one layer: {a['heads']} q heads, {a['kv_heads']} kv heads, d={a['head_dim']}, bf16, "
-            f"{a['kernels']} kernels, on {result['device']} (torch {result['torch']})"
+            f"{a['kernels']} kernels{chunks_label(result)}, on {result['device']} (torch {result['torch']})"
             f"{', steps in CUDA graphs' if graphs else ''}\n\n"
             f"Chunk = {a['chunk']} queries; ours selects k={a['k']} with n_init={a['n_init']}, "
             f"n_local={a['n_local']}. Milliseconds; copy bandwidth {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; "
@@ -425,6 +437,9 @@ def add_parser(subparsers) -> None:
                     "(prefill chunk, decode Selection-Cache miss and hit) and the read-K floor.")
     p.add_argument("--lengths", help=f"KV lengths (default {DEFAULT_LENGTHS}; with --tiny {TINY['lengths']})")
     p.add_argument("--kernels", default="triton", choices=["triton", "torch"])
+    p.add_argument("--chunk-attention", default="auto", choices=CHUNK_ATTENTION,
+                   help="what runs our chunk's attention over its list, as the engine's --chunk-attention: auto "
+                        "(cudnn on Hopper, as the engine), triton or cudnn")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test, not a benchmark)")
     p.add_argument("--heads", type=int, default=32)
