@@ -114,12 +114,12 @@ def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_vali
                         HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_N: tl.constexpr, LIVE: tl.constexpr,
                         DIRECT: tl.constexpr, GATHER_V: tl.constexpr):
     """Program = a block of list entries j of sequence b (axis 1) for kv head kvh (axis 2): out[b, j, kvh] =
-    RoPE(k_pool[slots[b, j], kvh], key_pos[b, j]) in out's dtype. A head a program, not every head in a loop of one
-    program: the loop's loads ran one after another, a chain of n_kv latencies (32 for a chunk's queries); the
-    angles are computed again for each head, a few instructions an element against its bytes. LIVE: only the
-    first ``n_valid[b]`` entries (the others are neither read nor written). DIRECT: the rows are b's own, row j at
-    ``k_ptr + b * k_stride_b + j * k_stride_slot`` (no slot list: a chunk's queries). GATHER_V: also
-    v_out[b, j, kvh] = v_pool[slots[b, j], kvh] in v_out's dtype (the values read in the same pass)."""
+    RoPE(k_pool[slots[b, j], kvh], key_pos[b, j]) in out's dtype. A head a program because a loop over the heads in
+    one program issues their loads one after another, a chain of n_kv memory latencies (32 for a chunk's queries);
+    the angles cost a few instructions an element against its bytes, so each head's program computes its own.
+    LIVE: only the first ``n_valid[b]`` entries (the others are neither read nor written). DIRECT: the rows are
+    b's own, row j at ``k_ptr + b * k_stride_b + j * k_stride_slot`` (no slot list: a chunk's queries). GATHER_V:
+    also v_out[b, j, kvh] = v_pool[slots[b, j], kvh] in v_out's dtype (the values read in the same pass)."""
     b = tl.program_id(1).to(tl.int64)
     slot_ptr += b * slot_stride_b
     kpos_ptr += b * kpos_stride_b
