@@ -369,12 +369,12 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if q.stride(3) != 1 or q.stride(2) != d or batch > 1 and q.stride(0) != c * stride_tok:
         q = q.contiguous()
         stride_tok = q.stride(1)
-    strides = list_strides(slots, key_pos, inv_freq)
-    rotated = row_blocks > 1
     if (cudnn is not None and n_valid is None and not ieee and c % CUDNN_GRAIN == 0
             and cudnn.admits((batch, c, n, n_heads, n_kv, d, q.dtype))):
         return _chunk_by_cudnn(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, float(rope_scale), float(sm_scale),
                                stride_tok)
+    strides = list_strides(slots, key_pos, inv_freq)
+    rotated = row_blocks > 1
     if rotated:  # rotate each key once instead of once per row block
         keys = torch.empty(batch, n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
         _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
