@@ -1,0 +1,82 @@
+"""A fresh engine's first requests when attention runs outside CUDA graphs (a server's steps that batch several
+sequences run their layers as graphs around eager attention): how many cuDNN plans each request builds, and its
+prefill time, for the tree on PYTHONPATH.
+
+Full attention's lists grow by a chunk each chunk: every chunk of a first prompt is a new shape, and a later prompt
+meets the same lengths again up to its own chunk count. A prompt whose last chunk is a multiple of 64 queries short
+of a whole chunk (here 320 of 512) meets a shape no other prompt of another length meets. The engine is started
+and warmed up as ``tokenselect serve`` does on a GPU (``LLM.default_warm_up_tokens``), then serves the prompts one
+at a time; each request's row says the plans the engine's cuDNN budget held after it (``PlanBudget.shapes``) and
+its prefill time (one generated token; CUDA synchronized).
+
+Usage (device): PYTHONPATH=<tree> python3 benchmarks/plan_budget_gpu.py OUT.json [--tag NAME]
+               python3 benchmarks/plan_budget_gpu.py --table BEFORE.json AFTER.json > table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tokenselect.bench.e2e import CONFIGS, text_prompt
+from tokenselect.engine import LLM
+from tokenselect.sampling import SamplingParams
+
+LENGTHS = (16 * 1024 + 320, 20 * 1024 + 320, 16 * 1024 + 320, 24 * 1024 + 320, 20 * 1024 + 320)
+
+
+def table(paths: list[Path]) -> str:
+    """The runs side by side, a row a request."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    head = " | ".join(f"{r['tag']} plans | {r['tag']} s" for r in runs)
+    lines = [f"# cuDNN plans a fresh engine builds: {runs[0]['policy']}, llama3-8b, chunk {runs[0]['chunk']}, "
+             f"eager attention, {runs[0]['device']}", "",
+             "; ".join(f"{r['tag']}: a shape admitted after {r['seen_before']} sightings, at most {r['limit']}"
+                       for r in runs), "",
+             f"| request | tokens | {head} |", "|---|---|" + "---|---|" * len(runs)]
+    for i, row in enumerate(runs[0]["rows"]):
+        cells = " | ".join(f"{r['rows'][i]['plans']} | {r['rows'][i]['seconds']:.2f}" for r in runs)
+        lines.append(f"| {row['request']} | {row['tokens']:,} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("output", type=Path, nargs="?")
+    p.add_argument("--tag", default="")
+    p.add_argument("--policy", default="full")
+    p.add_argument("--table", nargs="+", type=Path, help="runs' JSON files: print their table")
+    args = p.parse_args()
+    if args.table:
+        print(table(args.table), end="")
+        return
+    config = CONFIGS["llama3-8b"]
+    llm = LLM.random(config, args.policy, cuda_graphs=False, prefix_cache=False,
+                     kv_cache_tokens=max(LENGTHS) + 64)
+    budget = llm.kernels.sparse_attention.keywords["cudnn"]
+    ids = text_prompt(max(LENGTHS) + 4096, config["vocab_size"])
+    start = time.perf_counter()
+    llm.warm_up(ids[-llm.default_warm_up_tokens():])
+    rows = [{"request": "warm-up", "tokens": llm.default_warm_up_tokens(), "plans": len(budget.shapes),
+             "seconds": time.perf_counter() - start}]
+    for i, n in enumerate(LENGTHS):
+        prompt = ids[i * 512:i * 512 + n]  # each prompt's own tokens (no prefix cache either way)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        rows.append({"request": i + 1, "tokens": n, "plans": len(budget.shapes),
+                     "seconds": time.perf_counter() - start})
+        print(rows[-1], flush=True)
+    result = {"tag": args.tag, "policy": args.policy, "chunk": llm.chunk_size, "layers": llm.model.config.n_layers,
+              "seen_before": getattr(budget, "seen_before", 0), "limit": budget.limit,
+              "device": torch.cuda.get_device_name(), "rows": rows}
+    args.output.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
