@@ -79,8 +79,7 @@ def test_chunk_attention_reaches_the_kernels_the_policy_attends_with(tiny_llama,
     assert auto.kernels.name == ("triton+cudnn" if hopper else "triton" if auto.device.type == "cuda" else "torch")
     assert named.kernels.name == ("triton" if named.device.type == "cuda" else "torch")
     if hopper:
-        budget = auto.kernels.sparse_attention.keywords["cudnn"]  # a plan only for a shape a later pass meets
-        assert isinstance(budget, PlanBudget) and budget.seen_before == auto.model.config.n_layers
+        assert isinstance(auto.kernels.sparse_attention.keywords["cudnn"], PlanBudget)
     if auto.device.type == "cpu":
         capsys.readouterr()
         assert generate(tiny_llama, "--chunk-attention", "cudnn") != 0

@@ -984,47 +984,6 @@ def test_sparse_attention_by_cudnn_admits_a_bounded_set_of_shapes(cudnn_or_its_r
     assert taken == [1, 1, 0, 1] and len(budget.shapes) == 2
 
 
-def test_sparse_attention_by_cudnn_admits_a_shape_met_again_after_a_forward_pass(cudnn_or_its_reference):
-    """A budget that waits ``seen_before`` = 3 sightings (an engine's layer count): a shape's first three calls (one
-    forward pass) run on the Triton kernel, the fourth by cuDNN, and so on; shapes met in one pass only (a growing
-    list's lengths within a prompt) never run by cuDNN. Each result the reference's."""
-    gen = torch.Generator().manual_seed(4)
-    budget = PlanBudget(seen_before=3)
-    k_pool, v_pool = pool(1200, 128, torch.bfloat16, gen), pool(1200, 128, torch.bfloat16, gen)
-    taken = []
-    for n in (300, 300, 300, 300, 300, 400, 400, 400, 500, 500, 500):
-        q = query((64, 8, 128), torch.bfloat16, gen)
-        slots = slot_list(n, 1200, gen)
-        key_pos, q_pos, inv_freq, scale = rope_inputs(64, n, 128, gen)
-        args = (q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, scale)
-        before = cudnn_or_its_reference[0]
-        got = TRITON.sparse_attention(*args, cudnn=budget)
-        taken.append(cudnn_or_its_reference[0] - before)
-        assert_attention_close(got, TORCH.sparse_attention(*args), torch.bfloat16)
-    assert taken == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
-    assert [shape[2] for shape in budget.shapes] == [300] and sorted(budget.sightings.values()) == [3, 3]
-
-
-def test_plan_budget_counts_sightings_within_its_limit():
-    """PlanBudget's bookkeeping alone (no attention): seen_before 0 admits at once; a full budget admits no
-    new shape however often met, and keeps admitting its own; the sightings of shapes not admitted are bounded
-    (64 a shape of the limit, then forgotten); a negative setting is refused."""
-    budget = PlanBudget(limit=1)
-    assert budget.admits("a") and not budget.admits("b") and budget.admits("a") and budget.shapes == {"a"}
-    waiting = PlanBudget(limit=1, seen_before=2)
-    assert [waiting.admits("a") for _ in range(4)] == [False, False, True, True]
-    assert [waiting.admits("b") for _ in range(5)] == [False] * 5 and waiting.sightings == {}  # full: not counted
-    counting = PlanBudget(limit=2, seen_before=1)
-    for i in range(2 * 64):
-        assert not counting.admits(i)
-    assert len(counting.sightings) == 128
-    assert not counting.admits("new") and counting.sightings == {"new": 1}  # 128 candidates: the count restarts
-    assert not counting.admits(0) and counting.admits(0)
-    for bad in (dict(limit=-1), dict(seen_before=-1)):
-        with pytest.raises(ValueError, match="must be >= 0"):
-            PlanBudget(**bad)
-
-
 def test_chunk_attention_backend_resolves_and_refuses():
     """auto: cuDNN only where it is the faster (never on a CPU, never for fp32: decided without asking a GPU);
     cudnn named where it cannot run, an unknown name, or cudnn with the torch kernels: a ValueError that says why."""
@@ -1040,9 +999,8 @@ def test_chunk_attention_backend_resolves_and_refuses():
             chunk_attention_backend("cudnn", kernels, device, dtype)
     with pytest.raises(ValueError, match="chunk_attention='flash': one of auto, triton, cudnn"):
         chunk_attention_backend("flash", "triton", cuda, torch.bfloat16)
-    first, second = (get_kernels("triton", "cudnn", layers).sparse_attention.keywords["cudnn"] for layers in (0, 5))
+    first, second = (get_kernels("triton", "cudnn").sparse_attention.keywords["cudnn"] for _ in range(2))
     assert isinstance(first, PlanBudget) and first is not second  # a budget for each engine
-    assert (first.seen_before, second.seen_before) == (0, 5)
     assert get_kernels("triton", "triton") is TRITON
     with pytest.raises(ValueError, match="chunk_attention='cudnn' with torch kernels"):
         get_kernels("torch", "cudnn")

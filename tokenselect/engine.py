@@ -216,7 +216,7 @@ class LLM:
             raise ValueError("triton kernels on the CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
                              "before starting (slow; meant for tests), or use kernels='torch'")
         self.chunk_attention = chunk_attention_backend(s.chunk_attention, kernels, self.device, self.dtype)
-        self.kernels = get_kernels(kernels, self.chunk_attention, cfg.n_layers)
+        self.kernels = get_kernels(kernels, self.chunk_attention)
         group = fitted_settings(attention, policy_settings, self.window).get("prefill_group", 0)
         self.chunk_size = s.chunk_size or default_chunk(self.window, group)
         if s.tail_chunk > self.chunk_size:

@@ -136,7 +136,7 @@ class PolicyState:
         self.pools = KeyPools(config.num_hidden_layers, b, n_kv, d, key.dtype, key.device)
         name = self.kernels_name or ("triton" if key.device.type == "cuda" else "torch")
         self.chunk_attention = chunk_attention_backend(self.chunk_attention, name, key.device, key.dtype)
-        self.kernels = get_kernels(name, self.chunk_attention, config.num_hidden_layers)
+        self.kernels = get_kernels(name, self.chunk_attention)
         self.policy = make_policy(self.policy_name, self.pools, self.kernels, window, self.chunk, self.settings)
 
     def inv_freq(self, module: torch.nn.Module, d: int, device: torch.device) -> torch.Tensor:

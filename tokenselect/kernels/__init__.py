@@ -118,11 +118,9 @@ def chunk_attention_backend(choice: str, kernels: str, device: torch.device, dty
     return choice
 
 
-def get_kernels(name: str, chunk_attention: str = "triton", layers: int = 0) -> Kernels:
+def get_kernels(name: str, chunk_attention: str = "triton") -> Kernels:
     """name: "torch" | "triton"; chunk_attention (with "triton"): "triton" | "cudnn", what runs a prefill chunk's
-    sparse attention (``chunk_attention_backend``; "cudnn": with a ``PlanBudget`` of its own, so one per engine);
-    layers: the model's layer count, the calls a forward pass makes with one shape, after which a shape met again
-    runs by cuDNN (``PlanBudget.seen_before``; 0: from its first call)."""
+    sparse attention (``chunk_attention_backend``; "cudnn": with a ``PlanBudget`` of its own, so one per engine)."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernels {name!r}; use torch or triton")
     if name == "triton" and not torch.cuda.is_available() and not triton_interpreted():
@@ -133,5 +131,4 @@ def get_kernels(name: str, chunk_attention: str = "triton", layers: int = 0) -> 
         return KERNELS[name]
     if chunk_attention != "cudnn" or name != "triton":
         raise ValueError(f"chunk_attention={chunk_attention!r} with {name} kernels: triton, or cudnn with triton")
-    budget = PlanBudget(seen_before=layers)
-    return replace(KERNELS[name], name="triton+cudnn", sparse_attention=partial(sparse_attention, cudnn=budget))
+    return replace(KERNELS[name], name="triton+cudnn", sparse_attention=partial(sparse_attention, cudnn=PlanBudget()))

@@ -29,37 +29,16 @@ class PlanBudget:
     host) and keeps every one it builds (its cache has no bound), so a server whose clients choose per-request
     settings (a TokenSelect ``k``, hence a list length) must not build one per setting: the first ``limit`` shapes
     are admitted, any other runs on the Triton kernel. An engine's own settings meet a handful (a chunk's full
-    groups, a prompt's last chunk with fewer of them).
+    groups, a prompt's last chunk with fewer of them)."""
 
-    A shape is admitted only once it has been met ``seen_before`` times (the engine: its layer count, so a shape
-    that comes back in a later forward pass, as a policy's fixed-length list does each chunk and a growing list's
-    length does in a later prompt of as many chunks): a shape met in one pass only (a prompt's ragged last chunk
-    over a list of its own length, a chunk after a reused prefix of a new length) builds no plan, which would cost
-    more than the chunk's whole attention, and leaves the budget to shapes that recur. Until admitted, a shape runs
-    on the Triton kernel."""
-
-    def __init__(self, limit: int = 64, seen_before: int = 0):
-        if limit < 0 or seen_before < 0:
-            raise ValueError(f"PlanBudget: limit ({limit}) and seen_before ({seen_before}) must be >= 0")
-        self.limit, self.seen_before = limit, seen_before
-        self.shapes: set[tuple] = set()  # admitted
-        self.sightings: dict[tuple, int] = {}  # shapes met and not yet admitted -> how many times
+    def __init__(self, limit: int = 64):
+        self.limit, self.shapes = limit, set()
 
     def admits(self, shape: tuple) -> bool:
-        """Whether a chunk of ``shape`` runs by cuDNN, admitting it once met often enough while there is room."""
-        if shape in self.shapes:
-            return True
-        if len(self.shapes) >= self.limit:
-            return False
-        seen = self.sightings.get(shape, 0)
-        if seen < self.seen_before:
-            if len(self.sightings) >= self.limit * 64:  # bound the count's memory: forget the candidates so far
-                self.sightings.clear()
-            self.sightings[shape] = seen + 1
-            return False
-        self.sightings.pop(shape, None)
-        self.shapes.add(shape)
-        return True
+        """Whether a chunk of ``shape`` runs by cuDNN, admitting it while there is room."""
+        if shape not in self.shapes and len(self.shapes) < self.limit:
+            self.shapes.add(shape)
+        return shape in self.shapes
 
 
 def cudnn_preferred(device: torch.device, dtype: torch.dtype) -> bool:
