@@ -152,6 +152,20 @@ def test_dense_runner_refuses_length_dependent_rope(tiny_llama):
         DenseRunner(LLM(tiny_llama, "full", rope_scaling="dynamic:4"), 100)
 
 
+def test_a_row_says_cudnn_chunks_where_they_ran():
+    """The label follows what ran (``cudnn_chunks``), not the setting: full attention under a cudnn setting, whose
+    live-length lists the Triton kernel serves, is unlabelled; a row measured before that was recorded is
+    labelled by its setting; a dense row names its SDPA backend."""
+    from tokenselect.bench.e2e import row_label
+
+    assert row_label({"policy": "tokenselect", "chunk_attention": "cudnn", "cudnn_chunks": True}) == \
+        "tokenselect (cudnn chunks)"
+    assert row_label({"policy": "full", "chunk_attention": "cudnn", "cudnn_chunks": False}) == "full"
+    assert row_label({"policy": "full", "chunk_attention": "cudnn"}) == "full (cudnn chunks)"
+    assert row_label({"policy": "full", "chunk_attention": "triton"}) == "full"
+    assert row_label({"policy": "dense:chunk=8192", "sdpa": "cudnn"}) == "dense:chunk=8192 (cudnn SDPA)"
+
+
 def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     import argparse
     import json
@@ -191,6 +205,8 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     assert f"| {rows[2]['floor_ms']:.2f} | {rows[2]['floor_ms'] / rows[2]['decode_ms']:.0%} |" in table
     assert f"| 2K | tokenselect | fp32 | {rows[2]['prefill_s']:.2f} | {want} |" in table
     assert "| 3/3 |" in table and "| 8/8 |" in table
+    # the torch kernels have no cuDNN path: no row says its chunks ran by cuDNN
+    assert [r["cudnn_chunks"] for r in rows[1:]] == [False] * 3 and "cudnn chunks" not in table
     assert f"| {rows[3]['hit_rate']:.0%} ({rows[3]['real_hit_rate']:.0%}) |" in table
 
 

@@ -981,7 +981,7 @@ def test_sparse_attention_by_cudnn_admits_a_bounded_set_of_shapes(cudnn_or_its_r
         got = TRITON.sparse_attention(*args, cudnn=budget)
         taken.append(cudnn_or_its_reference[0] - before)
         assert_close_to_exact(got, *args)
-    assert taken == [1, 1, 0, 1] and len(budget.shapes) == 2
+    assert taken == [1, 1, 0, 1] and len(budget.shapes) == 2 and budget.calls == 3  # the calls it took
 
 
 def test_chunk_attention_backend_resolves_and_refuses():

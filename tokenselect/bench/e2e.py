@@ -398,6 +398,8 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
         row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
                "chunk_attention": llm.chunk_attention,
                "tensor_parallel_size": args.tensor_parallel_size, "tp_selection": args.tp_selection}  # peak_gb: rank 0's GPU (the ranks' shares match)
+        budget = cudnn_budget(llm)
+        cudnn_calls = budget.calls if budget is not None else 0
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
             row["error"] = f"skipped: would copy {copies / 1e9:,.0f} GB of values from host"
@@ -411,6 +413,9 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
                 row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}", floor_at,
                                    bandwidth))
                 row = with_floor(row, config, bandwidth, *sizes)
+                # what ran, not the setting: full attention's and InfLLM's lists have a live length, which the
+                # Triton kernel serves whatever chunk_attention says
+                row["cudnn_chunks"] = budget is not None and budget.calls > cudnn_calls
                 if row["hit_rate"] is not None:
                     row["real_hit_rate"] = real_text_hit_rate(settings, text_prompt(length, None), args.decode_steps,
                                                               args)
@@ -462,12 +467,21 @@ def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
     return out
 
 
+def cudnn_budget(llm):
+    """The engine's cuDNN plan budget (``kernels.cudnn_attention.PlanBudget``), None where its chunks run on the
+    Triton kernel alone."""
+    keywords = getattr(llm.kernels.sparse_attention, "keywords", {})
+    return keywords.get("cudnn")
+
+
 def row_label(row: dict) -> str:
     """A row's policy as the table names it; a dense row's with the SDPA backend its prefill ran, an engine row's
-    with cuDNN where its prefill chunks' attention ran by cuDNN (``--chunk-attention``)."""
+    with cuDNN where some of its prefill chunks' attention ran by cuDNN (``cudnn_chunks``; a row measured before
+    that was recorded: where ``--chunk-attention`` resolved to cudnn)."""
     if row.get("sdpa"):
         return f"{row['policy']} ({row['sdpa']} SDPA)"
-    return f"{row['policy']} (cudnn chunks)" if row.get("chunk_attention") == "cudnn" else row["policy"]
+    cudnn = row.get("cudnn_chunks", row.get("chunk_attention") == "cudnn")
+    return f"{row['policy']} (cudnn chunks)" if cudnn else row["policy"]
 
 
 def table(rows: list[dict]) -> str:

@@ -33,12 +33,15 @@ class PlanBudget:
 
     def __init__(self, limit: int = 64):
         self.limit, self.shapes = limit, set()
+        self.calls = 0  # chunks that took the cuDNN path: run eagerly, or recorded into a CUDA graph (once a graph)
 
     def admits(self, shape: tuple) -> bool:
         """Whether a chunk of ``shape`` runs by cuDNN, admitting it while there is room."""
         if shape not in self.shapes and len(self.shapes) < self.limit:
             self.shapes.add(shape)
-        return shape in self.shapes
+        admitted = shape in self.shapes
+        self.calls += admitted
+        return admitted
 
 
 def cudnn_preferred(device: torch.device, dtype: torch.dtype) -> bool:
