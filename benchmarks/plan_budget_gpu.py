@@ -2,12 +2,14 @@
 sequences run their layers as graphs around eager attention): how many cuDNN plans each request builds, and its
 prefill time, for the tree on PYTHONPATH.
 
-Full attention's lists grow by a chunk each chunk: every chunk of a first prompt is a new shape, and a later prompt
-meets the same lengths again up to its own chunk count. A prompt whose last chunk is a multiple of 64 queries short
-of a whole chunk (here 320 of 512) meets a shape no other prompt of another length meets. The engine is started
-and warmed up as ``tokenselect serve`` does on a GPU (``LLM.default_warm_up_tokens``), then serves the prompts one
-at a time; each request's row says the plans the engine's cuDNN budget held after it (``PlanBudget.shapes``) and
-its prefill time (one generated token; CUDA synchronized).
+Written to measure a candidate that admitted a shape only once a later forward pass met it again (dropped:
+results/supporting/plan_budget_h200.md). Every prompt ends in a 320-query chunk (a multiple of 64, so cuDNN may
+take it). What it showed: full attention builds no plan at all (its lists carry a live length, which the Triton
+kernel serves); TokenSelect two or three (its selecting chunks' shape, the ragged chunk's and, first come,
+a shape its warm-up met once). The engine is started and warmed up as ``tokenselect serve`` does on a GPU
+(``LLM.default_warm_up_tokens``), then serves the prompts one at a time; each request's row says the plans the
+engine's cuDNN budget held after it (``PlanBudget.shapes``) and its prefill time (one generated token; CUDA
+synchronized).
 
 Usage (device): PYTHONPATH=<tree> python3 benchmarks/plan_budget_gpu.py OUT.json [--tag NAME]
                python3 benchmarks/plan_budget_gpu.py --table BEFORE.json AFTER.json > table.md
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tokenselect.bench.e2e import CONFIGS, text_prompt
+from tokenselect.bench.e2e import CONFIGS, cudnn_budget, text_prompt
 from tokenselect.engine import LLM
 from tokenselect.sampling import SamplingParams
 
@@ -54,10 +56,14 @@ def main() -> None:
     if args.table:
         print(table(args.table), end="")
         return
+    if args.output is None:
+        p.error("give OUT.json, or --table with runs' JSON files")
     config = CONFIGS["llama3-8b"]
     llm = LLM.random(config, args.policy, cuda_graphs=False, prefix_cache=False,
                      kv_cache_tokens=max(LENGTHS) + 64)
-    budget = llm.kernels.sparse_attention.keywords["cudnn"]
+    budget = cudnn_budget(llm)
+    if budget is None:
+        raise SystemExit("this engine's chunks run on the Triton kernel alone: a Hopper GPU in bf16 is needed")
     ids = text_prompt(max(LENGTHS) + 4096, config["vocab_size"])
     start = time.perf_counter()
     llm.warm_up(ids[-llm.default_warm_up_tokens():])

@@ -392,13 +392,13 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
     ids = text_prompt(length, config["vocab_size"])
     kv = kv_label(llm.kv_dtype, args.kv_offload, llm.select_dtype)
     sizes = llm.dtype.itemsize, llm.kv_dtype.itemsize, llm.select_dtype.itemsize  # with_floor's element bytes
+    budget = cudnn_budget(llm)  # the engine's, shared by its policies: each row reads what its own run added
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
         row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
                "chunk_attention": llm.chunk_attention,
                "tensor_parallel_size": args.tensor_parallel_size, "tp_selection": args.tp_selection}  # peak_gb: rank 0's GPU (the ranks' shares match)
-        budget = cudnn_budget(llm)
         cudnn_calls = budget.calls if budget is not None else 0
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
         if copies > FULL_OFFLOAD_BYTES:
