@@ -110,8 +110,13 @@ shopt -s nullglob  # SHARDS 0: no kernel logs
   echo
   sed 's/^/    /' "$out/env.txt"
   echo
-  echo "\`benchmarks/gpu_tests.sh OUTDIR $shards\`: the GPU-only tests and every Triton kernel compiled for CUDA against"
-  echo "its reference ($(wc -l < "$out/kernel_ids.txt") kernel test cases in $shards shards). Each shard's closing line:"
+  if ((shards > 0)); then
+    echo "\`benchmarks/gpu_tests.sh OUTDIR $shards\`: the GPU-only tests and every Triton kernel compiled for CUDA against"
+    echo "its reference ($(wc -l < "$out/kernel_ids.txt") kernel test cases in $shards shards). Each shard's closing line:"
+  else
+    echo "\`benchmarks/gpu_tests.sh OUTDIR 0\`: the GPU-only tests; the kernel tests ($(wc -l < "$out/kernel_ids.txt") cases) not"
+    echo "run. Each shard's closing line:"
+  fi
   echo
   echo "| shard | result |"
   echo "| --- | --- |"
