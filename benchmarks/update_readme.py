@@ -7,6 +7,7 @@ Each table is the markdown file a benchmark or evaluation run wrote under benchm
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -49,4 +50,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
