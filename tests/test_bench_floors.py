@@ -12,8 +12,9 @@ import torch
 from tokenselect import LLM
 from tokenselect.bench import e2e
 from tokenselect.bench.dense import DenseRunner
-from tokenselect.bench.floors import (OTHER, attention_tokens, copy_bandwidth, decode_floor, profile_parts,
-                                      weight_bytes)
+from tokenselect.bench.floors import (OTHER, attention_tokens, copy_bandwidth, decode_floor, matmul_rate,
+                                      prefill_flops, prefill_pairs, profile_parts, selects, weight_bytes)
+from tokenselect.policies.base import SELECT
 from tokenselect.bench.hf_dense import measure_transformers, transformers_model
 
 LLAMA = e2e.LLAMA3_8B
@@ -42,8 +43,9 @@ def test_llama3_8b_dense_floor_at_128k_reads_its_whole_cache():
 def test_tokenselect_floor_scores_the_middle_unless_it_hits():
     length, fixed = 131072, 128 + 512
     miss = decode_floor(LLAMA, TS, length, 1.0)
-    assert miss["scoring"] == 32 * (length - fixed) * 8 * 128 * 2
-    assert miss["attention"] == 32 * (fixed + 2048) * 8 * 128 * 2 * 2
+    # the middle: the cached tokens between the sinks and the window; the list: sinks, k, window and its own
+    assert miss["scoring"] == 32 * (length - 1 - fixed) * 8 * 128 * 2
+    assert miss["attention"] == 32 * (fixed + 2048 + 1) * 8 * 128 * 2 * 2
     assert decode_floor(LLAMA, TS, length, 1.0, hit_rate=1.0)["scoring"] == 0
     quarter = decode_floor(LLAMA, TS, length, 1.0, hit_rate=0.25)
     assert quarter["scoring"] == pytest.approx(0.75 * miss["scoring"], abs=1)
@@ -55,28 +57,93 @@ def test_tokenselect_floor_scores_the_middle_unless_it_hits():
 def test_attention_tokens_at_the_thresholds():
     # dense_until (None: the window): attends everything up to it, selects one token past it
     assert attention_tokens(TS, 8192) == (8192, 0)
-    assert attention_tokens(TS, 8193) == (128 + 2048 + 512, 8193 - 640)
+    assert attention_tokens(TS, 8193) == (128 + 2048 + 512 + 1, 8192 - 640)
     # dense_until 0: as soon as the context exceeds n_init + k + n_local (budget == context attends all)
     # (``mode``: t <= n_init + k + n_local tokens cached before the step, budget == context, attends all)
     paper = {**TS, "dense_until": 0}
     assert attention_tokens(paper, 2689) == (2689, 0)
-    assert attention_tokens(paper, 2690) == (2688, 2690 - 640)
+    assert attention_tokens(paper, 2690) == (2689, 2689 - 640)
     streaming = {"attention": "streaming", "window": 8192, "n_init": 128, "n_local": 4096}
     assert attention_tokens(streaming, 1000) == (1000, 0)
-    assert attention_tokens(streaming, 100_000) == (4224, 0)
+    assert attention_tokens(streaming, 4225) == (4225, 0)  # 4224 cached: the list holds them all
+    assert attention_tokens(streaming, 4226) == (4225, 0)
+    assert attention_tokens(streaming, 100_000) == (4225, 0)
     infllm = {"attention": "infllm", "window": 8192, "n_init": 128, "n_local": 4096, "k": 4096, "block_size": 128,
               "repr_keys": 4}
-    assert attention_tokens(infllm, 8321) == (8321, 0)  # 8320 cached: the budget, every token
-    assert attention_tokens(infllm, 8322) == (8320, (8322 - 4224) // 128 * 4)
-    assert attention_tokens(infllm, 131072) == (8320, (131072 - 4224) // 128 * 4)
+    # 8447 cached: sinks, window, k and a remainder of 127 (``InfLLM``'s budget), every token
+    assert attention_tokens(infllm, 8448) == (8448, 0)
+    assert attention_tokens(infllm, 8449) == (8321, (8448 - 4224) // 128 * 4)  # its remainder not counted
+    assert attention_tokens(infllm, 131072) == (8321, (131071 - 4224) // 128 * 4)
     # every selective policy's dense_until: streaming's default (the window), InfLLM's past its own budget
     assert attention_tokens({**streaming, "dense_until": None}, 8192) == (8192, 0)
-    assert attention_tokens({**streaming, "dense_until": None}, 8193) == (4224, 0)
+    assert attention_tokens({**streaming, "dense_until": None}, 8193) == (4225, 0)
     assert attention_tokens({**infllm, "dense_until": 16384}, 16384) == (16384, 0)
-    assert attention_tokens({**infllm, "dense_until": 16384}, 16385) == (8320, (16385 - 4224) // 128 * 4)
+    assert attention_tokens({**infllm, "dense_until": 16384}, 16385) == (8321, (16384 - 4224) // 128 * 4)
     assert attention_tokens({"attention": "full", "window": 8192}, 5) == (5, 0)
     assert attention_tokens({"attention": "quest", "window": 8192}, 5) is None
     assert decode_floor(LLAMA, {"attention": "reattention", "window": 8192}, 5, 1.0) is None
+
+
+def test_prefill_pairs_of_full_attention_are_the_causal_triangle_whatever_the_chunk():
+    for length, chunk in [(1, 512), (1000, 512), (1024, 512), (4097, 2048), (5000, 5000)]:
+        assert prefill_pairs(None, length, chunk) == length * (length + 1) // 2
+        assert prefill_pairs({"attention": "full", "window": 8192}, length, chunk) == length * (length + 1) // 2
+
+
+def test_tokenselect_prefill_pairs_by_group_inside_and_past_the_window():
+    """TokenSelect in 2048-token chunks of four 512-query groups: every token up to the window (8192, dense_until's
+    default), then each group attends sinks + k + window and its own tokens up to each query."""
+    settings = {**TS, "prefill_group": 512}
+    triangle = 512 * 513 // 2
+    assert prefill_pairs(settings, 8192, 2048) == 8192 * 8193 // 2
+    # the group at 8192 is the first past the window: it selects
+    assert prefill_pairs(settings, 8192 + 512, 2048) == 8192 * 8193 // 2 + 512 * 2688 + triangle
+    assert prefill_pairs(settings, 8192 + 700, 2048) == 8192 * 8193 // 2 + 512 * 2688 + triangle + 188 * 2688 + 188 * 189 // 2
+    length = 131072
+    selecting = (length - 8192) // 512
+    assert prefill_pairs(settings, length, 2048) == 8192 * 8193 // 2 + selecting * (512 * 2688 + triangle)
+    # a chunk that chooses once (prefill_group 0, or not smaller than the chunk) is one group
+    once = {**TS, "prefill_group": 0}
+    assert prefill_pairs(once, 8192 + 2048, 2048) == 8192 * 8193 // 2 + 2048 * 2688 + 2048 * 2049 // 2
+    assert prefill_pairs({**TS, "prefill_group": 2048}, 8192 + 2048, 2048) == prefill_pairs(once, 8192 + 2048, 2048)
+    assert prefill_pairs({"attention": "quest", "window": 8192}, 100, 64) is None
+
+
+@pytest.mark.parametrize("policy, settings", [
+    ("tokenselect", {"k": 64, "n_init": 4, "n_local": 16, "prefill_group": 32}),
+    ("tokenselect", {"k": 64, "n_init": 4, "n_local": 16, "dense_until": 0}),
+    ("streaming", {"n_init": 4, "n_local": 60}),
+    ("infllm", {"k": 64, "n_init": 4, "n_local": 32, "block_size": 16, "dense_until": 160}),
+    ("full", {}),
+])
+def test_the_floors_select_where_the_engines_policies_do(policy, settings):
+    """``floors.selects`` on the engine's fitted settings (``LLM.policy_config``) against the policy's own ``mode``
+    at every step around the thresholds: the floor counts a step's list as the engine builds it."""
+    llm = LLM.random(e2e.TINY, policy, device="cpu", kv_cache_tokens=16, **settings)
+    config = llm.policy_config
+    for t in range(0, 400):
+        for w in (1, 7, 32, 64):
+            assert selects(config, t, t + w) == (llm.policy.mode(t, w) == SELECT), (t, w)
+
+
+def test_prefill_flops_count_every_matrix_for_each_token_and_the_head_once():
+    llm = LLM.random(e2e.TINY, "full", device="cpu", kv_cache_tokens=16)
+    matrices = sum(p.numel() for name, p in llm.model.named_parameters()
+                   if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name)
+    head = e2e.TINY["hidden_size"] * e2e.TINY["vocab_size"]
+    flops = prefill_flops(e2e.TINY, None, 1000, 256)
+    assert flops["matmuls"] == 2 * (1000 * matrices + head)
+    layers, heads, head_dim = 2, 4, 32
+    assert flops["attention"] == 4 * head_dim * heads * layers * 1000 * 1001 // 2
+    assert flops["total"] == flops["matmuls"] + flops["attention"]
+    # Llama-3-8B at 128K, dense: 1.83 PFLOP of matrices, 4.5 of attention (2 * 128K^2 * 4096 * 32)
+    dense = prefill_flops(LLAMA, None, 131072, 8192)
+    assert dense["matmuls"] == pytest.approx(1.83e15, rel=0.01)
+    assert dense["attention"] == pytest.approx(2 * 131072 ** 2 * 4096 * 32, rel=1e-4)
+
+
+def test_matmul_rate_is_measured():
+    assert matmul_rate(torch.device("cpu"), n=128, repeats=2) > 1e6
 
 
 def test_copy_bandwidth_is_measured():
@@ -115,8 +182,8 @@ def test_ratios_are_against_the_fastest_baseline_of_each_phase():
     best = e2e.best_dense(rows)[131072]
     assert best["prefill"]["policy"] == "dense:chunk=all" and best["decode"]["policy"] == "dense"
     table = e2e.table(rows)
-    assert "| 128K | tokenselect | bf16 | 2.00 | 3.00x | 4.00 | 1.25x |" in table
-    assert "| 128K | transformers | bf16 | 7.00 | 0.86x | 20.00 | 0.25x |" in table
+    assert "| 128K | tokenselect | bf16 | 2.00 | 3.00x | - | - | 4.00 | 1.25x |" in table
+    assert "| 128K | transformers | bf16 | 7.00 | 0.86x | - | - | 20.00 | 0.25x |" in table
     assert "x at 128K: prefill against dense:chunk=all (6.00 s), decode against dense (5.00 ms)" in table
 
 
@@ -129,7 +196,7 @@ def test_the_engines_full_attention_is_a_dense_row_the_ratios_take_where_fastest
             _row("tokenselect at 27% hits (estimate)", 0.5, 0.5, estimated=True, hit_rate=0.27)]
     best = e2e.best_dense(rows)[131072]
     assert best["prefill"]["policy"] == "dense" and best["decode"]["policy"] == "full"
-    assert "| 128K | tokenselect | bf16 | 2.00 | 5.00x | 2.00 | 2.00x |" in e2e.table(rows)
+    assert "| 128K | tokenselect | bf16 | 2.00 | 5.00x | - | - | 2.00 | 2.00x |" in e2e.table(rows)
 
 
 def test_a_merge_adds_estimates_at_another_hit_rate_beside_the_runs_own(tmp_path):
@@ -216,13 +283,17 @@ def test_bench_e2e_writes_transformers_one_pass_and_estimate_rows(tmp_path):
     assert args.func(args) == 0
     result = json.loads((tmp_path / "e2e_t.json").read_text())
     rows = {r["policy"]: r for r in result["rows"]}
-    assert result["copy_bandwidth"] > 0
+    assert result["copy_bandwidth"] > 0 and result["matmul_rate"] > 0
     assert rows["dense:chunk=all"]["chunk"] == 1024 and rows["transformers"]["chunk"] == 1024
+    assert rows["tokenselect"]["chunk"] == 256  # --chunk-size reached the engine, and its floor counts it
+    for policy in ("dense:chunk=all", "transformers", "tokenselect", "tokenselect at 50% hits (estimate)"):
+        floor = rows[policy]["prefill_floor_s"]
+        assert 0 < floor < rows[policy]["prefill_s"], policy  # a lower bound
     mix = rows["tokenselect at 50% hits (estimate)"]
     assert mix["decode_ms"] == pytest.approx((rows["tokenselect"]["decode_ms"]
                                               + rows["tokenselect:theta=-1"]["decode_ms"]) / 2)
     table = (tmp_path / "e2e_t.md").read_text()
-    assert "x at 1K: prefill against " in table and "GB/s" in table
+    assert "x at 1K: prefill against " in table and "GB/s" in table and "TFLOP/s" in table
 
 
 def test_the_qwen_shape_builds_qwen2s_attention_with_its_bias_and_seven_heads_a_kv_head():

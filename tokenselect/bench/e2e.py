@@ -25,7 +25,8 @@ length, prefill and decode each against their own. ``full`` is the engine's own 
 (paged cache, RoPE applied on the fly), which is what long-context extrapolation runs on.
 
 Each row also carries its decode step's memory floor (``floors.py``: the bytes it must read over the copy
-bandwidth measured at the start of the run) and, with ``--hit-rate``, an estimated row for a model whose
+bandwidth measured at the start of the run), its prefill's compute floor (the matrix products' FLOPs over the bf16
+matrix rate measured then) and, with ``--hit-rate``, an estimated row for a model whose
 Selection Cache reuses that share of its lookups (a mix of the selecting row and the hit path's).
 
 ``--kv-offload values`` keeps the V pool in pinned host memory (K stays on the GPU), which is what
@@ -60,7 +61,7 @@ from ..policies.tokenselect import TokenSelectSettings
 from ..sampling import SamplingParams
 from ..settings import CHUNK_ATTENTION
 from .dense import SDPA_CHOICES, DenseRunner
-from .floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
+from .floors import copy_bandwidth, decode_floor, matmul_rate, prefill_flops, profile_parts, sync, timed
 from .hf_dense import measure_transformers, transformers_model
 
 LLAMA3_8B = {
@@ -331,7 +332,18 @@ def with_floor(row: dict, config: dict, bandwidth: float | None, weight_bytes: i
     return row if floor is None else {**row, "floor_ms": floor["floor_ms"], "floor": floor}
 
 
-def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | None = None) -> dict:
+def with_prefill_floor(row: dict, config: dict, rate: float | None) -> dict:
+    """The row with its prefill's compute floor (``floors.prefill_flops`` over ``rate``, the run's matrix FLOP/s):
+    "prefill_floor_s" and the FLOPs by part under "prefill_flops"; unchanged where no floor applies (no rate
+    measured, an error, several GPUs, a policy without a floor)."""
+    if rate is None or "error" in row or row.get("tensor_parallel_size", 1) > 1:
+        return row
+    flops = prefill_flops(config, row.get("settings"), row["length"], row["chunk"])
+    return row if flops is None else {**row, "prefill_floor_s": flops["total"] / rate, "prefill_flops": flops}
+
+
+def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | None = None,
+              rate: float | None = None) -> dict:
     """A baseline's row: ``dense[:chunk=N|all]`` or ``transformers``."""
     row = {"length": length, "policy": spec, "kv": "bf16"}
     ids = text_prompt(length, config["vocab_size"])
@@ -342,21 +354,21 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
     except torch.OutOfMemoryError:
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
     size = KV_DTYPES[row["kv"]].itemsize
-    row = with_floor(row, config, bandwidth, size, size)
+    row = with_prefill_floor(with_floor(row, config, bandwidth, size, size), config, rate)
     free_memory()
     print(json.dumps(row), flush=True)
     return row
 
 
-def run_length(config: dict, length: int, policies: list[str], args, bandwidth: float | None = None
-               ) -> Iterator[dict]:
+def run_length(config: dict, length: int, policies: list[str], args, bandwidth: float | None = None,
+               rate: float | None = None) -> Iterator[dict]:
     """Each policy's row for prompts of ``length`` tokens, yielded as soon as it is measured: the baselines
     first, on their own caches, then the engine's policies (``engine_groups``). bandwidth: the device's copy
-    bandwidth (bytes/s), for the rows' decode floors."""
+    bandwidth (bytes/s), for the rows' decode floors; rate: its matrix FLOP/s, for their prefill floors."""
     for spec in [p for p in policies if policy_spec(p)[0] in DENSE]:
-        yield run_dense(config, length, spec, args, bandwidth)
+        yield run_dense(config, length, spec, args, bandwidth, rate)
     for group in engine_groups([p for p in policies if policy_spec(p)[0] not in DENSE], args.select_dtype):
-        yield from run_engine(config, length, group, args, bandwidth)
+        yield from run_engine(config, length, group, args, bandwidth, rate)
 
 
 def engine_groups(policies: list[str], select_dtype: str) -> list[list[str]]:
@@ -370,7 +382,8 @@ def engine_groups(policies: list[str], select_dtype: str) -> list[list[str]]:
     return list(groups.values())
 
 
-def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: float | None) -> Iterator[dict]:
+def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: float | None,
+               rate: float | None = None) -> Iterator[dict]:
     """One engine, started with the first of ``policies`` (whose selection keys it then holds), for prompts of
     ``length`` tokens; yields each policy's row as soon as it is measured."""
     start = time.perf_counter()
@@ -397,7 +410,7 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
         row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
-               "chunk_attention": llm.chunk_attention,
+               "chunk": llm.chunk_size, "chunk_attention": llm.chunk_attention,
                "tensor_parallel_size": args.tensor_parallel_size, "tp_selection": args.tp_selection}  # peak_gb: rank 0's GPU (the ranks' shares match)
         cudnn_calls = budget.calls if budget is not None else 0
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
@@ -412,7 +425,7 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
 
                 row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}", floor_at,
                                    bandwidth))
-                row = with_floor(row, config, bandwidth, *sizes)
+                row = with_prefill_floor(with_floor(row, config, bandwidth, *sizes), config, rate)
                 # what ran, not the setting: full attention's and InfLLM's lists have a live length, which the
                 # Triton kernel serves whatever chunk_attention says
                 row["cudnn_chunks"] = budget is not None and budget.calls > cudnn_calls
@@ -463,6 +476,8 @@ def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
                "peak_gb": max(select["peak_gb"] or 0, hit["peak_gb"] or 0) or None}
         if select.get("floor_ms") is not None and hit.get("floor_ms") is not None:
             mix["floor_ms"] = hit_rate * hit["floor_ms"] + (1 - hit_rate) * select["floor_ms"]
+        if select.get("prefill_floor_s") is not None:
+            mix["prefill_floor_s"] = select["prefill_floor_s"]
         out.append(mix)
     return out
 
@@ -488,19 +503,21 @@ def table(rows: list[dict]) -> str:
     """Markdown table with speedups against the fastest baseline at the same length (``best_dense``: each
     phase against its own fastest), then a line a length naming those baselines."""
     best = best_dense(rows)
-    lines = ["| tokens | policy | KV | prefill s | prefill x | decode ms/tok | decode x | decode floor ms | of floor "
-             "| SC hit rate (real text) | one-graph prefill | one-graph decode | peak GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | policy | KV | prefill s | prefill x | prefill floor s | of floor | decode ms/tok | decode x "
+             "| decode floor ms | of floor | SC hit rate (real text) | one-graph prefill | one-graph decode | peak GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n = f"{r['length'] // 1024}K"
         if "error" in r:
-            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | | | | |")
+            lines.append(f"| {n} | {r['policy']} | {r.get('kv', '')} | {r['error']} | | | | | | | | | | | |")
             continue
         b = best.get(r["length"])
         px = f"{b['prefill']['prefill_s'] / r['prefill_s']:.2f}x" if b else "dense n/a"
         dx = f"{b['decode']['decode_ms'] / r['decode_ms']:.2f}x" if b else "dense n/a"
-        floor = r.get("floor_ms")
+        floor, prefill_floor = r.get("floor_ms"), r.get("prefill_floor_s")
         fl, of = ("-", "-") if floor is None else (f"{floor:.2f}", f"{floor / r['decode_ms']:.0%}")
+        pfl, pof = (("-", "-") if prefill_floor is None
+                    else (f"{prefill_floor:.2f}", f"{prefill_floor / r['prefill_s']:.0%}"))
         hit = f"{r['hit_rate']:.0%}" if r["hit_rate"] is not None else "-"
         if r.get("real_hit_rate") is not None:
             hit += f" ({r['real_hit_rate']:.0%})"
@@ -508,8 +525,8 @@ def table(rows: list[dict]) -> str:
         whole = f"{r['whole_graph_steps']}/{r['decode_steps']}" if r.get("whole_graph_steps") is not None else "-"
         chunks = (f"{r['whole_graph_chunks']}/{r['prefill_chunks']}" if r.get("whole_graph_chunks") is not None
                   else "-")
-        lines.append(f"| {n} | {row_label(r)} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {r['decode_ms']:.2f} "
-                     f"| {dx} | {fl} | {of} | {hit} | {chunks} | {whole} | {peak} |")
+        lines.append(f"| {n} | {row_label(r)} | {r.get('kv', '')} | {r['prefill_s']:.2f} | {px} | {pfl} | {pof} "
+                     f"| {r['decode_ms']:.2f} | {dx} | {fl} | {of} | {hit} | {chunks} | {whole} | {peak} |")
     kept = [r for r in rows if r.get("values_kept") is not None]
     if best or kept:
         lines.append("")
@@ -542,7 +559,8 @@ def plot(rows: list[dict], path: Path) -> None:
     save_png(fig, path)
 
 
-def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandwidth: float | None = None) -> str:
+def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandwidth: float | None = None,
+                 rate: float | None = None) -> str:
     """Write the table (.md), the rows (.json), the plot (.png) and any profiles (_profile.txt) of the
     rows so far; returns the table."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
@@ -552,11 +570,13 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandw
              f"decode steps, {'CUDA graphs' if graphs else 'eager'}"
              + (f", tensor parallel over {args.tensor_parallel_size} ({args.tp_selection} selection)"
                if getattr(args, "tensor_parallel_size", 1) > 1 else "")
-             + (f", copy bandwidth {bandwidth / 1e9:,.0f} GB/s" if bandwidth else ""))
+             + (f", copy bandwidth {bandwidth / 1e9:,.0f} GB/s" if bandwidth else "")
+             + (f", bf16 matrix products {rate / 1e12:.3g} TFLOP/s" if rate else ""))
     engines = sorted({r["chunk_attention"] for r in rows if "chunk_attention" in r})
     title += f", the engine's prefill chunk attention by {' and '.join(engines)}" if engines else ""
     return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload,
-                                                             "copy_bandwidth": bandwidth}, rows)
+                                                             "copy_bandwidth": bandwidth, "matmul_rate": rate},
+                rows)
 
 
 def save(out: Path, tag: str, title: str, device: str, meta: dict, rows: list[dict]) -> str:
@@ -625,15 +645,16 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(str(e)) from None
     check_hit_rate(args)
     device = resolve_device(args.device)
-    bandwidth = copy_bandwidth(device)
-    print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written) on {device}", flush=True)
+    bandwidth, rate = copy_bandwidth(device), matmul_rate(device)
+    print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written), bf16 matrix products "
+          f"{rate / 1e12:.3g} TFLOP/s on {device}", flush=True)
     rows = []
     for length in [parse_length(x) for x in args.lengths.split(",")]:
-        for row in run_length(config, length, policies, args, bandwidth):
+        for row in run_length(config, length, policies, args, bandwidth, rate):
             rows.append(row)
             estimates = estimated_rows(rows, args.hit_rate) if args.hit_rate is not None else []
             # after every row, so a run cut short keeps what it measured
-            report = write_report(args, config, rows + estimates, bandwidth)
+            report = write_report(args, config, rows + estimates, bandwidth, rate)
     print(report)
     return 0
 

@@ -13,6 +13,12 @@ Scratch a kernel writes and reads back (the vote's per-head scores, say) is not 
 would not need it. The profile's device time is split into the same parts (``profile_parts``) so that each
 is set against its own floor, and what has no floor (small kernels: norms, the vote, the top-k, copies) shows
 as the time it adds.
+
+A prefill is bound by arithmetic instead, so its floor is the matrix products' FLOPs over the device's measured
+bf16 matrix rate (``matmul_rate``, the practical peak of the units both the GEMMs and attention run on): every
+matrix of every layer for each prompt token (the output head for the last one), and attention's query-key pairs,
+each query its context (``context_tokens``) and its chunk's tokens up to itself (``prefill_flops``). What is not a
+matrix product (norms, the selection's scoring reads, the KV write) is left out, so it is a lower bound.
 """
 
 from __future__ import annotations
@@ -66,42 +72,127 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
+def layer_matrix_params(config: dict) -> int:
+    """Elements of one layer's matrices (q, k, v, o, gate, up, down) for a Llama-family config (Hugging Face names)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    return (hidden * heads * head_dim * 2  # q and o
+            + hidden * kv_heads * head_dim * 2  # k and v
+            + hidden * inter * 3)  # gate, up, down
+
+
 def weight_bytes(config: dict, dtype_bytes: int = 2) -> int:
     """Bytes of weights a decode token reads, for a Llama-family config (Hugging Face names): the attention and
     MLP matrices and norms of every layer, the final norm and the output head. Biases (Qwen's q/k/v) are left
     out: a few KB a layer."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    layer = (hidden * heads * head_dim * 2  # q and o
-             + hidden * kv_heads * head_dim * 2  # k and v
-             + hidden * inter * 3  # gate, up, down
-             + hidden * 2)  # the two norms
+    hidden = config["hidden_size"]
+    layer = layer_matrix_params(config) + hidden * 2  # and the two norms
     return dtype_bytes * (config["num_hidden_layers"] * layer + hidden + config["vocab_size"] * hidden)
 
 
-def attention_tokens(settings: dict | None, length: int) -> tuple[int, int] | None:
-    """(tokens attended, selection keys scored) by one layer of a decode step over ``length`` tokens (those
-    cached and its own) that selects anew, for a row's fitted policy settings (``LLM.policy_config``; None:
-    dense); None where no floor is defined (QUEST, ReAttention). The thresholds are the policies' own
-    (``SelectivePolicy.mode``, ``InfLLM.mode``), with ``length - 1`` tokens cached before the step."""
+def selects(settings: dict | None, cached: int, end: int) -> bool | None:
+    """Whether a step after ``cached`` tokens, its last at position ``end - 1``, selects rather than attending
+    every token, for a row's fitted policy settings (``LLM.policy_config``; None: dense); None where no floor is
+    defined (QUEST, ReAttention). The thresholds are the policies' own ``mode`` (``SelectivePolicy``, ``InfLLM``):
+    past the list's capacity (budget == context attends all) and past ``dense_until``."""
     if settings is None or settings["attention"] == "full":
-        return length, 0
-    name, cached = settings["attention"], length - 1
-    fixed = settings.get("n_init", 0) + settings.get("n_local", 0)
+        return False
+    if settings["attention"] not in ("streaming", "tokenselect", "infllm"):
+        return None
     if "dense_until" in settings:  # None: the model's window (a selective policy's default)
         dense_until = settings["window"] if settings["dense_until"] is None else settings["dense_until"]
-        if length <= dense_until:
-            return length, 0
-    if name == "streaming":
-        return min(length, fixed), 0
-    if name in ("tokenselect", "infllm") and cached <= fixed + settings["k"]:
-        return length, 0
-    if name == "tokenselect":
-        return fixed + settings["k"], length - fixed
-    if name == "infllm":
-        return fixed + settings["k"], (length - fixed) // settings["block_size"] * settings["repr_keys"]
-    return None
+        if end <= dense_until:
+            return False
+    # InfLLM's list holds a remainder of the middle shorter than a block beside its k tokens of whole blocks
+    remainder = settings["block_size"] - 1 if settings["attention"] == "infllm" else 0
+    return cached > list_tokens(settings) + remainder
+
+
+def list_tokens(settings: dict) -> int:
+    """Cached tokens a selecting step's list holds at the least: the sinks, the window and the k chosen (streaming:
+    none; InfLLM: k of whole blocks, its remainder left out)."""
+    return settings.get("n_init", 0) + settings.get("n_local", 0) + settings.get("k", 0)
+
+
+def context_tokens(settings: dict | None, cached: int, end: int) -> int | None:
+    """Cached tokens each query of that step (``selects``) attends, the step's own tokens not counted: every one,
+    or the list's (``list_tokens``); None where no floor is defined."""
+    selecting = selects(settings, cached, end)
+    if selecting is None:
+        return None
+    return list_tokens(settings) if selecting else cached
+
+
+def attention_tokens(settings: dict | None, length: int) -> tuple[int, int] | None:
+    """(tokens attended, selection keys scored) by one layer of a decode step over ``length`` tokens (``length -
+    1`` cached and its own) that selects anew, for a row's fitted policy settings (``LLM.policy_config``; None:
+    dense); None where no floor is defined (QUEST, ReAttention). A selecting step scores every candidate of the
+    middle, the cached tokens between the sinks and the window (TokenSelect: each one's key; InfLLM: each whole
+    block's representative keys)."""
+    cached = length - 1
+    context = context_tokens(settings, cached, length)
+    if context is None:
+        return None
+    name = settings["attention"] if settings else "full"
+    if not selects(settings, cached, length) or name == "streaming":
+        return context + 1, 0
+    middle = cached - settings.get("n_init", 0) - settings.get("n_local", 0)
+    scored = middle if name == "tokenselect" else middle // settings["block_size"] * settings["repr_keys"]
+    return context + 1, scored
+
+
+def prefill_group(settings: dict | None, chunk: int) -> int:
+    """The queries that attend one list in a prefill of ``chunk``-token chunks: TokenSelect's ``prefill_group``
+    where it splits the chunk (each group attends as a chunk of its size would: ``TokenSelect.prefill_cut``),
+    else the chunk."""
+    group = (settings or {}).get("prefill_group") or 0
+    return group if 0 < group < chunk else chunk
+
+
+def prefill_pairs(settings: dict | None, length: int, chunk: int) -> int | None:
+    """Query-key pairs one layer's attention computes prefilling ``length`` tokens in ``chunk``-token chunks:
+    each query its context (``context_tokens`` at its group's start) and its group's tokens up to itself; None
+    where no floor is defined."""
+    group, pairs = prefill_group(settings, chunk), 0
+    for start in range(0, length, group):
+        w = min(group, length - start)
+        context = context_tokens(settings, start, start + w)
+        if context is None:
+            return None
+        pairs += w * context + w * (w + 1) // 2
+    return pairs
+
+
+def prefill_flops(config: dict, settings: dict | None, length: int, chunk: int) -> dict | None:
+    """The matrix products' FLOPs of prefilling ``length`` tokens: {"matmuls" (every layer's matrices for each
+    token, the output head for the last), "attention" (QK^T and PV over ``prefill_pairs``), "total"}; None where
+    no floor is defined."""
+    pairs = prefill_pairs(settings, length, chunk)
+    if pairs is None:
+        return None
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    matmuls = 2 * (length * layers * layer_matrix_params(config) + config["hidden_size"] * config["vocab_size"])
+    attention = 4 * head_dim * heads * layers * pairs  # 2 FLOPs a multiply-add, in each of the two products
+    return {"matmuls": matmuls, "attention": attention, "total": matmuls + attention}
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192, repeats: int = 10
+                ) -> float:
+    """FLOP/s of an n x n by n x n matrix product in ``dtype`` on the device: the practical peak of its matrix
+    units. On a CPU a product of at most 512 in fp32."""
+    if device.type != "cuda":
+        n, dtype = min(n, 512), torch.float32
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = a @ b  # the first call's setup is not timed
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b, out=out)
+    sync(device)
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start)
 
 
 def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: float, weight_bytes_each: int = 2,
