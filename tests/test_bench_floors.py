@@ -286,9 +286,15 @@ def test_bench_e2e_writes_transformers_one_pass_and_estimate_rows(tmp_path):
     assert result["copy_bandwidth"] > 0 and result["matmul_rate"] > 0
     assert rows["dense:chunk=all"]["chunk"] == 1024 and rows["transformers"]["chunk"] == 1024
     assert rows["tokenselect"]["chunk"] == 256  # --chunk-size reached the engine, and its floor counts it
-    for policy in ("dense:chunk=all", "transformers", "tokenselect", "tokenselect at 50% hits (estimate)"):
-        floor = rows[policy]["prefill_floor_s"]
-        assert 0 < floor < rows[policy]["prefill_s"], policy  # a lower bound
+    config = {**e2e.TINY, "num_hidden_layers": 1}
+    for policy, settings, chunk in [("dense:chunk=all", None, 1024), ("transformers", None, 1024),
+                                    ("tokenselect", rows["tokenselect"]["settings"], 256)]:
+        flops = prefill_flops(config, settings, 1024, chunk)
+        assert rows[policy]["prefill_flops"] == flops
+        assert rows[policy]["prefill_floor_s"] == pytest.approx(flops["total"] / result["matmul_rate"])
+    # inside the tiny model's window TokenSelect attends every token, as dense does
+    assert rows["tokenselect"]["prefill_flops"]["attention"] == rows["dense:chunk=all"]["prefill_flops"]["attention"]
+    assert rows["tokenselect at 50% hits (estimate)"]["prefill_floor_s"] == rows["tokenselect"]["prefill_floor_s"]
     mix = rows["tokenselect at 50% hits (estimate)"]
     assert mix["decode_ms"] == pytest.approx((rows["tokenselect"]["decode_ms"]
                                               + rows["tokenselect:theta=-1"]["decode_ms"]) / 2)
