@@ -11,11 +11,11 @@ replayed 7 times: microseconds per call, the median replay.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -122,7 +122,14 @@ def render(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--render":  # re-render a JSON written by a run
-        print(render(json.loads(Path(sys.argv[2]).read_text())), end="")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, nargs="?", metavar="OUTDIR",
+                        help="existing folder the results are written to")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="print the table of a JSON a run wrote, and stop")
+    args = parser.parse_args()
+    if args.render:
+        print(render(json.loads(args.render.read_text())), end="")
+    elif args.out is None:
+        parser.error("give OUTDIR, or --render with a run's JSON")
     else:
-        main(Path(sys.argv[1]))
+        main(args.out)

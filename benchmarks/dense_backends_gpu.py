@@ -17,8 +17,8 @@ after 3 warm-up calls, timed by CUDA events. Writes OUTDIR/dense_backends.json a
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -141,4 +141,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    main(parser.parse_args().out)

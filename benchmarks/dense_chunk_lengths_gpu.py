@@ -15,8 +15,8 @@ Writes OUTDIR/dense_chunk_lengths.{json,md}.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -64,4 +64,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    main(parser.parse_args().out)

@@ -8,10 +8,19 @@ faulthandler prints every thread's stack to stderr.
 it from the file's metadata as a first start does; without it a saved one is loaded.
 """
 
+import argparse
 import faulthandler
 import shutil
-import sys
 import time
+
+# parsed first: --help (or a wrong command line) answers before torch or CUDA start
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("model", metavar="MODEL", help="a registry name, a GGUF file or a checkpoint folder")
+parser.add_argument("policy", metavar="POLICY", help="the attention policy the engine runs, e.g. tokenselect")
+parser.add_argument("kv_tokens", type=int, nargs="?", default=140000, metavar="KV_TOKENS",
+                    help="tokens of KV cache the engine holds (default 140000)")
+parser.add_argument("--fresh", action="store_true", help="remove the GGUF's saved tokenizer first")
+args = parser.parse_intermixed_args()  # --fresh may stand anywhere on the line
 
 faulthandler.dump_traceback_later(30, repeat=True)
 start = time.perf_counter()
@@ -31,15 +40,13 @@ from tokenselect.models.loader import Checkpoint  # noqa: E402
 from tokenselect.models.gguf import tokenizer_folder  # noqa: E402
 from tokenselect.models.registry import resolve_model  # noqa: E402
 
-fresh = "--fresh" in sys.argv
-args = [a for a in sys.argv[1:] if a != "--fresh"]
 mark("tokenselect imported")
-path = resolve_model(args[0])
-if fresh and path.is_file():
+path = resolve_model(args.model)
+if args.fresh and path.is_file():
     shutil.rmtree(tokenizer_folder(path), ignore_errors=True)
 checkpoint = Checkpoint(path)
 mark(f"config of {path.name}")
 checkpoint.tokenizer()
-mark("tokenizer" + (" (converted from the file)" if fresh else " (the saved one, where there is one)"))
-llm = LLM(checkpoint, args[1], kv_cache_tokens=int(args[2]) if len(args) > 2 else 140000, max_num_seqs=1)
+mark("tokenizer" + (" (converted from the file)" if args.fresh else " (the saved one, where there is one)"))
+llm = LLM(checkpoint, args.policy, kv_cache_tokens=args.kv_tokens, max_num_seqs=1)
 mark("engine started (from the open checkpoint)")

@@ -10,10 +10,10 @@ default changed, named by the setting it ran with).
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import re
-import sys
 from pathlib import Path
 
 
@@ -36,6 +36,9 @@ def main(table: str, predictions: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
-        raise SystemExit(__doc__)
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", metavar="TABLE.json", help="the committed eval table's JSON (its .md beside it)")
+    parser.add_argument("predictions", metavar="PREDICTIONS.jsonl.gz", help="the table's predictions")
+    parser.add_argument("out", metavar="OUTDIR", help="folder the runs are written to, one folder per policy")
+    args = parser.parse_args()
+    main(args.table, args.predictions, args.out)

@@ -14,9 +14,9 @@ bandwidth measured here. Writes OUTDIR/fp8_scores.{json,md}.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
-import sys
 
 import torch
 import triton.language as tl
@@ -66,4 +66,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    main(parser.parse_args().out)

@@ -12,8 +12,8 @@ its rows.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -57,4 +57,9 @@ def main(out: str, label: str = "after") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    parser.add_argument("label", nargs="?", default="after", metavar="LABEL",
+                        help="the tree's name in the rows and the file's (default after)")
+    args = parser.parse_args()
+    main(args.out, args.label)

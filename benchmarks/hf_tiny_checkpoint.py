@@ -10,6 +10,7 @@ Families: gemma3 (a sliding-window layer, which stays dense, and a full-attentio
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def write(family: str, path: Path, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in FAMILIES:
-        sys.exit(f"usage: python benchmarks/hf_tiny_checkpoint.py {{{','.join(FAMILIES)}}} OUT_FOLDER")
-    print(write(sys.argv[1], Path(sys.argv[2])))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family", choices=list(FAMILIES), help="the architecture of the checkpoint")
+    parser.add_argument("out", type=Path, metavar="OUT_FOLDER", help="folder the checkpoint is written to")
+    args = parser.parse_args()
+    print(write(args.family, args.out))

@@ -9,8 +9,8 @@ checking that both write the same bytes: K, V (and with fp8 selection keys the k
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -67,4 +67,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "."))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, nargs="?", default=Path("."), metavar="OUTDIR",
+                        help="folder the results are written to (made if missing; default the current one)")
+    main(parser.parse_args().out)

@@ -20,8 +20,8 @@ Cache counts are summed whole, its cells that another run stands for included.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from tokenselect.eval.plots import plot_all
@@ -123,7 +123,11 @@ def main(out: str, *runs: str, repeats: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--repeats"]
-    if len(args) < 2:
-        raise SystemExit(__doc__)
-    main(*args, repeats="--repeats" in sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUT", help="folder the merged predictions, summary, table and plots go to")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR[=LABEL]",
+                        help="a run's output folder, and the name of its column if given")
+    parser.add_argument("--repeats", action="store_true",
+                        help="let runs repeat cells (of a repeated cell the run with more samples stands)")
+    args = parser.parse_intermixed_args()  # --repeats may stand anywhere among the runs
+    main(args.out, *args.runs, repeats=args.repeats)

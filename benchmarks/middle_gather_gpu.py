@@ -11,8 +11,8 @@ layer) captured in one CUDA graph, replayed (``tokenselect.bench.attention.graph
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -65,4 +65,7 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "."))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, nargs="?", default=Path("."), metavar="OUTDIR",
+                        help="folder the results are written to (made if missing; default the current one)")
+    main(parser.parse_args().out)

@@ -10,8 +10,8 @@ A seeded request is not in the table: its tokens come from its own host generato
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
@@ -66,4 +66,9 @@ def main(out: Path, length: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 32768)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    parser.add_argument("length", type=int, nargs="?", default=32768, metavar="LENGTH",
+                        help="prompt tokens (default 32768)")
+    args = parser.parse_args()
+    main(args.out, args.length)

@@ -39,11 +39,11 @@ here, and the step from 8.23 to 8.22-8.23 ms in ``scores_tile_e2e.sh`` (``result
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import json
 import linecache
-import sys
 import textwrap
 import types
 from unittest import mock
@@ -231,4 +231,8 @@ def main(out: str, mode: str = "") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    parser.add_argument("--tiles", action="store_true", help="time the shipped kernel at each of TILES instead")
+    args = parser.parse_args()
+    main(args.out, "--tiles" if args.tiles else "")

@@ -11,9 +11,9 @@ of reading the keys once at the copy bandwidth measured here. Writes OUTDIR/scor
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -111,4 +111,6 @@ def save(out: str, stem: str, bandwidth: float, rows: list[dict], lines: list[st
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    main(parser.parse_args().out)

@@ -14,6 +14,7 @@ from the run's cell (``cell_index``: task, length, sample, depth, target tokens 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import sys
@@ -23,12 +24,25 @@ from tokenselect.cli import build_parser
 from tokenselect.eval.runner import run_settings
 
 
+def parser() -> argparse.ArgumentParser:
+    """The script's own arguments: what comes before the ``--`` (EVAL_ARGS after it are ``tokenselect eval``'s)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [-h] PREDICTIONS -- EVAL_ARGS...")
+    p.add_argument("predictions", type=Path, metavar="PREDICTIONS",
+                   help="a predictions.jsonl (or .jsonl.gz) of the earlier answers")
+    return p
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
-        print(__doc__, file=sys.stderr)
+    p = parser()
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, eval_args = argv[:cut], argv[cut + 1:]
+    mine, stray = p.parse_known_args(ours)  # EVAL_ARGS given without the separator: stray, not an error of ours
+    if stray or not eval_args:
+        p.print_help(sys.stderr)
         return 2
-    source = Path(argv[0])
-    args = build_parser().parse_args(["eval", *argv[2:]])
+    source = mine.predictions
+    args = build_parser().parse_args(["eval", *eval_args])
     out = Path(args.output)
     if (out / "predictions.jsonl").exists():
         print(f"{out} already holds answers: not seeded again", file=sys.stderr)

@@ -8,8 +8,8 @@ The profile of a 1M chunk (``attention_chunk_profile_gpu.py``) showed PyTorch's 
 
 Writes OUTDIR/selection_query.md.
 """
+import argparse
 import importlib
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -47,4 +47,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    main(parser.parse_args().out)

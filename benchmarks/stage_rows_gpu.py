@@ -13,8 +13,8 @@ all. Writes OUTDIR/stage_rows.{json,md}.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -94,4 +94,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    main(parser.parse_args().out)

@@ -8,9 +8,9 @@ uniform in [0, 1), and log-normal (exp of 3 x a normal: spread over many exponen
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -55,4 +55,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "."))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, nargs="?", default=Path("."), metavar="OUTDIR",
+                        help="folder the results are written to (made if missing; default the current one)")
+    main(parser.parse_args().out)

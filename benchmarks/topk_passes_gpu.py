@@ -11,10 +11,10 @@ live (a selecting step) and none (a Selection Cache hit: the kernels return at o
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -61,4 +61,8 @@ def main(out: str, other_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUTDIR", help="folder the results are written to (made if missing)")
+    parser.add_argument("other_path", metavar="OTHER_TOPK_PY", help="the other version's kernels/topk.py")
+    args = parser.parse_args()
+    main(args.out, args.other_path)
