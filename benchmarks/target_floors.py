@@ -16,7 +16,7 @@ Prints a markdown table. No device is used: the figures are arithmetic on the gi
 import argparse
 
 from tokenselect.bench.e2e import CONFIGS
-from tokenselect.bench.floors import decode_floor, weight_bytes
+from tokenselect.bench.floors import decode_floor, prefill_flops
 from tokenselect.policies.tokenselect import TokenSelectSettings
 
 DEFAULTS = TokenSelectSettings()  # the policy's own defaults, selecting from the first token past its fixed ones
@@ -55,9 +55,8 @@ def main() -> None:
     selecting, all_hits = (batch_floor_ms(config, TOKENSELECT, length, batch, args.bandwidth, 1, h) for h in (0.0, 1.0))
     need = (selecting - args.dense_ms / 3) / (selecting - all_hits)  # the floor falls linearly with the hit rate
     print(f"\n3x dense as measured needs a step of {args.dense_ms / 3:.2f} ms: at the floor, a hit rate of {need:.1%}.")
-    matrices = weight_bytes(config, 1) - config["vocab_size"] * config["hidden_size"]  # elements (norms too), no head
     prompt = 131072
-    flops = 2 * matrices * prompt + 2 * config["vocab_size"] * config["hidden_size"]
+    flops = prefill_flops(config, None, prompt, prompt)["matmuls"]
     gemm_s = flops / (args.gemm_tflops * 1e12)
     print(f"\n| {prompt // 1024}K prefill | seconds |\n|---|---|")
     print(f"| the GEMMs: {flops:.3e} FLOP at {args.gemm_tflops:.0f} TFLOP/s | {gemm_s:.2f} |")

@@ -131,15 +131,16 @@ def attention_tokens(settings: dict | None, length: int) -> tuple[int, int] | No
     middle, the cached tokens between the sinks and the window (TokenSelect: each one's key; InfLLM: each whole
     block's representative keys)."""
     cached = length - 1
-    context = context_tokens(settings, cached, length)
-    if context is None:
+    selecting = selects(settings, cached, length)
+    if selecting is None:
         return None
-    name = settings["attention"] if settings else "full"
-    if not selects(settings, cached, length) or name == "streaming":
-        return context + 1, 0
+    if not selecting:
+        return length, 0
+    attended, name = list_tokens(settings) + 1, settings["attention"]
+    if name == "streaming":
+        return attended, 0
     middle = cached - settings.get("n_init", 0) - settings.get("n_local", 0)
-    scored = middle if name == "tokenselect" else middle // settings["block_size"] * settings["repr_keys"]
-    return context + 1, scored
+    return attended, middle if name == "tokenselect" else middle // settings["block_size"] * settings["repr_keys"]
 
 
 def prefill_group(settings: dict | None, chunk: int) -> int:
