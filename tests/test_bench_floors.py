@@ -14,8 +14,8 @@ from tokenselect.bench import e2e
 from tokenselect.bench.dense import DenseRunner
 from tokenselect.bench.floors import (OTHER, attention_tokens, copy_bandwidth, decode_floor, matmul_rate,
                                       prefill_flops, prefill_pairs, profile_parts, selects, weight_bytes)
-from tokenselect.policies.base import SELECT
 from tokenselect.bench.hf_dense import measure_transformers, transformers_model
+from tokenselect.policies.base import SELECT
 
 LLAMA = e2e.LLAMA3_8B
 TS = {"attention": "tokenselect", "window": 8192, "k": 2048, "n_init": 128, "n_local": 512, "dense_until": None}
@@ -98,7 +98,8 @@ def test_tokenselect_prefill_pairs_by_group_inside_and_past_the_window():
     assert prefill_pairs(settings, 8192, 2048) == 8192 * 8193 // 2
     # the group at 8192 is the first past the window: it selects
     assert prefill_pairs(settings, 8192 + 512, 2048) == 8192 * 8193 // 2 + 512 * 2688 + triangle
-    assert prefill_pairs(settings, 8192 + 700, 2048) == 8192 * 8193 // 2 + 512 * 2688 + triangle + 188 * 2688 + 188 * 189 // 2
+    tail = 188 * 2688 + 188 * 189 // 2  # a last group of 188 queries
+    assert prefill_pairs(settings, 8192 + 700, 2048) == 8192 * 8193 // 2 + 512 * 2688 + triangle + tail
     length = 131072
     selecting = (length - 8192) // 512
     assert prefill_pairs(settings, length, 2048) == 8192 * 8193 // 2 + selecting * (512 * 2688 + triangle)
@@ -178,11 +179,12 @@ def _row(policy, prefill, decode, **more):
 
 def test_ratios_are_against_the_fastest_baseline_of_each_phase():
     rows = [_row("dense", 10.0, 5.0), _row("dense:chunk=all", 6.0, 6.0), _row("transformers", 7.0, 20.0),
-            _row("dense:chunk=8192", 1.0, 1.0, error="does not fit"), _row("tokenselect", 2.0, 4.0, hit_rate=0.0)]
+            _row("dense:chunk=8192", 1.0, 1.0, error="does not fit"),
+            _row("tokenselect", 2.0, 4.0, hit_rate=0.0, prefill_floor_s=1.5, floor_ms=3.0)]
     best = e2e.best_dense(rows)[131072]
     assert best["prefill"]["policy"] == "dense:chunk=all" and best["decode"]["policy"] == "dense"
     table = e2e.table(rows)
-    assert "| 128K | tokenselect | bf16 | 2.00 | 3.00x | - | - | 4.00 | 1.25x |" in table
+    assert "| 128K | tokenselect | bf16 | 2.00 | 3.00x | 1.50 | 75% | 4.00 | 1.25x | 3.00 | 75% |" in table
     assert "| 128K | transformers | bf16 | 7.00 | 0.86x | - | - | 20.00 | 0.25x |" in table
     assert "x at 128K: prefill against dense:chunk=all (6.00 s), decode against dense (5.00 ms)" in table
 
