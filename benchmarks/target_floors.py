@@ -26,10 +26,10 @@ TOKENSELECT = {"attention": "tokenselect", "k": DEFAULTS.k, "n_init": DEFAULTS.n
 
 def batch_floor_ms(config: dict, settings: dict | None, length: int, batch: int, bandwidth: float,
                    select_bytes: int | None, hit_rate: float) -> float:
-    """Milliseconds a decode step of ``batch`` requests of ``length`` tokens must take: the weights once, each
-    request's attention and scoring (``decode_floor``'s parts) once a request."""
-    one = decode_floor(config, settings, length, bandwidth, select_bytes=select_bytes, hit_rate=hit_rate)
-    return (one["weights"] + batch * (one["scoring"] + one["attention"])) / bandwidth * 1e3
+    """Milliseconds a decode step of ``batch`` requests of ``length`` tokens must take (``decode_floor``: the weights
+    once, each request's attention and scoring once a request)."""
+    return decode_floor(config, settings, length, bandwidth, select_bytes=select_bytes, hit_rate=hit_rate,
+                        batch=batch)["floor_ms"]
 
 
 def main() -> None:

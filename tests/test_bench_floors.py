@@ -52,6 +52,10 @@ def test_tokenselect_floor_scores_the_middle_unless_it_hits():
     assert quarter["attention"] == miss["attention"]
     fp8 = decode_floor(LLAMA, TS, length, 1.0, select_bytes=1)
     assert fp8["scoring"] * 2 == miss["scoring"] and fp8["attention"] == miss["attention"]
+    eight = decode_floor(LLAMA, TS, length, 1.0, batch=8)  # the weights read once for the batch
+    assert eight["weights"] == miss["weights"]
+    assert (eight["scoring"], eight["attention"]) == (8 * miss["scoring"], 8 * miss["attention"])
+    assert eight["total"] == miss["weights"] + 8 * (miss["scoring"] + miss["attention"])
 
 
 def test_attention_tokens_at_the_thresholds():

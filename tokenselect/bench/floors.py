@@ -201,12 +201,14 @@ def matmul_rate(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: in
 
 
 def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: float, weight_bytes_each: int = 2,
-                 kv_bytes: int = 2, select_bytes: int | None = None, hit_rate: float | None = None) -> dict | None:
+                 kv_bytes: int = 2, select_bytes: int | None = None, hit_rate: float | None = None,
+                 batch: int = 1) -> dict | None:
     """The decode step's floor at ``length`` tokens: {"weights", "scoring", "attention", "total"} in bytes and
     {"floor_ms"}; None where ``attention_tokens`` has none. weight_bytes_each: bytes of a weight element;
     kv_bytes: of a K or V element in the pool;
     select_bytes: of a selection key (None: the K pool's); hit_rate: the share of layers whose Selection Cache
-    reuses (they score nothing), None for none."""
+    reuses (they score nothing), None for none; batch: sequences of ``length`` tokens decoded together, whose step
+    reads the weights once and each sequence's scoring and attention bytes."""
     tokens = attention_tokens(settings, length)
     if tokens is None:
         return None
@@ -215,8 +217,8 @@ def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: fl
                                            config["hidden_size"] // config["num_attention_heads"])
     layers = config["num_hidden_layers"]
     parts = {"weights": weight_bytes(config, weight_bytes_each),
-             "scoring": round(layers * scored * row * (select_bytes or kv_bytes) * (1 - (hit_rate or 0))),
-             "attention": layers * attended * row * kv_bytes * 2}
+             "scoring": batch * round(layers * scored * row * (select_bytes or kv_bytes) * (1 - (hit_rate or 0))),
+             "attention": batch * layers * attended * row * kv_bytes * 2}
     total = sum(parts.values())
     return {**parts, "total": total, "floor_ms": total / bandwidth * 1e3}
 
