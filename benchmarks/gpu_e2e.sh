@@ -38,6 +38,9 @@
 #   best-dense-512k  its 512K rows (bf16 KV: 69 GB on an H200): TokenSelect and its hit path, then dense in
 #            8192-token chunks (two passes of about 130 s: the plans' and the timed one); no full or one-pass row (the
 #            call's limit); OUTDIR/e2e_512k_{dense8192,ts}_best_dense_<gpu>.{md,json,log} (about 6 minutes)
+#   prefill-chunks  128K TokenSelect (every step selecting) prefilled in chunks of 2048 (the default: four groups of
+#            512), 4096, 8192 and 2048 again (the machine's drift), each chunk's groups choosing as 512-token chunks
+#            would; 8 decode steps; OUTDIR/e2e_128k_chunk<N>[_again]_<gpu>.{md,json,log}     (about 5 minutes)
 #   best-dense-merge  (no GPU) those runs that exist -> e2e_best_dense_<gpu>.{md,json,png}, with the decode
 #            step at SmolLM2's 27.4% hit rate
 #   merge    (no GPU) those of OUTDIR's e2e_{128k,256k,512k,1m,1m_more}_h100.json that exist (a later file's row
@@ -47,6 +50,7 @@ set -euo pipefail
 gpu=${GPU_TAG:-$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | grep -io 'h[0-9]\+' | tr A-Z a-z || true)}
 gpu=${gpu:-h100}
 out=${1:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
+mkdir -p "$out"  # (a part that tees its log there starts before the bench makes it)
 part=${2:?usage: benchmarks/gpu_e2e.sh OUTDIR PART}
 shift 2
 e2e=(python3 -m tokenselect.cli bench e2e --decode-steps 32 --output "$out")
@@ -75,6 +79,12 @@ case "$part" in
   512k) "${e2e[@]}" --lengths 512k --tag 512k_$gpu --kv-dtype fp8 --decode-steps 16 \
           --policies tokenselect,tokenselect:theta=-1,streaming,infllm "${extra[@]}" ;;
   1m) "${e2e[@]}" --lengths 1m --tag 1m_$gpu "${offload[@]}" --policies tokenselect,tokenselect:theta=-1 "${extra[@]}" ;;
+  prefill-chunks)
+    for run in 2048 4096 8192 2048_again; do
+      "${e2e[@]}" --decode-steps 8 --lengths 128k --chunk-size ${run%_again} --policies tokenselect \
+        --tag 128k_chunk${run}_$gpu "${extra[@]}" 2>&1 | tee "$out/e2e_128k_chunk${run}_$gpu.log" || failed=1
+    done
+    exit ${failed:-0} ;;
   1m-more) "${e2e[@]}" --lengths 1m --tag 1m_more_$gpu "${offload[@]}" --policies streaming,infllm "${extra[@]}" ;;
   best-dense)
     for len in 128k 32k; do
@@ -108,6 +118,6 @@ case "$part" in
   merge) runs=(); for f in "$out"/e2e_{128k,256k,512k,1m,1m_more}_"$gpu".json; do [[ -f $f ]] && runs+=("$f"); done
          "${e2e[@]}" --tag "$gpu" --merge "${runs[@]}" "${extra[@]}" ;;
   *) echo "unknown part $part: tests, kernels-a, kernels-b, decode, profile, 128k, 256k, fp8-select, 512k, 1m," \
-          "1m-more, best-dense, best-dense-256k, best-dense-512k, best-dense-merge or merge" >&2
+          "1m-more, best-dense, best-dense-256k, best-dense-512k, prefill-chunks, best-dense-merge or merge" >&2
      exit 2 ;;
 esac
