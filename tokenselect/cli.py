@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenselect",
         description="Long-context LLM inference that attends only to the KV-cache tokens that matter "
-                    "(TokenSelect, ReAttention and the baselines), on Hugging Face checkpoints.")
+                    "(TokenSelect, ReAttention and the baselines), on the model you hold: a GGUF file or a Hugging "
+                    "Face checkpoint folder.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="complete one prompt",
