@@ -801,6 +801,37 @@ def test_sparse_attention_over_a_live_prefix(monkeypatch, c, live, n, one_split,
     assert_attention_close(masked, want, dtype)  # the reference masks (no host read) to the same
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("live", [None, 1200])
+def test_decode_merges_more_splits_than_a_merge_block(dtype, group, live):
+    """A decode query over 5,000 keys: 79 splits of one 64-key block (2 kv heads: up to 198), which the merge walks
+    MERGE_SPLITS at a time, its running max rescaling what it summed. With a live prefix of 1,200 keys only the first
+    19 splits see any; the other 60, whole merge blocks of them, carry m = -inf and must weigh nothing (past the
+    prefix the keys and values are NaN)."""
+    kernel = sys.modules["tokenselect.kernels.sparse_attention"]
+    n, d = 5000, 128
+    gen = torch.Generator().manual_seed(group * 10 + (live or 0))
+    q = query((1, N_KV * group, d), dtype, gen)
+    k_pool, v_pool = pool(n + 100, d, dtype, gen), pool(n + 100, d, dtype, gen)
+    slots = slot_list(n, n + 100, gen)
+    used = live or n
+    k_pool[slots[used:]] = float("nan")
+    v_pool[slots[used:]] = float("nan")
+    key_pos = positions(n, gen)
+    _, _, inv_freq, scale = rope_inputs(1, n, d, gen)
+    tile = kernel.FP32_DECODE_TILE if dtype == torch.float32 else kernel.DECODE_TILE
+    splits, _ = kernel.key_splits(n, tile[1], kernel.TARGET_PROGRAMS // N_KV)
+    assert splits > 4 * kernel.MERGE_SPLITS  # the merge's loop runs five blocks
+    n_valid = None if live is None else torch.tensor(live, device=DEVICE)
+    got = TRITON.sparse_attention(q, k_pool, v_pool, slots, key_pos, key_pos[used - 1:used], inv_freq, scale,
+                                  n_valid=n_valid)
+    want = TORCH.sparse_attention(q, k_pool, v_pool, slots[:used], key_pos[:used], key_pos[used - 1:used], inv_freq,
+                                  scale)
+    assert not got.isnan().any()
+    assert_attention_close(got, want, dtype)
+
+
 @pytest.mark.parametrize("d", [16, 80])  # tiny test models; a head_dim that is no power of two
 def test_small_and_odd_head_dims(d):
     gen = torch.Generator().manual_seed(d)

@@ -271,32 +271,36 @@ def _sparse_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "splits"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, rows, splits, D: tl.constexpr, D_P: tl.constexpr,
-                  SPLITS_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """Program = a block of (query, head) rows: out = sum_s w_s acc_s / sum_s w_s l_s with
     w_s = 2^(m_s - max_s m_s). Splits that saw no visible key have m = -inf, so weight 0.
-    Every split's m is loaded at once, l and acc in blocks of BLOCK_S splits (one block for decode),
-    so the loads are not a chain of one round trip per split."""
+    The splits are walked BLOCK_S at a time with a running max (the sums rescaled when it grows), so that one
+    compiled variant serves every split count: a count the warm-up did not meet would otherwise compile a variant
+    inside a first request (0.3-0.4 s each, benchmarks/results/supporting/warm_up_past_threshold_h200.md). Each
+    block's loads are one round trip, not one a split."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = r < rows
     r_in = tl.minimum(r, rows - 1)  # rows past the end read the last row and are not stored
-    s = tl.arange(0, SPLITS_P)
-    m_all = tl.max(tl.load(m_ptr + s[None, :] * rows + r_in[:, None], mask=(s < splits)[None, :],
-                           other=float("-inf")), axis=1)  # split 0 sees key 0: finite
     dims = tl.arange(0, D_P)  # D padded to a power of two
     dim_ok = dims < D
+    m_run = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
     num = tl.zeros((BLOCK_ROWS, D_P), dtype=tl.float32)
     den = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-    for first in tl.static_range(0, SPLITS_P, BLOCK_S):
+    for first in range(0, splits, BLOCK_S):
         sb = first + tl.arange(0, BLOCK_S)
         idx = sb[None, :] * rows + r_in[:, None]  # [rows, splits]
         s_ok = (sb < splits)[None, :]
-        w = tl.exp2(tl.load(m_ptr + idx, mask=s_ok, other=float("-inf")) - m_all[:, None])
-        den += tl.sum(w * tl.load(l_ptr + idx, mask=s_ok, other=0.0), axis=1)
+        m = tl.load(m_ptr + idx, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(m, axis=1))  # split 0 sees key 0, so finite from the first block on
+        rescale = tl.exp2(m_run - m_new)  # 0 while m_run is -inf
+        w = tl.exp2(m - m_new[:, None])
+        den = den * rescale + tl.sum(w * tl.load(l_ptr + idx, mask=s_ok, other=0.0), axis=1)
         acc = tl.load(acc_ptr + idx[:, :, None].to(tl.int64) * D + dims[None, None, :],
                       mask=s_ok[:, :, None] & dim_ok[None, None, :], other=0.0)
-        num += tl.sum(w[:, :, None] * acc, axis=1)
+        num = num * rescale[:, None] + tl.sum(w[:, :, None] * acc, axis=1)
+        m_run = m_new
     out = num / den[:, None]
     tl.store(out_ptr + r[:, None].to(tl.int64) * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & dim_ok[None, :])
@@ -319,11 +323,19 @@ QUERY_ROTATE_BLOCK = 32  # queries per program (of one head) where cuDNN's path 
 # a prompt's ragged last chunk, whose length is any, would build one for a single use; it takes the Triton kernel
 CUDNN_GRAIN = 64
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
+# splits a merge program reads at a time: one decode step over 8 kv heads has up to 49 (TARGET_PROGRAMS / 8)
+MERGE_SPLITS = 16
 
 
 def padded_half(d: int) -> int:
     """d / 2 padded to the power of two (at least 16) the kernels' tiles of a RoPE half take."""
     return max(16, triton.next_power_of_2(d // 2))
+
+
+def merge_rows(d_p: int) -> int:
+    """(query, head) rows a merge program takes at a padded head_dim of d_p: its tile of MERGE_SPLITS partial outputs
+    a row within MERGE_TILE elements."""
+    return max(1, min(16, MERGE_TILE // (MERGE_SPLITS * d_p)))
 
 
 def list_strides(slots: torch.Tensor, key_pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[int, int, int]:
@@ -399,11 +411,9 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     if split:
-        rows, splits_p = batch * c * n_heads, triton.next_power_of_2(splits)
-        block_s = min(splits_p, max(1, MERGE_TILE // d_p))
-        block_rows = max(1, min(16, MERGE_TILE // (block_s * d_p)))
+        rows, block_rows = batch * c * n_heads, merge_rows(d_p)
         _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
-                                                         SPLITS_P=splits_p, BLOCK_S=block_s, BLOCK_ROWS=block_rows)
+                                                         BLOCK_S=MERGE_SPLITS, BLOCK_ROWS=block_rows)
     return out
 
 
