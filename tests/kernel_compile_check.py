@@ -115,8 +115,7 @@ def main() -> None:
             {"BLOCK_C": 32, "D_P": 128})
     compile_one("sparse_attention", "_merge_kernel", {
         "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16", "rows": i32, "splits": i32},
-        {"D": 128, "D_P": 128, "BLOCK_S": mods["sparse_attention"].MERGE_SPLITS,
-         "BLOCK_ROWS": mods["sparse_attention"].merge_rows(128)})
+        {"D": 128, "D_P": 128, **dict(zip(("BLOCK_S", "BLOCK_ROWS"), mods["sparse_attention"].merge_tile(128)))})
     block_scores = mods["block_scores"]
     for masked in (True, False):  # InfLLM's fp32 representatives, a graph's live prefix or all of them
         compile_one("block_scores", "_block_scores_kernel", {

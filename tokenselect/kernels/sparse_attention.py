@@ -323,8 +323,10 @@ QUERY_ROTATE_BLOCK = 32  # queries per program (of one head) where cuDNN's path 
 # a prompt's ragged last chunk, whose length is any, would build one for a single use; it takes the Triton kernel
 CUDNN_GRAIN = 64
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
-# splits a merge program reads at a time: one decode step over 8 kv heads has up to 49 (TARGET_PROGRAMS / 8)
-MERGE_SPLITS = 16
+# splits a merge program reads at a time, at most: a decode step over 8 kv heads has up to 49 (TARGET_PROGRAMS / 8),
+# read in one block as the merge read them before its loop (16 at a time cost one query 2.5 us a layer on an H200,
+# three blocks one after another in a quarter of the programs)
+MERGE_SPLITS = 64
 
 
 def padded_half(d: int) -> int:
@@ -332,10 +334,11 @@ def padded_half(d: int) -> int:
     return max(16, triton.next_power_of_2(d // 2))
 
 
-def merge_rows(d_p: int) -> int:
-    """(query, head) rows a merge program takes at a padded head_dim of d_p: its tile of MERGE_SPLITS partial outputs
-    a row within MERGE_TILE elements."""
-    return max(1, min(16, MERGE_TILE // (MERGE_SPLITS * d_p)))
+def merge_tile(d_p: int) -> tuple[int, int]:
+    """(splits read at a time, (query, head) rows) of a merge program at a padded head_dim of d_p: its tile of
+    partial outputs within MERGE_TILE elements, each row's splits in as few blocks as that allows."""
+    block_s = max(1, min(MERGE_SPLITS, MERGE_TILE // d_p))
+    return block_s, max(1, min(16, MERGE_TILE // (block_s * d_p)))
 
 
 def list_strides(slots: torch.Tensor, key_pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[int, int, int]:
@@ -411,9 +414,9 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
     )
     if split:
-        rows, block_rows = batch * c * n_heads, merge_rows(d_p)
+        rows, (block_s, block_rows) = batch * c * n_heads, merge_tile(d_p)
         _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
-                                                         BLOCK_S=MERGE_SPLITS, BLOCK_ROWS=block_rows)
+                                                         BLOCK_S=block_s, BLOCK_ROWS=block_rows)
     return out
 
 
