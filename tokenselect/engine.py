@@ -682,8 +682,8 @@ class LLM:
         --warm-up-tokens``): two prefill chunks past the default policy's selection threshold (two chunks for one
         that never selects), so that its selecting prefill chunks and decode steps compile and record their
         graphs; at most what one request may hold. On an H200 a first 120K-token request after such a warm-up
-        compiled one variant of the split merge kernel (0.43 s), and nothing else (``benchmarks/results/supporting/
-        warm_up_past_threshold_h200.md``)."""
+        compiled nothing, and took what the same request takes once everything is compiled
+        (``benchmarks/results/supporting/warm_up_merge_h200.md``)."""
         tokens = (self.policy.selection_threshold or 0) + 2 * self.chunk_size
         return max(0, min(tokens, self.max_model_len - WARMUP_DECODE_STEPS - 1))
 
