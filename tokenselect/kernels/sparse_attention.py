@@ -324,8 +324,8 @@ QUERY_ROTATE_BLOCK = 32  # queries per program (of one head) where cuDNN's path 
 CUDNN_GRAIN = 64
 MERGE_TILE = 8192  # elements of a merge program's (rows x splits x d) tile of partial outputs
 # splits a merge program reads at a time, at most: a decode step over 8 kv heads has up to 49 (TARGET_PROGRAMS / 8),
-# read in one block as the merge read them before its loop (16 at a time cost one query 2.5 us a layer on an H200,
-# three blocks one after another in a quarter of the programs)
+# so one block. Fewer at a time take several blocks one after another, in fewer programs: 16 cost one query 2.5 us a
+# layer on an H200 (benchmarks/results/supporting/warm_up_merge_h200.md)
 MERGE_SPLITS = 64
 
 
