@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
 from checkpoints import CORPUS
+from tokenselect.cli import build_parser
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -64,6 +66,26 @@ def test_missing_prompt_file_is_an_error_not_a_traceback(tiny_llama, tmp_path):
 def test_help(command):
     res = run(*command, "--help")
     assert res.returncode == 0 and "usage: tokenselect" in res.stdout
+
+
+def every_option(parser: argparse.ArgumentParser, command: tuple[str, ...] = ()):
+    """(command, argparse action) for every option of ``parser`` and of its subcommands, at any depth."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from every_option(sub, (*command, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield command, action
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """``--help`` explains: each option and positional argument of each subcommand (bench's and eval's included)
+    carries a help text. A planted option without one fails this."""
+    options = list(every_option(build_parser()))
+    assert len(options) > 100 and {command[:1] for command, _ in options} >= {("generate",), ("serve",), ("bench",)}
+    silent = [f"{' '.join(command)} {'/'.join(action.option_strings) or action.dest}" for command, action in options
+              if not action.help]
+    assert not silent, silent
 
 
 def test_demo_finds_the_passkey_with_tokenselect_where_full_attention_fails():

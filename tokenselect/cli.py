@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--depth", type=float, default=0.5, help="where the needle sits, 0..1 (default 0.5)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the passkey and its placement")
     demo.add_argument("--compare", nargs="*", default=["full"], help="policies to run after it (default: full)")
-    demo.add_argument("--max-tokens", type=int, default=16)
+    demo.add_argument("--max-tokens", type=int, default=16, help="tokens each answer may have (default 16)")
     add_model_args(demo, attention_default="tokenselect",
                    model_help=f"{registry.MODEL_HELP}; a name not yet cached is fetched first. Default: the first "
                               "real model in the cache, else the small model that ships with tokenselect (no download)")

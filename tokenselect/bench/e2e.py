@@ -693,32 +693,34 @@ def add_parser(subparsers) -> None:
                         "speed). Every x is against the fastest baseline of the run at that length, prefill and "
                         "decode each their own (default: " + DEFAULT_POLICIES + ": the dense rows the fastest on an H200 at "
                         "32K-256K, results/e2e_best_dense_h200.md)")
-    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps after each prefill")
     p.add_argument("--hit-rate", type=float, default=None,
                    help="add, where tokenselect and tokenselect:theta=-1 both ran, the decode step of a model whose "
                         "Selection Cache reuses this share of its lookups (an estimate: the mix of the two rows), "
                         "e.g. a real model's rate from an eval table")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="every row's prefill chunk (default: each policy's engine default, dense's 512)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"])
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"],
+                   help="the engine's KV pool (auto: the model's dtype; dense keeps the model's dtype)")
     p.add_argument("--kv-offload", default="none", choices=["none", "values"],
                    help="values: V pool in pinned host memory, K on the GPU (what fits 1M tokens of Llama-3-8B)")
     p.add_argument("--select-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: TokenSelect scores an fp8 copy of the keys (the engine's --select-dtype)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N prefill chunks and N extra decode steps (writes <stem>_profile.txt)")
-    p.add_argument("--kernels", choices=["triton", "torch"])
+    p.add_argument("--kernels", choices=["triton", "torch"],
+                   help="the engine's kernels (default: triton on CUDA, the PyTorch references elsewhere)")
     p.add_argument("--chunk-attention", default="auto", choices=CHUNK_ATTENTION,
                    help="the engine's prefill chunk attention (its --chunk-attention): cudnn on Hopper by default")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run steps through CUDA graphs captured around attention, dense included (default: on with CUDA)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the engine's model across this many GPUs (docs/tensor_parallel.md); dense stays on one")
     p.add_argument("--tp-selection", default="global", choices=SELECTIONS,
                    help="with --tensor-parallel-size > 1: global (the vote over heads spans every rank, an all-reduce "
                         "a layer) or local (each rank votes over its own heads)")
-    p.add_argument("--output", default="benchmarks/results")
+    p.add_argument("--output", default="benchmarks/results", help="folder for the table, JSON and plot")
     p.add_argument("--tag", default="", help="suffix for the output files")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="measure nothing: write one table and plot from the .json files of earlier runs")

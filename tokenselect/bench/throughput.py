@@ -414,17 +414,19 @@ def add_parser(subparsers) -> None:
                         "engine policies, each optionally NAME:KEY=VALUE;... as in bench e2e "
                         f"(default: {DEFAULT_POLICIES})")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps at each batch size")
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=512,
+                   help="every method's prefill chunk (the prompts' prefill, not what is timed)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"],
                    help="the engine's KV pool (dense keeps the model's dtype)")
     p.add_argument("--select-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: TokenSelect scores an fp8 copy of the keys (the engine's --select-dtype)")
     p.add_argument("--kv-cache-tokens", type=int,
                    help="KV budget of every method, in tokens (default: the engine's pool in the free GPU memory)")
-    p.add_argument("--kernels", choices=["triton", "torch"])
+    p.add_argument("--kernels", choices=["triton", "torch"],
+                   help="the engine's kernels (default: triton on CUDA, the PyTorch references elsewhere)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run steps through CUDA graphs, dense included (default: on with CUDA)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--output", default="benchmarks/results")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--output", default="benchmarks/results", help="folder for the table, JSON and plot")
     p.add_argument("--tag", default="", help="suffix for the output files")
     p.set_defaults(func=run)
