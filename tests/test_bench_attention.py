@@ -115,3 +115,11 @@ def test_a_backend_that_cannot_be_captured_is_left_out_and_named(monkeypatch):
     assert attention.graph_dense(Layer([]), 1, ["flash", "cudnn"], {}) == {"flash": 1.0, "cudnn": 0.5}
     with pytest.raises(RuntimeError, match="capturing"):
         attention.graph_dense(Layer(["flash"]), 1, ["flash", "cudnn"], {})
+
+
+def test_bench_attention_on_a_cpu_takes_the_reference_kernels_unless_told(tmp_path):
+    """As the engine resolves its kernels: Triton on CUDA, the PyTorch references on a CPU (where Triton would need
+    its interpreter). The smoke test that its refusal on a CPU offers, ``--device cpu --tiny``, runs as it is written."""
+    args = parse("--tiny", "--device", "cpu", "--lengths", "1k", "--output", str(tmp_path))
+    assert args.kernels is None and args.func(args) == 0
+    assert json.loads((tmp_path / "attention.json").read_text())["args"]["kernels"] == "torch"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenselect import LLM
-from tokenselect.bench import e2e
+from tokenselect.bench import attention, e2e
 from tokenselect.bench.dense import DenseRunner
 from tokenselect.bench.floors import (OTHER, attention_tokens, copy_bandwidth, decode_floor, matmul_rate,
                                       prefill_flops, prefill_pairs, profile_parts, selects, weight_bytes)
@@ -266,6 +266,22 @@ def test_bench_e2e_refuses_bad_baselines_before_measuring(tmp_path, policies, me
     with pytest.raises(SystemExit, match=message):
         args.func(args)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("bench", ["e2e", "attention"])
+def test_a_bad_length_is_refused_before_anything_is_measured(tmp_path, monkeypatch, bench):
+    """The copy bandwidth (and the matrix rate) take seconds on a GPU: a typo in --lengths is told before them."""
+    module = {"e2e": e2e, "attention": attention}[bench]
+
+    def measured(*_, **__):
+        raise AssertionError("measured before the lengths were read")
+    monkeypatch.setattr(module, "copy_bandwidth", measured)
+    parser = argparse.ArgumentParser()
+    module.add_parser(parser.add_subparsers())
+    extra = ["--config", "tiny"] if bench == "e2e" else ["--tiny"]
+    args = parser.parse_args([bench, *extra, "--lengths", "1k,4kb", "--device", "cpu", "--output", str(tmp_path)])
+    with pytest.raises(ValueError, match="bad length '4kb'"):
+        args.func(args)
 
 
 def test_transformers_baseline_runs_the_engines_weights():

@@ -389,13 +389,17 @@ def run(args: argparse.Namespace) -> int:
                          "for a smoke test at tiny sizes")
     if args.tiny:
         args = argparse.Namespace(**{**vars(args), **TINY, "lengths": args.lengths or TINY["lengths"]})
+    # as the engine resolves its kernels: Triton on CUDA; on a CPU the PyTorch references (Triton would need its
+    # interpreter, set before the kernels were imported)
+    args.kernels = args.kernels or ("triton" if device.type == "cuda" else "torch")
+    lengths = [parse_length(x) for x in (args.lengths or DEFAULT_LENGTHS).split(",")]
     ms = timer(device)
     bandwidth = copy_bandwidth(device, ms)
     # what runs a chunk's attention over its list, as the engine resolves its setting for these operands
     chunks = chunk_attention_backend(args.chunk_attention, args.kernels, device, torch.bfloat16)
     kern = get_kernels(args.kernels, chunks)
     rows = []
-    for i, length in enumerate(parse_length(x) for x in (args.lengths or DEFAULT_LENGTHS).split(",")):
+    for i, length in enumerate(lengths):
         rows.append(measure(length, args, device, ms, bandwidth, check=i == 0 and not args.no_check, kern=kern))
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -436,8 +440,9 @@ def add_parser(subparsers) -> None:
         description="Time one Llama-3-8B-shaped attention layer: dense SDPA (flash and cuDNN) against TokenSelect "
                     "(prefill chunk, decode Selection-Cache miss and hit) and the read-K floor.")
     p.add_argument("--lengths", help=f"KV lengths (default {DEFAULT_LENGTHS}; with --tiny {TINY['lengths']})")
-    p.add_argument("--kernels", default="triton", choices=["triton", "torch"],
-                   help="TokenSelect's kernels: triton, or the PyTorch references")
+    p.add_argument("--kernels", choices=["triton", "torch"],
+                   help="TokenSelect's kernels: triton, or the PyTorch references (default: triton on CUDA, the "
+                        "references on a CPU)")
     p.add_argument("--chunk-attention", default="auto", choices=CHUNK_ATTENTION,
                    help="what runs our chunk's attention over its list, as the engine's --chunk-attention: auto "
                         "(cudnn on Hopper, as the engine), triton or cudnn")

@@ -644,12 +644,13 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise SystemExit(str(e)) from None
     check_hit_rate(args)
+    lengths = [parse_length(x) for x in args.lengths.split(",")]  # a bad one refused before anything is measured
     device = resolve_device(args.device)
     bandwidth, rate = copy_bandwidth(device), matmul_rate(device)
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written), bf16 matrix products "
           f"{rate / 1e12:.3g} TFLOP/s on {device}", flush=True)
     rows = []
-    for length in [parse_length(x) for x in args.lengths.split(",")]:
+    for length in lengths:
         for row in run_length(config, length, policies, args, bandwidth, rate):
             rows.append(row)
             estimates = estimated_rows(rows, args.hit_rate) if args.hit_rate is not None else []
