@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 
@@ -66,6 +67,21 @@ def test_missing_prompt_file_is_an_error_not_a_traceback(tiny_llama, tmp_path):
 def test_help(command):
     res = run(*command, "--help")
     assert res.returncode == 0 and "usage: tokenselect" in res.stdout
+
+
+def test_serve_refuses_an_address_in_use_before_loading_the_model():
+    """The port is taken before the model loads (a model of minutes, a warm-up of more): a port in use is one line at
+    once, naming the address, here before the missing model is even looked for. A port out of range is argparse's
+    usage error."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = run("serve", "--model", "/nonexistent/model", "--port", str(port))
+    assert res.returncode == 2 and f"error: cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr
+    assert "model not found" not in res.stderr and "Traceback" not in res.stderr
+    res = run("serve", "--port", "70000")
+    assert res.returncode == 2 and "a port is 0 to 65535, not 70000" in res.stderr
 
 
 def every_option(parser: argparse.ArgumentParser, command: tuple[str, ...] = ()):

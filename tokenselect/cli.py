@@ -7,12 +7,13 @@ Errors a user can fix (a wrong model folder, a prompt too long, a bad setting) p
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
 from pathlib import Path
 
-from . import bench, engine
+from . import bench, engine, parallel
 from .errors import TokenSelectError
 from .eval import cli as eval_cli
 from .eval.metrics import score
@@ -126,9 +127,28 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve  # the web stack is imported only to serve
+    from .server import listening_socket, serve  # the web stack is imported only to serve
 
-    return serve(build_llm(args), args)
+    # the address first: one in use is told before the model loads. Under torchrun every rank runs this command and
+    # only rank 0 listens (the others serve it inside LLM(...) and exit there)
+    listens = not parallel.under_torchrun(args.tensor_parallel_size) or os.environ.get("RANK") == "0"
+    sock = listening_socket(args.host, args.port) if listens else None
+    try:
+        return serve(build_llm(args), args, sock)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def port_number(text: str) -> int:
+    """--port's type: a TCP port, 0 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {port}")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "/v1/chat/completions (stream: true for server-sent events), "
                                        "/v1/models, /health. Requests are batched together by the engine.")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: any free one)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model folder's name)")
     add_model_args(serve, attention_default="tokenselect")

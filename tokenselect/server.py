@@ -34,6 +34,7 @@ import json
 import logging
 import queue
 import re
+import socket
 import sys
 import threading
 import time
@@ -759,8 +760,25 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 # ---- the command --------------------------------------------------------------------------------
 
 
-def serve(llm, args: argparse.Namespace) -> int:
-    """``tokenselect serve``: serve ``llm`` (built by the CLI from ``args``) until interrupted."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (as uvicorn binds one), taken before the model loads, so that an address
+    in use is told at once rather than after minutes of loading and warming up; OSError saying which address."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = info[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(llm, args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """``tokenselect serve``: serve ``llm`` (built by the CLI from ``args``) until interrupted, on ``sock``
+    (``listening_socket``; None: bound now to --host and --port)."""
     if llm.tokenizer is None:
         raise TokenSelectError("the server needs a checkpoint with a tokenizer")
     options = ServerOptions.from_args(args)
@@ -768,5 +786,7 @@ def serve(llm, args: argparse.Namespace) -> int:
     if "*" in (options.allowed_hosts or ()):
         log.warning("listening on %s with any Host header accepted: pass --allowed-hosts to guard against "
                     "DNS rebinding", args.host)
-    uvicorn.Server(uvicorn_config(create_app(llm, args.served_model_name, options), args.host, args.port)).run()
+    sock = sock or listening_socket(args.host, args.port)
+    config = uvicorn_config(create_app(llm, args.served_model_name, options), args.host, args.port)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
