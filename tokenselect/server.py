@@ -763,12 +763,12 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: st
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (as uvicorn binds one), taken before the model loads, so that an address
     in use is told at once rather than after minutes of loading and warming up; OSError saying which address."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, address = info[0]
-    sock = socket.socket(family, kind, proto)
+    # uvicorn's rule (``Config.bind_socket``): IPv6 for an address with a colon, else IPv4 (so "localhost" is
+    # 127.0.0.1, as a client expects, wherever the resolver lists ::1 first)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
