@@ -137,6 +137,8 @@ def test_bench_throughput_reports_what_fits_and_what_does_not(tmp_path, monkeypa
         assert (f"| {batch} | {r['policy']} | fp32 | {r['ms_step']:.2f} | {r['tokens_s']:.1f} | "
                 f"{r['tokens_s'] / best['tokens_s']:.2f}x ({best['policy']}) |") in table
     assert table.count("does not fit") == 3 and "- tokenselect:theta=-1: 2 requests, held 2 (prefill" in table
+    # the prefill times are set-up, at the run's chunk (--chunk-size 64 here), and the report says so
+    assert "prompts in 64-token chunks, set up for the decode timing, not a prefill comparison" in table
     assert (tmp_path / "throughput_t.png").stat().st_size > 0
 
 

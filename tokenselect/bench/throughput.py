@@ -365,7 +365,9 @@ def write_report(args, config: dict, policies: list[str], rows: list[dict], draw
               f"Largest batch that fits ({budget}):\n{fits(rows, policies)}\n\n"
               "x best dense: tokens/s against the fastest dense or full row at the same batch size. One-graph "
               "steps: timed steps run as one CUDA graph each. Peak GB: the engine's includes its whole KV pool, "
-              "allocated up front; dense's the caches of the requests it held.\n")
+              "allocated up front; dense's the caches of the requests it held. The prefill times above are every "
+              f"method's prompts in {args.chunk_size}-token chunks, set up for the decode timing, not a prefill "
+              "comparison (`bench e2e` times prefill against the strongest dense configuration).\n")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"throughput_{args.tag}" if args.tag else "throughput"
