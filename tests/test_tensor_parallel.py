@@ -236,6 +236,20 @@ def test_generate_command_with_two_ranks_prints_what_one_process_prints_spawned_
     assert launched.stdout == one.stdout
 
 
+def test_rank_zero_leads_whether_started_by_hand_or_by_torchrun(monkeypatch):
+    """``parallel.leads``: the process a user started leads (it spawns the others); under torchrun, rank 0 of the
+    same world leads and the other ranks do not (so only rank 0 of ``tokenselect serve`` takes the port)."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert parallel.leads(1) and parallel.leads(2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert not parallel.leads(2)
+    assert parallel.leads(4)  # torchrun's world is not this engine's: the process starts its own ranks
+    monkeypatch.setenv("RANK", "0")
+    assert parallel.leads(2)
+
+
 def test_server_with_two_ranks_answers_and_leaves_no_process(checkpoint):
     pytest.importorskip("uvicorn")  # the server's stack (absent on the GPU machine, which runs the other tests here)
     port = parallel.free_port()

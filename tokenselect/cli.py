@@ -7,7 +7,6 @@ Errors a user can fix (a wrong model folder, a prompt too long, a bad setting) p
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -131,8 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # the address first: one in use is told before the model loads. Under torchrun every rank runs this command and
     # only rank 0 listens (the others serve it inside LLM(...) and exit there)
-    listens = not parallel.under_torchrun(args.tensor_parallel_size) or os.environ.get("RANK") == "0"
-    sock = listening_socket(args.host, args.port) if listens else None
+    sock = listening_socket(args.host, args.port) if parallel.leads(args.tensor_parallel_size) else None
     try:
         return serve(build_llm(args), args, sock)
     finally:

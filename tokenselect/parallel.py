@@ -188,6 +188,12 @@ def under_torchrun(world: int) -> bool:
     return "RANK" in os.environ and os.environ.get("WORLD_SIZE") == str(world)
 
 
+def leads(world: int) -> bool:
+    """Whether this process is rank 0 of ``world``: the one a user started (it spawns the others), or torchrun's
+    rank 0 (under torchrun every rank runs the user's command)."""
+    return not under_torchrun(world) or os.environ["RANK"] == "0"
+
+
 class TensorParallel:
     """This process's place among the ranks: ``rank``, ``world``, ``device``, the tensor ``group`` (NCCL or gloo)
     and the message group (gloo); on an engine-spawned rank 0, its child processes."""
