@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tokenselect.bench import e2e, throughput
-from tokenselect.bench.floors import copy_bandwidth, decode_floor, profile_parts, sync, timed
+from tokenselect.bench.floors import copy_bandwidth, decode_floor, profile_parts, timed
 from tokenselect.engine import LLM
 from tokenselect.eval.runner import parse_length
 from tokenselect.policies import policy_spec
@@ -28,17 +28,17 @@ from tokenselect.sampling import SamplingParams
 POLICIES = ("tokenselect", "tokenselect:theta=-1")
 
 
-def profile_steps(llm: LLM, steps: int) -> tuple[object, int]:
-    """``steps`` engine steps under torch.profiler -> (its key averages, the passes that ran in the window)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_steps(llm: LLM, steps: int) -> tuple[list, int]:
+    """``steps`` engine steps under torch.profiler (``bench e2e``'s ``profiled``) -> (its key averages, the passes
+    that ran in the window); no events on a CPU, where no device kernel runs."""
+    left = iter(range(steps))
+    seen: dict = {"events": [], "passes": steps}
 
-    sync(llm.device)
-    passes = llm.runner.passes
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            llm.step()
-        sync(llm.device)
-    return prof.key_averages(), llm.runner.passes - passes
+    def keep(events, passes: int) -> str:  # profiled's table by part, called on CUDA: here it keeps what it is given
+        seen.update(events=events, passes=passes)
+        return ""
+    e2e.profiled(llm, lambda: next(left, None) is None, keep)
+    return seen["events"], seen["passes"]
 
 
 def measure(llm: LLM, config: dict, policy: str, batch: int, length: int, args, bandwidth: float) -> dict:
