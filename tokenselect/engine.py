@@ -26,7 +26,7 @@ from .attention import Chunk, RopeFrequencies
 from .config import ModelConfig
 from .data import default_model_path
 from .errors import ContextTooLong, TokenSelectError
-from .kernels import chunk_attention_backend, get_kernels
+from .kernels import chunk_attention_backend, get_kernels, kernels_for
 from .kv_cache import KEPT_INDEX_BYTES, KVCache, host_memory_available
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_device, resolve_dtype
 from .models.registry import resolve_model
@@ -211,7 +211,7 @@ class LLM:
             kind, _, factor = s.rope_scaling.partition(":")
             rope = rope.with_scaling(kind, float(factor or 2))
         self.rope = RopeFrequencies(rope, self.device)
-        kernels = s.kernels or ("triton" if self.device.type == "cuda" else "torch")
+        kernels = kernels_for(s.kernels, self.device)
         if kernels == "triton" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("triton kernels on the CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
                              "before starting (slow; meant for tests), or use kernels='torch'")

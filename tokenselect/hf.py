@@ -40,7 +40,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernels import check_chunk_attention, chunk_attention_backend, get_kernels
+from .kernels import check_chunk_attention, chunk_attention_backend, get_kernels, kernels_for
 from .policies import POLICIES, default_chunk, make_policy, policy_settings
 from .policies.base import SeqStep, start_step
 from .rope import RopeSpec, rotate
@@ -134,7 +134,7 @@ class PolicyState:
         self.chunk = self.chunk or default_chunk(window)
         b, n_kv, _, d = key.shape
         self.pools = KeyPools(config.num_hidden_layers, b, n_kv, d, key.dtype, key.device)
-        name = self.kernels_name or ("triton" if key.device.type == "cuda" else "torch")
+        name = kernels_for(self.kernels_name, key.device)
         self.chunk_attention = chunk_attention_backend(self.chunk_attention, name, key.device, key.dtype)
         self.kernels = get_kernels(name, self.chunk_attention)
         self.policy = make_policy(self.policy_name, self.pools, self.kernels, window, self.chunk, self.settings)

@@ -41,7 +41,7 @@ import torch
 
 from ..cuda_graphs import capture, warm_up
 from ..eval.runner import parse_length
-from ..kernels import chunk_attention_backend, get_kernels
+from ..kernels import chunk_attention_backend, get_kernels, kernels_for
 from ..kv_cache import KVCache
 from ..models.loader import resolve_device
 from ..policies import start_step
@@ -389,9 +389,7 @@ def run(args: argparse.Namespace) -> int:
                          "for a smoke test at tiny sizes")
     if args.tiny:
         args = argparse.Namespace(**{**vars(args), **TINY, "lengths": args.lengths or TINY["lengths"]})
-    # as the engine resolves its kernels: Triton on CUDA; on a CPU the PyTorch references (Triton would need its
-    # interpreter, set before the kernels were imported)
-    args.kernels = args.kernels or ("triton" if device.type == "cuda" else "torch")
+    args.kernels = kernels_for(args.kernels, device)  # as the engine resolves its setting
     lengths = [parse_length(x) for x in (args.lengths or DEFAULT_LENGTHS).split(",")]
     ms = timer(device)
     bandwidth = copy_bandwidth(device, ms)

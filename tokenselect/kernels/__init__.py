@@ -118,6 +118,12 @@ def chunk_attention_backend(choice: str, kernels: str, device: torch.device, dty
     return choice
 
 
+def kernels_for(setting: str | None, device: torch.device) -> str:
+    """The kernels a ``kernels`` setting names on ``device``: itself, or unset, Triton on CUDA and the PyTorch
+    references elsewhere (Triton on a CPU needs its interpreter, a test's setting)."""
+    return setting or ("triton" if device.type == "cuda" else "torch")
+
+
 def get_kernels(name: str, chunk_attention: str = "triton") -> Kernels:
     """name: "torch" | "triton"; chunk_attention (with "triton"): "triton" | "cudnn", what runs a prefill chunk's
     sparse attention (``chunk_attention_backend``; "cudnn": with a ``PlanBudget`` of its own, so one per engine)."""
