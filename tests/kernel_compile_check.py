@@ -17,6 +17,7 @@ assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+import triton.language.target_info as target_info  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -24,6 +25,15 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from kernel_sass import resource_usage  # noqa: E402  (benchmarks/: a cubin's registers and spills)
 
 H100 = GPUTarget("cuda", 90, 32)
+
+
+def compiling_device():
+    """The H100, as the device a kernel is compiled for (what ``target_info`` asks the driver for on a GPU)."""
+    return H100
+
+
+compiling_device.__triton_builtin__ = True  # callable from the compiler, as the function it stands in for
+target_info.current_target = compiling_device
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
         ("paged_dot", "paged_argmax", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check",
          "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds", "query_mean",
@@ -32,12 +42,15 @@ mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, aligned: tuple = (), **options):
     """Compile one variant; ``aligned`` names the arguments specialized as multiples of 16 (a launch's pointers and
-    strides, as Triton specializes them at run time). Returns the compiled kernel."""
+    strides, as Triton specializes them at run time). Checks that its programs wait for the kernel before
+    (``kernels.launch.wait_for_inputs``: each is launched before that one has finished). Returns the compiled
+    kernel."""
     fn = getattr(mods[module], kernel)
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=H100,
                               options=options)
+    assert "griddepcontrol.wait" in compiled.asm["ptx"], f"{kernel} does not wait_for_inputs() (kernels/launch.py)"
     print(f"compiled {kernel} {constexprs}", flush=True)
     return compiled
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
+
 
 def block_scores_ref(rows: torch.Tensor, index: torch.Tensor, query: torch.Tensor,
                      n_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -32,6 +34,7 @@ def block_scores_ref(rows: torch.Tensor, index: torch.Tensor, query: torch.Tenso
 def _block_scores_kernel(rows_ptr, index_ptr, query_ptr, out_ptr, n_valid_ptr, n, K, stride_row,
                          BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
     """Program = BLOCK_B consecutive scores; a program past the live entries reads nothing and writes -inf."""
+    wait_for_inputs()
     i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     live = n
     if MASKED:
@@ -64,5 +67,5 @@ def block_scores(rows: torch.Tensor, index: torch.Tensor, query: torch.Tensor,
         return out
     _block_scores_kernel[(triton.cdiv(n, BLOCK_B),)](
         rows, index.contiguous(), query.contiguous(), out, n_valid, n, rows.shape[1], rows.stride(0),
-        BLOCK_B=BLOCK_B, BLOCK_K=BLOCK_K, MASKED=n_valid is not None)
+        BLOCK_B=BLOCK_B, BLOCK_K=BLOCK_K, MASKED=n_valid is not None, launch_pdl=dependent(out))
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
+
 
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's attention takes
 
@@ -105,6 +107,7 @@ def _merge_kernel(a_ptr, la_ptr, b_ptr, lb_ptr, out_ptr, C, H, D, a_s0, a_s1, a_
                   la_s2, lb_s0, lb_s1, lb_s2, o_s0, o_s1, o_s2, BLOCK_C: tl.constexpr, D_P: tl.constexpr):
     """Program = (block of BLOCK_C queries, sequence and head bh): the merged rows of (b, h). Strides in elements;
     a row's D values are contiguous in every operand."""
+    wait_for_inputs()
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     i = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -141,5 +144,6 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     if out.numel():
         _merge_kernel[(triton.cdiv(c, BLOCK_C), batch * heads)](
             out_a, lse_a, out_b, lse_b, out, c, heads, d, *out_a.stride()[:3], *out_b.stride()[:3], *lse_a.stride(),
-            *lse_b.stride(), *out.stride()[:3], BLOCK_C=BLOCK_C, D_P=triton.next_power_of_2(d))
+            *lse_b.stride(), *out.stride()[:3], BLOCK_C=BLOCK_C, D_P=triton.next_power_of_2(d),
+            launch_pdl=dependent(out))
     return out

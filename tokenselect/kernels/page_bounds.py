@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
+
 
 def page_scores_ref(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row: torch.Tensor,
                     tail_lo: torch.Tensor, tail_hi: torch.Tensor, tail_at: torch.Tensor,
@@ -47,6 +49,7 @@ def _page_scores_kernel(q_ptr, lo_ptr, hi_ptr, row_ptr, tail_lo_ptr, tail_hi_ptr
     """Program = BLOCK_P pages: for each kv head its bounds [BLOCK_P, d] are loaded once (the tail page's from
     the tail bounds) and met by each query head of its group; the running max over heads is stored. Pages past
     ``n_valid`` are not loaded (masked) and store -inf."""
+    wait_for_inputs()
     pages = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     dims = tl.arange(0, D_P)
     live = P
@@ -89,5 +92,5 @@ def page_scores(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row: to
         query.contiguous(), lo, hi, row, tail_lo.contiguous(), tail_hi.contiguous(), tail_at,
         tail_at if n_valid is None else n_valid, out, n_pages, n_kv, query.shape[0] // n_kv, d, lo.stride(0),
         lo.stride(1), lo.stride(2), HAS_N_VALID=n_valid is not None, BLOCK_P=BLOCK_P,
-        D_P=max(16, triton.next_power_of_2(d)))
+        D_P=max(16, triton.next_power_of_2(d)), launch_pdl=dependent(out))
     return out

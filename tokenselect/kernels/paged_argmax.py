@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .dot import as_dot_type, exact_dot_type, mma
+from .launch import dependent, wait_for_inputs
 from .paged_dot import paged_dot_ref
 from .sparse_attention import TARGET_PROGRAMS
 from .splits import key_splits, live_keys_per_split
@@ -57,6 +58,7 @@ def _argmax_kernel(q_ptr, k_ptr, slot_ptr, best_ptr, where_ptr, n_valid_ptr, N, 
     block replaces a row's best only with a strictly larger score, and within a block the leftmost maximum wins:
     the first of equal maxima within the split, as ``torch.argmax``. With MASKED the live keys, read on the device,
     are shared out among the splits that the grid planned for all N."""
+    wait_for_inputs()
     tile, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_live = N
     if MASKED:
@@ -123,7 +125,7 @@ def paged_argmax(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, n_v
         q.contiguous(), k_pool, slots.contiguous(), best, where, n_valid, n, per_kv, keys_per_split,
         k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)), BLOCK_R=block_r,
         BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee, MASKED=n_valid is not None, num_warps=warps, num_stages=stages,
-    )
+        launch_pdl=dependent(best))
     if splits == 1:
         return where[0]
     return where.gather(0, best.argmax(dim=0, keepdim=True))[0]  # argmax: the first split of equal maxima

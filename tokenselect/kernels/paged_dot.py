@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .dot import as_dot_type, exact_dot_type, mma
 from .fast_exp import exp_ftz
+from .launch import dependent, wait_for_inputs
 from .operands import rows_in_place
 
 
@@ -52,6 +53,7 @@ def _scores_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, n_valid_ptr, N
     that share the slot list, which is then read once for all: row r is head kvh * G + r % G of sequence r // G
     (queries [fold, n_heads, D] contiguous), live up to that sequence's n_valid. (A runtime count: a chunk's last
     groups, 1 to 4 of them, would otherwise each compile a kernel of their own on first use.)"""
+    wait_for_inputs()
     group_id, kvh = tl.program_id(0) // n_kv, tl.program_id(0) % n_kv
     seq = tl.program_id(1).to(tl.int64)
     q_ptr += seq * stride_qb
@@ -170,8 +172,7 @@ def scores_with_stats(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor
             0 if valid is None else valid.stride(0), fold, width, D=d, D_P=max(16, triton.next_power_of_2(d)),
             BLOCK_G=block_g, BLOCK_N=block_n, BLOCKS=blocks,
             DOT_TY=dot_ty, IEEE=ieee, STATS=stats, MASKED=n_valid is not None, FOLDED=fold > 1, num_warps=warps,
-            num_stages=stages,
-        )
+            num_stages=stages, launch_pdl=dependent(out))
     out = out[..., :n]
     if batched:
         return out, m, l

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
+
 
 def query_mean_ref(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q: [c, n_heads, head_dim] (a view of any token stride) -> [n_heads, head_dim], the mean over c accumulated in
@@ -29,6 +31,7 @@ def _query_mean_kernel(q_ptr, out_ptr, C, WIDTH, inv_c, stride_b, stride_tok, BL
                        BLOCK_COLS: tl.constexpr):
     """Program = (block of columns, sequence b): out[b, cols] = sum over the C rows of q[b, :, cols], times inv_c,
     added in the rows' order in fp32, stored in out's dtype. A row's WIDTH columns are contiguous."""
+    wait_for_inputs()
     b = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = cols < WIDTH
@@ -61,7 +64,8 @@ def query_mean(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     if c and batch:
         width = n_heads * d
         _query_mean_kernel[(triton.cdiv(width, BLOCK_COLS), batch)](
-            qs, out, c, width, 1.0 / c, qs.stride(0), qs.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+            qs, out, c, width, 1.0 / c, qs.stride(0), qs.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
+            launch_pdl=dependent(out))
     else:
         out.fill_(float("nan"))  # the mean of no rows, as PyTorch's
     return out if batched else out[0]

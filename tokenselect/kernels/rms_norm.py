@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .dot import INTERPRETED
+from .launch import dependent, wait_for_inputs
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,6 +53,7 @@ def rounded(v, dtype: tl.constexpr):
 def _rms_norm_kernel(x_ptr, add_ptr, sum_ptr, w_ptr, out_ptr, dim, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
     """Program = one row of ``dim`` values (BLOCK >= dim). ADD: the row is x + add (rounded to x's dtype, written
     to sum_ptr) instead of x."""
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64) * dim
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -90,5 +92,6 @@ def _launch(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
         block = triton.next_power_of_2(dim)
         added = None if add is None else add.reshape(-1, dim).contiguous()
         _rms_norm_kernel[(rows.shape[0],)](rows, added, total, weight.contiguous(), out, dim, float(eps),
-                                           ADD=add is not None, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+                                           ADD=add is not None, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+                                           launch_pdl=dependent(out))
     return None if total is None else total.view(x.shape), out.view(x.shape)

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
+
 MAX_PAIRS = 3  # (rows, pool) pairs one scatter launch writes: K, V and the selection keys' copy
 BLOCK_ROWS = 16
 BLOCK_WORDS = 256  # 1 KiB of a row per load: a whole fp8 row of Llama-3-8B's 8 kv heads x 128
@@ -153,6 +155,7 @@ def _copy_block(src_ptr, dst_ptr, src_row, dst_row, row_ok, words, BLOCK_W: tl.c
 @triton.jit
 def _gather_kernel(src_ptr, dst_ptr, index_ptr, n, words, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Program = block of BLOCK_R of the n rows: dst[r] = src[index[r]], rows ``words`` elements long."""
+    wait_for_inputs()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n
     picked = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -165,6 +168,7 @@ def _stage_kernel(pool_ptr, kept_ptr, kept_slot_ptr, row_of_ptr, index_ptr, out_
     """Program = block of BLOCK_R of the n rows: out[r] = kept[j] if the slot index[r] was last kept at a row j that
     still holds it, else pool[index[r]] (rows ``words`` elements long; a kept row is not read from the pool); counts
     += (rows, rows found kept)."""
+    wait_for_inputs()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n
     slot = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -189,6 +193,7 @@ def _keep_kernel(out_ptr, index_ptr, kept_ptr, kept_slot_ptr, row_of_ptr, m, wor
                  BLOCK_W: tl.constexpr):
     """Program = block of BLOCK_R of the first m rows: kept[r] = out[r], kept_slot[r] = index[r],
     row_of[index[r]] = r (a separate launch from ``_stage_kernel``, which reads the rows this overwrites)."""
+    wait_for_inputs()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < m
     slot = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -205,6 +210,7 @@ def _scatter_kernel(index_ptr, n, src0, dst0, stride0, words0, src1, dst1, strid
     """Program (block of BLOCK_R of the n rows, pair p < PAIRS): dst_p[index[r]] = src_p[r], rows ``words_p``
     elements long, src_p's rows ``stride_p`` elements apart (the pairs a launch does not use are not read);
     FORGET: pair 0's programs also set forget[index[r]] = -1."""
+    wait_for_inputs()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n
     picked = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -227,6 +233,7 @@ def _gather_into_kernel(src_ptr, index_ptr, out_ptr, n, src_stride, src_row, ind
                         BLOCK: tl.constexpr):
     """Program = (block of BLOCK entries i, row b): out[b, i] = src[b, index[b, i]] (rows and entries at the given
     strides; the index's entries contiguous)."""
+    wait_for_inputs()
     b = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
@@ -260,7 +267,8 @@ def gather_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if index.numel():
         src, dst = _words(_raw(pool), _raw(out))
         _gather_kernel[(triton.cdiv(index.numel(), BLOCK_ROWS),)](src, dst, index, index.numel(), src.shape[1],
-                                                                  BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+                                                                  BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS,
+                                                                  launch_pdl=dependent(dst))
     return out
 
 
@@ -274,10 +282,12 @@ def stage_rows(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch.Ten
         rows = _raw(kept.rows).view(dst.dtype)
         words = src.shape[1]
         _stage_kernel[(triton.cdiv(n, BLOCK_ROWS),)](src, rows, kept.slot, kept.row_of, index, dst, kept.counts, n,
-                                                     words, BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+                                                     words, BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS,
+                                                     launch_pdl=dependent(dst))
         if m:
             _keep_kernel[(triton.cdiv(m, BLOCK_ROWS),)](dst, index, rows, kept.slot, kept.row_of, m, words,
-                                                        BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS)
+                                                        BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS,
+                                                        launch_pdl=dependent(dst))
     return out
 
 
@@ -296,7 +306,7 @@ def gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> to
     if index.numel():
         _gather_into_kernel[(triton.cdiv(n, GATHER_BLOCK), index2.shape[0])](
             src2, index2, out2, n, src2.stride(1), src2.stride(0), index2.stride(0), out2.stride(0), out2.stride(1),
-            BLOCK=GATHER_BLOCK)
+            BLOCK=GATHER_BLOCK, launch_pdl=dependent(out2))
     return out
 
 
@@ -314,4 +324,4 @@ def scatter_rows(pairs, index: torch.Tensor, forget: torch.Tensor | None = None)
     args += args[:4] * (MAX_PAIRS - len(pairs))  # the unused pairs' arguments: never read
     _scatter_kernel[(triton.cdiv(index.numel(), BLOCK_ROWS), len(pairs))](
         index, index.numel(), *args, forget, PAIRS=len(pairs), FORGET=forget is not None, BLOCK_R=BLOCK_ROWS,
-        BLOCK_W=BLOCK_WORDS)
+        BLOCK_W=BLOCK_WORDS, launch_pdl=dependent(index))

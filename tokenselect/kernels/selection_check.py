@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
 from .operands import batch_rows
 
 EPS = 1e-8  # as torch.nn.functional.cosine_similarity: a zero vector has cosine 0 with anything
@@ -54,6 +55,7 @@ def _selection_check_kernel(q_ptr, unit_ptr, valid_ptr, row_ptr, counts_ptr, mis
                             BLOCK: tl.constexpr, CANDIDATES: tl.constexpr):
     """Program = sequence b of the batch: the dot product and the query's squared norm in fp32, then the decision
     (CANDIDATES: and candidates[b] = live[b] on a miss, 0 on a hit); the counters add up over the programs."""
+    wait_for_inputs()
     b = tl.program_id(0).to(tl.int64)
     entry = tl.load(row_ptr + b * stride_row) * n_layers + layer
     dot = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -90,5 +92,5 @@ def selection_check(q: torch.Tensor, unit: torch.Tensor, valid: torch.Tensor, ro
     _selection_check_kernel[(rows.numel(),)](
         qs, unit, valid.view(torch.uint8), rows, counts, miss.view(torch.uint8), lives, cands, layer, unit.shape[1],
         qs.shape[1], float(theta), qs.stride(0), rows.stride(0), lives.stride(0), cands.stride(0), EPS=EPS,
-        BLOCK=BLOCK, CANDIDATES=given)
+        BLOCK=BLOCK, CANDIDATES=given, launch_pdl=dependent(miss))
     return miss if batched else miss[0]

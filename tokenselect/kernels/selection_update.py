@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
 from .operands import batch_rows
 from .selection_check import EPS
 
@@ -53,6 +54,7 @@ def _selection_update_kernel(q_ptr, unit_ptr, sel_ptr, valid_ptr, row_ptr, new_p
     """Program = (block of BLOCK entries of the query and of the selection, sequence b): the entry's part of the
     selection (the new one on a miss, the cached one on a hit) into ``out``, and on a miss its part of both stored.
     Only a miss's programs that hold part of the query compute its norm (each the whole norm: no second kernel)."""
+    wait_for_inputs()
     b = tl.program_id(1).to(tl.int64)
     q_ptr += b * stride_q
     new_ptr += b * stride_new
@@ -101,5 +103,6 @@ def selection_update(q: torch.Tensor, unit: torch.Tensor, selection: torch.Tenso
     grid = (triton.cdiv(max(qs.shape[1], news.shape[1]), BLOCK), batch)  # a program per BLOCK entries of either
     _selection_update_kernel[grid](qs, unit, selection, valid.view(torch.uint8), rows, news, misses.view(torch.uint8),
                                    outs, layer, unit.shape[1], qs.shape[1], news.shape[1], qs.stride(0),
-                                   rows.stride(0), news.stride(0), outs.stride(0), EPS=EPS, BLOCK=BLOCK)
+                                   rows.stride(0), news.stride(0), outs.stride(0), EPS=EPS, BLOCK=BLOCK,
+                                   launch_pdl=dependent(outs))
     return out

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
 from .rms_norm import rounded
 
 BLOCK = 1024  # columns per program
@@ -28,6 +29,7 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, width, row_stride, BLOCK: tl.constexpr):
     """Program = BLOCK columns of one row: gate at x[row, col], up at x[row, width + col]."""
+    wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < width
@@ -46,5 +48,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
     if out.numel():
-        _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK))](rows, out, width, rows.stride(0), BLOCK=BLOCK)
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, BLOCK))](rows, out, width, rows.stride(0), BLOCK=BLOCK,
+                                                                     launch_pdl=dependent(out))
     return out.view(*gate_up.shape[:-1], width)

@@ -39,6 +39,7 @@ from triton.language.extra import libdevice
 from ..rope import rotate
 from .cudnn_attention import PlanBudget, chunk_by_cudnn
 from .dot import INTERPRETED, mma, query_dot_type
+from .launch import dependent, wait_for_inputs
 from .operands import rows_in_place
 from .splits import key_splits, live_keys_per_split
 
@@ -120,6 +121,7 @@ def _rotate_keys_kernel(k_ptr, slot_ptr, kpos_ptr, inv_freq_ptr, out_ptr, n_vali
     LIVE: only the first ``n_valid[b]`` entries (the others are neither read nor written). DIRECT: the rows are
     b's own, row j at ``k_ptr + b * k_stride_b + j * k_stride_slot`` (no slot list: a chunk's queries). GATHER_V:
     also v_out[b, j, kvh] = v_pool[slots[b, j], kvh] in v_out's dtype (the values read in the same pass)."""
+    wait_for_inputs()
     b = tl.program_id(1).to(tl.int64)
     slot_ptr += b * slot_stride_b
     kpos_ptr += b * kpos_stride_b
@@ -212,6 +214,7 @@ def _sparse_attention_kernel(
     A batch: axis 0 runs over (sequence b, row block); b's queries, lists, positions, frequencies (and rotated
     keys) start at its offsets, the pools are shared. The queries are read at their token stride (a view of the
     model's q, k, v product is not copied), a head's d values contiguous."""
+    wait_for_inputs()
     b = tl.program_id(0) // row_blocks
     n_seqs = tl.num_programs(0) // row_blocks
     b64 = b.to(tl.int64)
@@ -280,6 +283,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, rows, splits, D: tl.constexpr,
     compiled variant serves every split count: a count the warm-up did not meet would otherwise compile a variant
     inside a first request (0.3-0.4 s each, benchmarks/results/supporting/warm_up_past_threshold_h200.md). Each
     block's loads are one round trip, not one a split."""
+    wait_for_inputs()
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = r < rows
     r_in = tl.minimum(r, rows - 1)  # rows past the end read the last row and are not stored
@@ -395,7 +399,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
             k_pool, slots, key_pos, inv_freq, keys, n_valid, n, n_kv, float(rope_scale), k_pool.stride(0),
             k_pool.stride(1), *strides, 0, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK,
-            LIVE=n_valid is not None, DIRECT=False, GATHER_V=False)
+            LIVE=n_valid is not None, DIRECT=False, GATHER_V=False, launch_pdl=dependent(keys))
         k_stride_row, k_stride_kvh, k_stride_b = keys.stride(1), keys.stride(2), keys.stride(0)
     else:
         keys, k_stride_row, k_stride_kvh, k_stride_b = k_pool, k_pool.stride(0), k_pool.stride(1), 0
@@ -412,11 +416,12 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         stride_tok, q_pos.stride(0),
         HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
-    )
+        launch_pdl=dependent(out))
     if split:
         rows, (block_s, block_rows) = batch * c * n_heads, merge_tile(d_p)
         _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
-                                                         BLOCK_S=block_s, BLOCK_ROWS=block_rows)
+                                                         BLOCK_S=block_s, BLOCK_ROWS=block_rows,
+                                                         launch_pdl=dependent(out))
     return out
 
 
@@ -438,12 +443,12 @@ def cudnn_operands(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
         k_pool, slots, key_pos, inv_freq, keys, None, n, n_kv, float(rope_scale), k_pool.stride(0),
         k_pool.stride(1), *strides, 0, v_pool, values, v_pool.stride(0), v_pool.stride(1), HALF=d // 2,
-        HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True)
+        HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True, launch_pdl=dependent(keys))
     queries = torch.empty(batch, c, n_heads, d, dtype=q.dtype, device=q.device)
     _rotate_keys_kernel[(triton.cdiv(c, QUERY_ROTATE_BLOCK), batch, n_heads)](
         q, q_pos, q_pos, inv_freq, queries, None, c, n_heads, float(rope_scale), stride_tok, d, 0, q_pos.stride(0),
         strides[2], c * stride_tok, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=QUERY_ROTATE_BLOCK,
-        LIVE=False, DIRECT=True, GATHER_V=False)
+        LIVE=False, DIRECT=True, GATHER_V=False, launch_pdl=dependent(queries))
     return queries, keys, values
 
 

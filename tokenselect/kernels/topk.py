@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent, wait_for_inputs
 from .operands import rows_in_place
 
 
@@ -120,6 +121,7 @@ def _histogram_kernel(scores_ptr, state_ptr, n_valid_ptr, N, k, stride_s, stride
     byte for the passes after it, so that none of their programs derives it again. Where every key that shares the
     bytes found is to be taken, the choice is settled: the k-th largest key's lower bytes do not change it, so the
     passes after return at once, and the count and write kernels take every key from the lowest with that prefix."""
+    wait_for_inputs()
     shift: tl.constexpr = 24 - 8 * PASS
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
@@ -169,6 +171,7 @@ def _count_kernel(scores_ptr, state_ptr, n_valid_ptr, counts_ptr, N, k, n_blocks
                   BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """Program = (block b of scores, sequence of the batch): counts[b] = (#keys above the k-th largest, #keys equal
     to it); nothing when none is live (the write kernel needs no count then)."""
+    wait_for_inputs()
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
     state_ptr += seq * STATE
@@ -201,6 +204,7 @@ def _write_kernel(scores_ptr, state_ptr, n_valid_ptr, counts_ptr, values_ptr, ou
     """Program = (block b of scores, sequence of the batch): write the positions it picks to out (GATHER: values at
     them), after the picks of blocks < b. A key above the k-th largest is picked; one equal to it while fewer than
     the ties wanted came before it. None live: positions 0..k-1 (all tie at -inf; the first are taken)."""
+    wait_for_inputs()
     b = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     scores_ptr += seq * stride_s
@@ -264,12 +268,12 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     grid = (n_blocks, batch)
     for p in range(4):
         _histogram_kernel[grid](rows, state, valid, n, k, rows.stride(0), stride_valid, PASS=p, BLOCK=BLOCK,
-                                MASKED=masked)
+                                MASKED=masked, launch_pdl=dependent(rows))
     _count_kernel[grid](rows, state, valid, counts, n, k, n_blocks, rows.stride(0), stride_valid, BLOCK=BLOCK,
-                        MASKED=masked)
+                        MASKED=masked, launch_pdl=dependent(rows))
     gather = values is not None
     value_rows = rows_in_place(values if batched else values[None]) if gather else None
     _write_kernel[grid](rows, state, valid, counts, value_rows if gather else outs, outs, n, k, n_blocks,
                         rows.stride(0), stride_valid, value_rows.stride(0) if gather else 0, outs.stride(0),
-                        BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather)
+                        BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather, launch_pdl=dependent(rows))
     return out

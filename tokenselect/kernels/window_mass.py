@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .dot import mma, query_dot_type
+from .launch import dependent, wait_for_inputs
 from .paged_dot import paged_dot
 from .sparse_attention import LOG2E
 
@@ -80,6 +81,7 @@ def _window_mass_kernel(q_ptr, k_ptr, slot_ptr, out_ptr, C, N, W, n_local, G, H,
                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_TY: tl.constexpr, IEEE: tl.constexpr):
     """Program (row block, kv head kvh): rows r = query * G_P + head-in-group, BLOCK_R // G_P queries.
     Logits are in log2 units (``qk_scale`` = scale * log2 e). out [W, H] fp32 must start at zero."""
+    wait_for_inputs()
     pid_r, kvh = tl.program_id(0), tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     i, g = r // G_P, r % G_P  # query index in the chunk, head in the group
@@ -155,6 +157,5 @@ def window_mass(q: torch.Tensor, k_pool: torch.Tensor, attended: torch.Tensor, c
         q.contiguous(), k_pool, attended.contiguous(), out, c, n, w, n_local, group, n_heads, float(scale) * LOG2E,
         k_pool.stride(0), k_pool.stride(1), D=d, D_P=max(16, triton.next_power_of_2(d)), G_P=group_p,
         BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
-        num_warps=warps, num_stages=stages,
-    )
+        num_warps=warps, num_stages=stages, launch_pdl=dependent(out))
     return out
