@@ -8,12 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd.profiler_util import FunctionEvent
 
 from tokenselect import LLM
 from tokenselect.bench import attention, e2e
 from tokenselect.bench.dense import DenseRunner
-from tokenselect.bench.floors import (OTHER, attention_tokens, copy_bandwidth, decode_floor, matmul_rate,
-                                      prefill_flops, prefill_pairs, profile_parts, selects, weight_bytes)
+from tokenselect.bench.floors import (OTHER, attention_tokens, copy_bandwidth, decode_floor, kernel_times,
+                                      matmul_rate, prefill_flops, prefill_pairs, profile_parts, selects, weight_bytes)
 from tokenselect.bench.hf_dense import measure_transformers, transformers_model
 from tokenselect.policies.base import SELECT
 
@@ -336,3 +337,23 @@ def test_the_qwen_shape_builds_qwen2s_attention_with_its_bias_and_seven_heads_a_
     assert len(llm.model.model.layers) == 2
     floor = decode_floor(config, None, 1024, bandwidth=1e12)
     assert floor["attention"] == 2 * 1024 * 2 * 64 * 2 * 2  # layers x tokens x kv heads x head_dim x (K, V) x bf16
+
+
+def _run(name, start, end, device=torch.autograd.DeviceType.CUDA):
+    return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device)
+
+
+def test_kernel_times_count_a_kernel_from_the_end_of_the_one_before():
+    """A kernel launched dependent on the one before starts early and waits (kernels/launch.py): its time counts
+    from the predecessor's end, a gap between kernels counts for neither, and host events are left out."""
+    events = [_run("_rms_norm_kernel", 0.0, 10.0), _run("_scores_kernel", 6.0, 30.0),  # resident from 6, ran 10-30
+              _run("nvjet_gemm", 32.0, 50.0),  # after a 2 us gap
+              _run("_rms_norm_kernel", 50.0, 55.0),  # starts exactly at the end: nothing taken off
+              _run("_merge_kernel", 51.0, 54.0),  # inside the one before (another stream): adds nothing
+              _run("cudaGraphLaunch", 0.0, 60.0, torch.autograd.DeviceType.CPU)]
+    times = {k.key: k.self_device_time_total for k in kernel_times(events)}
+    assert times == {"_rms_norm_kernel": 15.0, "_scores_kernel": 20.0, "nvjet_gemm": 18.0, "_merge_kernel": 0.0}
+    cuda = torch.autograd.DeviceType.CUDA
+    assert all(k.device_type == cuda for k in kernel_times(events))
+    text = profile_parts(kernel_times(events), steps=1, floor=None, bandwidth=1e12)
+    assert "| all kernels | 0.053 | - | - |" in text  # 53 us of the 60 the step took: the gap is in no kernel

@@ -61,7 +61,8 @@ from ..policies.tokenselect import TokenSelectSettings
 from ..sampling import SamplingParams
 from ..settings import CHUNK_ATTENTION
 from .dense import SDPA_CHOICES, DenseRunner
-from .floors import copy_bandwidth, decode_floor, matmul_rate, prefill_flops, profile_parts, sync, timed
+from .floors import (copy_bandwidth, decode_floor, kernel_times, matmul_rate, prefill_flops, profile_parts, sync,
+                     timed)
 from .hf_dense import measure_transformers, transformers_model
 
 LLAMA3_8B = {
@@ -117,9 +118,9 @@ def free_memory() -> None:
 
 
 def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> str:
-    """Run engine steps until ``done()`` under torch.profiler -> the operations that took the most
-    host time and the most device time, as two tables. parts(events, steps) -> text: a table of the device
-    time by part against its floor, put first."""
+    """Run engine steps until ``done()`` under torch.profiler -> the operations that took the most host time and
+    the kernels that took the most device time (``floors.kernel_times``), as two tables. parts(kernels, steps) ->
+    text: a table of the device time by part against its floor, put first."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = llm.device.type == "cuda"
@@ -130,12 +131,14 @@ def profiled(llm, done: Callable[[], bool], parts: Callable | None = None) -> st
             llm.step()
         sync(llm.device)
     steps = llm.runner.passes - passes  # queued in the window, which ends when they have run
-    ops = prof.key_averages()
-    tables = [ops.table(sort_by="self_cpu_time_total", row_limit=15)]
+    tables = [prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)]
     if cuda:
-        tables.append(ops.table(sort_by="self_device_time_total", row_limit=30))
+        kernels = sorted(kernel_times(prof.events()), key=lambda k: -k.self_device_time_total)
+        tables.append("\n".join(["| kernel (from the end of the one before) | device ms a step |", "|---|---|"] +
+                                 [f"| `{k.key[:90]}` | {k.self_device_time_total / 1e3 / steps:.3f} |"
+                                  for k in kernels[:30]]))
         if parts is not None:
-            tables.insert(0, parts(ops, steps))
+            tables.insert(0, parts(kernels, steps))
     return "\n".join(tables)
 
 

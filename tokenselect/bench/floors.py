@@ -12,7 +12,9 @@ over the device's copy bandwidth (measured in the same run, ``copy_bandwidth``).
 Scratch a kernel writes and reads back (the vote's per-head scores, say) is not in the floor: a fused kernel
 would not need it. The profile's device time is split into the same parts (``profile_parts``) so that each
 is set against its own floor, and what has no floor (small kernels: norms, the vote, the top-k, copies) shows
-as the time it adds.
+as the time it adds. A kernel's time there runs from when the kernel before it ended (``kernel_times``): on Hopper
+our kernels start before their predecessor has finished and wait for it (``kernels/launch.py``), and that wait is
+the predecessor's time, not theirs.
 
 A prefill is bound by arithmetic instead, so its floor is the matrix products' FLOPs over the device's measured
 bf16 matrix rate (``matmul_rate``, the practical peak of the units both the GEMMs and attention run on): every
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -223,9 +226,34 @@ def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: fl
     return {**parts, "total": total, "floor_ms": total / bandwidth * 1e3}
 
 
+@dataclass(frozen=True)
+class KernelTime:
+    """A device kernel's time in a profile, summed over its runs (us), as ``prof.key_averages()`` names it."""
+
+    key: str
+    self_device_time_total: float
+    device_type: torch.autograd.DeviceType = torch.autograd.DeviceType.CUDA
+
+
+def kernel_times(events) -> list[KernelTime]:
+    """``prof.events()`` -> each device kernel's (and copy's) time, every run counted from its start or, where it
+    started earlier, from the end of the device work before it: a kernel launched dependent on the one before
+    (``kernels/launch.py``) is resident early and waits, and the profiler counts the wait as its own. Exact for
+    work on one stream, as a decode step's (a run that overlaps another stream's is counted for what it adds)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    runs = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == cuda)
+    totals: dict[str, float] = {}
+    ended = float("-inf")
+    for start, end, name in runs:
+        totals[name] = totals.get(name, 0.0) + max(0.0, end - max(start, ended))
+        ended = max(ended, end)
+    return [KernelTime(name, us) for name, us in totals.items()]
+
+
 def profile_parts(events, steps: int, floor: dict | None, bandwidth: float) -> str:
     """A markdown table of a profile's device time a step by part (``PARTS``), each against its floor.
-    events: ``prof.key_averages()``; only device kernels (not the operators that launched them) are counted."""
+    events: ``kernel_times`` (or ``prof.key_averages()``); only device kernels (not the operators that launched
+    them) are counted."""
     times: dict[str, float] = {}
     for e in events:
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or e.key.startswith(("aten::", "cuda")):
