@@ -30,6 +30,6 @@ def wait_for_inputs():
 
 
 def dependent(x: torch.Tensor) -> bool:
-    """Whether a kernel over ``x`` is launched dependent on the one before (``launch_pdl``): on CUDA GPUs of compute
-    capability 9.0 and later."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    """Whether a kernel over ``x`` is launched dependent on the one before (``launch_pdl``): on NVIDIA GPUs of
+    compute capability 9.0 and later (not on ROCm, whose devices PyTorch also calls "cuda")."""
+    return x.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x.device)[0] >= 9
