@@ -131,12 +131,12 @@ def head_soft_vote(q: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, s
         inv_l = torch.empty_like(m_head)
         valid = None if n_valid is None else n_valid.reshape(-1)
         stride_valid = 0 if valid is None else valid.stride(0)
-        block, warps = TOTALS_TILE
+        (block, warps), pdl = TOTALS_TILE, dependent(out)
         _head_totals_kernel[(n_heads, batch)](m, l, m_head, inv_l, valid, m.shape[2], scores_block(q, k_pool),
                                               n_heads, stride_valid, BLOCK=block, MASKED=valid is not None,
-                                              num_warps=warps, launch_pdl=dependent(m))
+                                              num_warps=warps, launch_pdl=pdl)
         _vote_kernel[(m.shape[2], batch)](scores, m_head, inv_l, out, valid, n_heads, n, stride_valid,
                                           scores.stride(1), BLOCK_H=triton.next_power_of_2(n_heads),
                                           BLOCK_N=scores_block(q, k_pool), MASKED=valid is not None,
-                                          launch_pdl=dependent(out))
+                                          launch_pdl=pdl)
     return out if q.dim() == 3 else out[0]

@@ -280,14 +280,12 @@ def stage_rows(pool: torch.Tensor, index: torch.Tensor, kept: Kept) -> torch.Ten
     if n:
         src, dst = _words(_raw(pool), _raw(out))
         rows = _raw(kept.rows).view(dst.dtype)
-        words = src.shape[1]
+        words, pdl = src.shape[1], dependent(dst)
         _stage_kernel[(triton.cdiv(n, BLOCK_ROWS),)](src, rows, kept.slot, kept.row_of, index, dst, kept.counts, n,
-                                                     words, BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS,
-                                                     launch_pdl=dependent(dst))
+                                                     words, BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS, launch_pdl=pdl)
         if m:
             _keep_kernel[(triton.cdiv(m, BLOCK_ROWS),)](dst, index, rows, kept.slot, kept.row_of, m, words,
-                                                        BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS,
-                                                        launch_pdl=dependent(dst))
+                                                        BLOCK_R=BLOCK_ROWS, BLOCK_W=BLOCK_WORDS, launch_pdl=pdl)
     return out
 
 

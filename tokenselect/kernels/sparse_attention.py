@@ -392,14 +392,14 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
             and cudnn.admits((batch, c, n, n_heads, n_kv, d, q.dtype))):
         return _chunk_by_cudnn(q, k_pool, v_pool, slots, key_pos, q_pos, inv_freq, float(rope_scale), float(sm_scale),
                                stride_tok)
-    strides = list_strides(slots, key_pos, inv_freq)
+    strides, pdl = list_strides(slots, key_pos, inv_freq), dependent(q)  # up to three launches
     rotated = row_blocks > 1
     if rotated:  # rotate each key once instead of once per row block
         keys = torch.empty(batch, n, n_kv, d, dtype=torch.float32 if ieee else q.dtype, device=q.device)
         _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
             k_pool, slots, key_pos, inv_freq, keys, n_valid, n, n_kv, float(rope_scale), k_pool.stride(0),
             k_pool.stride(1), *strides, 0, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=ROTATE_BLOCK,
-            LIVE=n_valid is not None, DIRECT=False, GATHER_V=False, launch_pdl=dependent(keys))
+            LIVE=n_valid is not None, DIRECT=False, GATHER_V=False, launch_pdl=pdl)
         k_stride_row, k_stride_kvh, k_stride_b = keys.stride(1), keys.stride(2), keys.stride(0)
     else:
         keys, k_stride_row, k_stride_kvh, k_stride_b = k_pool, k_pool.stride(0), k_pool.stride(1), 0
@@ -416,12 +416,11 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         stride_tok, q_pos.stride(0),
         HALF=d // 2, HALF_P=half_p, D_P=d_p, BLOCK_R=block_r, BLOCK_N=block_n, DOT_TY=dot_ty, IEEE=ieee,
         ROTATED=rotated, SPLIT=split, LIVE=n_valid is not None, num_warps=warps, num_stages=stages,
-        launch_pdl=dependent(out))
+        launch_pdl=pdl)
     if split:
         rows, (block_s, block_rows) = batch * c * n_heads, merge_tile(d_p)
         _merge_kernel[(triton.cdiv(rows, block_rows),)](acc, m, l, out, rows, splits, D=d, D_P=d_p,
-                                                         BLOCK_S=block_s, BLOCK_ROWS=block_rows,
-                                                         launch_pdl=dependent(out))
+                                                         BLOCK_S=block_s, BLOCK_ROWS=block_rows, launch_pdl=pdl)
     return out
 
 
@@ -437,18 +436,18 @@ def cudnn_operands(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     n, n_kv = slots.shape[1], k_pool.shape[1]
     half_p = padded_half(d)
     stride_tok = q.stride(1) if stride_tok is None else stride_tok
-    strides = list_strides(slots, key_pos, inv_freq)
+    strides, pdl = list_strides(slots, key_pos, inv_freq), dependent(q)
     keys = torch.empty(batch, n, n_kv, d, dtype=q.dtype, device=q.device)
     values = torch.empty_like(keys)
     _rotate_keys_kernel[(triton.cdiv(n, ROTATE_BLOCK), batch, n_kv)](
         k_pool, slots, key_pos, inv_freq, keys, None, n, n_kv, float(rope_scale), k_pool.stride(0),
         k_pool.stride(1), *strides, 0, v_pool, values, v_pool.stride(0), v_pool.stride(1), HALF=d // 2,
-        HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True, launch_pdl=dependent(keys))
+        HALF_P=half_p, BLOCK_N=ROTATE_BLOCK, LIVE=False, DIRECT=False, GATHER_V=True, launch_pdl=pdl)
     queries = torch.empty(batch, c, n_heads, d, dtype=q.dtype, device=q.device)
     _rotate_keys_kernel[(triton.cdiv(c, QUERY_ROTATE_BLOCK), batch, n_heads)](
         q, q_pos, q_pos, inv_freq, queries, None, c, n_heads, float(rope_scale), stride_tok, d, 0, q_pos.stride(0),
         strides[2], c * stride_tok, None, None, 0, 0, HALF=d // 2, HALF_P=half_p, BLOCK_N=QUERY_ROTATE_BLOCK,
-        LIVE=False, DIRECT=True, GATHER_V=False, launch_pdl=dependent(queries))
+        LIVE=False, DIRECT=True, GATHER_V=False, launch_pdl=pdl)
     return queries, keys, values
 
 

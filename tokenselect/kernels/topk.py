@@ -265,15 +265,15 @@ def topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
     if masked and valid.numel() != batch:
         raise ValueError(f"{valid.numel()} live counts for {batch} rows of scores")
     stride_valid = valid.stride(0) if masked else 0
-    grid = (n_blocks, batch)
+    grid, pdl = (n_blocks, batch), dependent(rows)  # six launches, one device
     for p in range(4):
         _histogram_kernel[grid](rows, state, valid, n, k, rows.stride(0), stride_valid, PASS=p, BLOCK=BLOCK,
-                                MASKED=masked, launch_pdl=dependent(rows))
+                                MASKED=masked, launch_pdl=pdl)
     _count_kernel[grid](rows, state, valid, counts, n, k, n_blocks, rows.stride(0), stride_valid, BLOCK=BLOCK,
-                        MASKED=masked, launch_pdl=dependent(rows))
+                        MASKED=masked, launch_pdl=pdl)
     gather = values is not None
     value_rows = rows_in_place(values if batched else values[None]) if gather else None
     _write_kernel[grid](rows, state, valid, counts, value_rows if gather else outs, outs, n, k, n_blocks,
                         rows.stride(0), stride_valid, value_rows.stride(0) if gather else 0, outs.stride(0),
-                        BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather, launch_pdl=dependent(rows))
+                        BLOCK=BLOCK, BLOCK_C=BLOCK_C, MASKED=masked, GATHER=gather, launch_pdl=pdl)
     return out
