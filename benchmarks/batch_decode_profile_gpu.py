@@ -29,8 +29,8 @@ POLICIES = ("tokenselect", "tokenselect:theta=-1")
 
 
 def profile_steps(llm: LLM, steps: int) -> tuple[list, int]:
-    """``steps`` engine steps under torch.profiler (``bench e2e``'s ``profiled``) -> (its key averages, the passes
-    that ran in the window); no events on a CPU, where no device kernel runs."""
+    """``steps`` engine steps under torch.profiler (``bench e2e``'s ``profiled``) -> (its kernels' times,
+    ``floors.kernel_times``, and the passes that ran in the window); none on a CPU, where no device kernel runs."""
     left = iter(range(steps))
     seen: dict = {"events": [], "passes": steps}
 
@@ -66,8 +66,7 @@ def measure(llm: LLM, config: dict, policy: str, batch: int, length: int, args, 
     select_bytes = llm.select_dtype.itemsize
     floor = decode_floor(config, llm.policy_config, length, bandwidth, select_bytes=select_bytes, hit_rate=hit_rate,
                          batch=batch)
-    kernels = [(e.key, e.self_device_time_total / 1e3 / passes) for e in events
-               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and not e.key.startswith("aten::")]
+    kernels = [(e.key, e.self_device_time_total / 1e3 / passes) for e in events]  # floors.kernel_times: kernels only
     kernels.sort(key=lambda kv: -kv[1])
     row = {"policy": policy, "batch": batch, "length": length, "ms_step": seconds / args.steps * 1e3,
            "tokens": tokens, "hit_rate": hit_rate, "floor_ms": floor["floor_ms"], "profiled_passes": passes,
