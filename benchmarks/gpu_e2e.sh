@@ -41,6 +41,10 @@
 #   prefill-chunks  128K TokenSelect (every step selecting) prefilled in chunks of 2048 (the default: four groups of
 #            512), 4096, 8192 and 2048 again (the machine's drift), each chunk's groups choosing as 512-token chunks
 #            would; 8 decode steps; OUTDIR/e2e_128k_chunk<N>[_again]_<gpu>.{md,json,log}     (about 5 minutes)
+#   fp8-weights  128K with the layers' matrices in fp8 (--weight-dtype fp8) and then in bf16, each run with its own
+#            dense rows (8192-token chunks, full attention) beside TokenSelect and its hit path, merged into one table
+#            whose every x is against the fastest dense of both; OUTDIR/e2e_128k_{fp8,bf16}_weights_<gpu>.{md,json,log},
+#            e2e_128k_weights_<gpu>.{md,json,png} (WEIGHTS="fp8" or "bf16" runs one; about 4 minutes each)
 #   best-dense-merge  (no GPU) those runs that exist -> e2e_best_dense_<gpu>.{md,json,png}, with the decode
 #            step at SmolLM2's 27.4% hit rate
 #   merge    (no GPU) those of OUTDIR's e2e_{128k,256k,512k,1m,1m_more}_h100.json that exist (a later file's row
@@ -94,6 +98,17 @@ case "$part" in
       "${e2e[@]}" --lengths $len --tag ${len}_best_dense_$gpu --hit-rate 0.274 --policies "$policies" "${extra[@]}" \
         2>&1 | tee "$out/e2e_${len}_best_dense_$gpu.log" || failed=1
     done
+    exit ${failed:-0} ;;
+  fp8-weights)
+    for w in ${WEIGHTS:-fp8 bf16}; do
+      flag=(); [[ $w == fp8 ]] && flag=(--weight-dtype fp8)
+      "${e2e[@]}" --lengths 128k --tag 128k_${w}_weights_$gpu --hit-rate 0.274 "${flag[@]}" \
+        --policies dense:chunk=8192,full,tokenselect,tokenselect:theta=-1 "${extra[@]}" \
+        2>&1 | tee "$out/e2e_128k_${w}_weights_$gpu.log" || failed=1
+    done
+    runs=("$out"/e2e_128k_{fp8,bf16}_weights_$gpu.json)
+    [[ -f ${runs[0]} && -f ${runs[1]} ]] && python3 -m tokenselect.cli bench e2e --merge "${runs[@]}" --output "$out" \
+      --tag 128k_weights_$gpu --hit-rate 0.274
     exit ${failed:-0} ;;
   best-dense-256k)
     for run in ts:tokenselect,tokenselect:theta=-1 dense8192:dense:chunk=8192 full:full denseall:dense:chunk=all; do

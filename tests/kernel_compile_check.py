@@ -37,7 +37,7 @@ target_info.current_target = compiling_device
 mods = {m: importlib.import_module(f"tokenselect.kernels.{m}") for m in
         ("paged_dot", "paged_argmax", "head_vote", "sparse_attention", "rms_norm", "silu_mul", "selection_check",
          "selection_update", "topk", "window_mass", "row_copy", "block_scores", "page_bounds", "query_mean",
-         "cudnn_attention")}
+         "cudnn_attention", "fp8_quant", "fp8_product")}
 
 
 def compile_one(module: str, kernel: str, signature: dict, constexprs: dict, aligned: tuple = (), **options):
@@ -156,6 +156,19 @@ def main() -> None:
                 "dim": i32, "eps": f32}, {"BLOCK": 4096, "ADD": add}, num_warps=8)
         compile_one("silu_mul", "_silu_mul_kernel", {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": i32,
                                                      "row_stride": i32}, {"BLOCK": 1024})
+    fp8 = mods["fp8_product"]
+    for dt in ("bf16", "fp16", "fp32"):  # an fp8 projection's input, in the model's dtype
+        compile_one("fp8_quant", "_quantize_rows_kernel", {"x_ptr": f"*{dt}", "q_ptr": "*fp8e4nv",
+                                                          "scale_ptr": "*fp32", "K": i32},
+                    {"BLOCK": mods["fp8_quant"].BLOCK}, num_warps=8)
+        for block_m, (block_n, block_k, warps, stages) in fp8.TILES.items():
+            for bias in (False, True) if dt == "bf16" and block_m == 16 else (False,):
+                compile_one("fp8_product", "_fp8_weight_product_kernel", {
+                    "x_ptr": f"*{dt}", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": f"*{dt}",
+                    "out_ptr": f"*{dt}", "M": i32, "N": i32, "K": i32},
+                    {"HAS_BIAS": bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                     "IEEE": dt == "fp32"}, aligned=("x_ptr", "w_ptr", "out_ptr", "K"), num_warps=warps,
+                    num_stages=stages)
     qm = mods["query_mean"]
     for dt, out in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
         compile_one("query_mean", "_query_mean_kernel", {

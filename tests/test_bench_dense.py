@@ -210,6 +210,33 @@ def test_bench_e2e_times_dense_and_policies_with_ratios(tmp_path, monkeypatch):
     assert f"| {rows[3]['hit_rate']:.0%} ({rows[3]['real_hit_rate']:.0%}) |" in table
 
 
+def test_bench_e2e_with_fp8_weights_runs_every_row_so_and_floors_them_so(tmp_path):
+    """--weight-dtype fp8 reaches the dense row's model and the engine's, the table says so, and each decode floor
+    counts a byte a layer-matrix element (the head and embeddings in the model's dtype); transformers is refused."""
+    import argparse
+    import json
+
+    from tokenselect.bench import e2e, floors
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    common = ["e2e", "--config", "tiny", "--lengths", "1k", "--decode-steps", "2", "--chunk-size", "256", "--kernels",
+              "torch", "--device", "cpu", "--output", str(tmp_path), "--weight-dtype", "fp8"]
+    args = parser.parse_args([*common, "--policies", "dense,full", "--tag", "f"])
+    assert args.func(args) == 0
+    rows = json.loads((tmp_path / "e2e_f.json").read_text())["rows"]
+    assert [r["weights"] for r in rows] == ["fp8", "fp8"]
+    config = e2e.model_config(args)
+    fp32 = floors.weight_bytes(config, 4)
+    want = fp32 - config["num_hidden_layers"] * floors.layer_matrix_params(config) * 3
+    assert [r["floor"]["weights"] for r in rows] == [want, want]
+    table = (tmp_path / "e2e_f.md").read_text()
+    assert "fp8 weights" in table and "| full (fp8 weights) |" in table
+    args = parser.parse_args([*common, "--policies", "transformers", "--tag", "g"])
+    with pytest.raises(SystemExit, match="16-bit weights"):
+        args.func(args)
+
+
 def test_bench_e2e_merges_runs_into_one_table(tmp_path):
     """Runs made one device call each (here: two lengths, two KV settings, fp8 selection keys) become one table
     and plot, in order of length, each row with its own KV setting and its ratio against the dense row of its own

@@ -67,6 +67,14 @@ def test_select_dtype_reaches_the_cache_the_policy_scores(tiny_llama, built, sel
     assert (llm.cache.k_select is llm.cache.k) is (want == llm.dtype)
 
 
+def test_weight_dtype_reaches_the_model(tiny_llama, built):
+    from tokenselect.models.fp8 import Fp8Linear
+
+    assert generate(tiny_llama, "--weight-dtype", "fp8") == 0
+    (llm,) = built
+    assert llm.settings.weight_dtype == "fp8" and isinstance(llm.model.model.layers[1].self_attn.o_proj, Fp8Linear)
+
+
 def test_chunk_attention_reaches_the_kernels_the_policy_attends_with(tiny_llama, built, capsys):
     """--chunk-attention: auto is cuDNN's path on a Hopper GPU (the Triton kernels with
     ``sparse_attention(cudnn=PlanBudget())``), the Triton kernel elsewhere; triton names the kernel; cudnn where

@@ -28,6 +28,7 @@ from .data import default_model_path
 from .errors import ContextTooLong, TokenSelectError
 from .kernels import chunk_attention_backend, get_kernels, kernels_for
 from .kv_cache import KEPT_INDEX_BYTES, KVCache, host_memory_available
+from .models.fp8 import check_fp8_products, use_fp8_weights
 from .models.loader import Checkpoint, chat_token_ids, random_model, resolve_device, resolve_dtype
 from .models.registry import resolve_model
 from .policies import POLICIES, AttentionPolicy, default_chunk, fitted_settings, make_policy
@@ -204,6 +205,11 @@ class LLM:
         """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
         s, policy_settings = split_settings(settings)
         self.settings = s
+        if s.weight_dtype == "fp8":
+            check_fp8_products(self.device)
+            use_fp8_weights(self.model)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the 16-bit weights' blocks, before the KV pool is sized by the free memory
         cfg = self.model.config  # a tensor-parallel rank's: its share of the heads (``parallel.local_config``)
         self.window = self.config.window
         rope = cfg.rope

@@ -181,6 +181,11 @@ class EngineSettings(Validated):
                                           "of prefill_group queries choose as chunks of that size would")
     dtype: str = setting("auto", "weights' and activations' dtype: auto (fp32 on CPU, bf16 on GPU), float32, "
                                  "bfloat16, float16")
+    weight_dtype: str = setting("auto", "the four projections of every layer: auto (in dtype), fp8 (e4m3 with one "
+                                        "scale a matrix: half the weight bytes a decode step reads, whose rows are "
+                                        "multiplied as they are, and the fp8 matrix rate over a prefill chunk, whose "
+                                        "rows are quantized with a scale a token; Hopper GPUs and CPUs; the "
+                                        "embeddings, norms and output head stay in dtype)", choices=("auto", "fp8"))
     device: str | None = setting(None, "cpu or cuda", none="cuda if available")
     kv_cache_tokens: int | None = setting(None, "size of the KV pool", unit="tokens", low=1, kind=int,
                                           none="what fits in the free memory")

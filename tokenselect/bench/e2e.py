@@ -235,7 +235,7 @@ def real_text_hit_rate(settings: dict, ids: list[int], decode_steps: int, args) 
     cache up."""
     llm = LLM(None, "tokenselect", device=args.device, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
               kv_dtype=args.kv_dtype, select_dtype=args.select_dtype, kv_cache_tokens=len(ids) + decode_steps + 8,
-              **settings)
+              weight_dtype=args.weight_dtype, **settings)
     llm.generate([ids], SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
     stats = llm.stats()
     del llm  # its pool and graphs, before the next row is timed
@@ -287,7 +287,7 @@ def measure_dense(config: dict, ids: list[int], args, chunk: int, sdpa: str = "a
     baseline on an engine of the same weights (its own KV pool left empty: the contiguous dense cache is the one
     that holds the sequence)."""
     llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
-                     cuda_graphs=args.cuda_graphs)
+                     cuda_graphs=args.cuda_graphs, weight_dtype=args.weight_dtype)
     dev = llm.device
     warm = DenseRunner(llm, WARMUP_TOKENS + 2, sdpa=sdpa)
     warm.generate(ids[:WARMUP_TOKENS], min(chunk, WARMUP_TOKENS), 2)  # compile, warm up
@@ -322,33 +322,43 @@ def measure_hf(config: dict, ids: list[int], args) -> dict:
             "peak_gb": torch.cuda.max_memory_allocated(llm.device) / 1e9 if llm.device.type == "cuda" else None}
 
 
+def matrix_bytes(args) -> int | None:
+    """Bytes of a layer matrix's element where the run's weights differ from the model's dtype: 1 with fp8."""
+    return 1 if args.weight_dtype == "fp8" else None
+
+
 def with_floor(row: dict, config: dict, bandwidth: float | None, weight_bytes: int = 2, kv_bytes: int = 2,
-               select_bytes: int | None = None) -> dict:
+               select_bytes: int | None = None, matrix_bytes: int | None = None) -> dict:
     """The row with its decode step's memory floor at its measured hit rate (``floors.decode_floor``; weight_bytes,
-    kv_bytes, select_bytes: bytes of an element of the weights, the KV pool and the selection keys):
+    kv_bytes, select_bytes, matrix_bytes: bytes of an element of the weights, the KV pool, the selection keys and,
+    where they differ from the weights' (fp8 weights), the layers' matrices):
     "floor_ms" and the bytes by part under "floor"; unchanged where no floor applies (no bandwidth measured,
     an error, values in host memory, several GPUs, a policy without a floor)."""
     if bandwidth is None or "error" in row or "V on host" in row.get("kv", "") or row.get("tensor_parallel_size", 1) > 1:
         return row
     floor = decode_floor(config, row.get("settings"), row["length"], bandwidth, weight_bytes, kv_bytes, select_bytes,
-                         row.get("hit_rate"))
+                         row.get("hit_rate"), matrix_bytes_each=matrix_bytes)
     return row if floor is None else {**row, "floor_ms": floor["floor_ms"], "floor": floor}
 
 
-def with_prefill_floor(row: dict, config: dict, rate: float | None) -> dict:
-    """The row with its prefill's compute floor (``floors.prefill_flops`` over ``rate``, the run's matrix FLOP/s):
-    "prefill_floor_s" and the FLOPs by part under "prefill_flops"; unchanged where no floor applies (no rate
-    measured, an error, several GPUs, a policy without a floor)."""
+def with_prefill_floor(row: dict, config: dict, rate: float | None, weight_rate: float | None = None) -> dict:
+    """The row with its prefill's compute floor (``floors.prefill_flops`` over ``rate``, the run's matrix FLOP/s,
+    and the weights' products over ``weight_rate`` where it is another: fp8 weights'): "prefill_floor_s" and the
+    FLOPs by part under "prefill_flops"; unchanged where no floor applies (no rate measured, an error, several
+    GPUs, a policy without a floor)."""
     if rate is None or "error" in row or row.get("tensor_parallel_size", 1) > 1:
         return row
     flops = prefill_flops(config, row.get("settings"), row["length"], row["chunk"])
-    return row if flops is None else {**row, "prefill_floor_s": flops["total"] / rate, "prefill_flops": flops}
+    if flops is None:
+        return row
+    return {**row, "prefill_floor_s": flops["matmuls"] / (weight_rate or rate) + flops["attention"] / rate,
+            "prefill_flops": flops}
 
 
 def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | None = None,
               rate: float | None = None) -> dict:
     """A baseline's row: ``dense[:chunk=N|all]`` or ``transformers``."""
-    row = {"length": length, "policy": spec, "kv": "bf16"}
+    row = {"length": length, "policy": spec, "kv": "bf16", "weights": args.weight_dtype}
     ids = text_prompt(length, config["vocab_size"])
     try:
         row.update(measure_hf(config, ids, args) if spec == "transformers"
@@ -357,7 +367,8 @@ def run_dense(config: dict, length: int, spec: str, args, bandwidth: float | Non
     except torch.OutOfMemoryError:
         row["error"] = "does not fit on the GPU (bf16 contiguous KV cache)"
     size = KV_DTYPES[row["kv"]].itemsize
-    row = with_prefill_floor(with_floor(row, config, bandwidth, size, size), config, rate)
+    row = with_floor(row, config, bandwidth, size, size, matrix_bytes=matrix_bytes(args))
+    row = with_prefill_floor(row, config, rate, args.weight_rate)
     free_memory()
     print(json.dumps(row), flush=True)
     return row
@@ -395,7 +406,7 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
         llm = LLM.random(config, policy_spec(policies[0])[0], device=args.device, kv_dtype=args.kv_dtype,
                          kv_offload=args.kv_offload, select_dtype=args.select_dtype, kv_cache_tokens=slots,
                          chunk_size=args.chunk_size, kernels=args.kernels, chunk_attention=args.chunk_attention,
-                         cuda_graphs=args.cuda_graphs,
+                         cuda_graphs=args.cuda_graphs, weight_dtype=args.weight_dtype,
                          prefix_cache=False,  # the timed prompt starts with the warm-up's: it would be reused
                          tensor_parallel_size=args.tensor_parallel_size, tp_selection=args.tp_selection)
     except (torch.OutOfMemoryError, HostMemoryError) as e:
@@ -412,8 +423,8 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
     for policy in policies:
         name, settings = policy_spec(policy)
         llm.set_attention(name, **settings)
-        row = {"length": length, "policy": policy, "kv": kv, "settings": llm.policy_config,
-               "chunk": llm.chunk_size, "chunk_attention": llm.chunk_attention,
+        row = {"length": length, "policy": policy, "kv": kv, "weights": args.weight_dtype,
+               "settings": llm.policy_config, "chunk": llm.chunk_size, "chunk_attention": llm.chunk_attention,
                "tensor_parallel_size": args.tensor_parallel_size, "tp_selection": args.tp_selection}  # peak_gb: rank 0's GPU (the ranks' shares match)
         cudnn_calls = budget.calls if budget is not None else 0
         copies = full_offload_bytes(llm, length) if name == "full" and args.kv_offload == "values" else 0
@@ -424,11 +435,13 @@ def run_engine(config: dict, length: int, policies: list[str], args, bandwidth: 
                 warm_up(llm, ids)
 
                 def floor_at(hit_rate: float | None, row=row) -> dict | None:
-                    return with_floor({**row, "hit_rate": hit_rate}, config, bandwidth, *sizes).get("floor")
+                    return with_floor({**row, "hit_rate": hit_rate}, config, bandwidth, *sizes,
+                                      matrix_bytes(args)).get("floor")
 
                 row.update(measure(llm, ids, args.decode_steps, args.profile_steps, f"{length}/{policy}", floor_at,
                                    bandwidth))
-                row = with_prefill_floor(with_floor(row, config, bandwidth, *sizes), config, rate)
+                row = with_prefill_floor(with_floor(row, config, bandwidth, *sizes, matrix_bytes(args)), config,
+                                         rate, args.weight_rate)
                 # what ran, not the setting: full attention's and InfLLM's lists have a live length, which the
                 # Triton kernel serves whatever chunk_attention says
                 row["cudnn_chunks"] = budget is not None and budget.calls > cudnn_calls
@@ -469,12 +482,13 @@ def estimated_rows(rows: list[dict], hit_rate: float) -> list[dict]:
     ``hit_rate * hit + (1 - hit_rate) * selecting`` (and likewise its floor). Prefill is the selecting row's."""
     found = {row_key(r): r for r in rows if "error" not in r}
     out = []
-    for (length, policy, kv, chunks), select in found.items():
-        hit = found.get((length, "tokenselect:theta=-1", kv, chunks))
+    for (length, policy, kv, chunks, weights), select in found.items():
+        hit = found.get((length, "tokenselect:theta=-1", kv, chunks, weights))
         if policy != "tokenselect" or hit is None:
             continue
         mix = {"length": length, "policy": f"tokenselect at {hit_rate:.0%} hits (estimate)", "kv": kv,
-               "chunk_attention": chunks, "estimated": True, "prefill_s": select["prefill_s"], "hit_rate": hit_rate,
+               "chunk_attention": chunks, "weights": weights, "estimated": True, "prefill_s": select["prefill_s"],
+               "hit_rate": hit_rate,
                "decode_ms": hit_rate * hit["decode_ms"] + (1 - hit_rate) * select["decode_ms"],
                "peak_gb": max(select["peak_gb"] or 0, hit["peak_gb"] or 0) or None}
         if select.get("floor_ms") is not None and hit.get("floor_ms") is not None:
@@ -495,11 +509,13 @@ def cudnn_budget(llm):
 def row_label(row: dict) -> str:
     """A row's policy as the table names it; a dense row's with the SDPA backend its prefill ran, an engine row's
     with cuDNN where some of its prefill chunks' attention ran by cuDNN (``cudnn_chunks``; a row measured before
-    that was recorded: where ``--chunk-attention`` resolved to cudnn)."""
+    that was recorded: where ``--chunk-attention`` resolved to cudnn); "fp8 weights" where they were."""
+    fp8 = ", fp8 weights" if row.get("weights") == "fp8" else ""
     if row.get("sdpa"):
-        return f"{row['policy']} ({row['sdpa']} SDPA)"
+        return f"{row['policy']} ({row['sdpa']} SDPA{fp8})"
     cudnn = row.get("cudnn_chunks", row.get("chunk_attention") == "cudnn")
-    return f"{row['policy']} (cudnn chunks)" if cudnn else row["policy"]
+    notes = ("cudnn chunks" if cudnn else "") + fp8
+    return f"{row['policy']} ({notes.lstrip(', ')})" if notes else row["policy"]
 
 
 def table(rows: list[dict]) -> str:
@@ -571,6 +587,7 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandw
     title = (f"{args.config}, {config['num_hidden_layers']} layers, KV {args.kv_dtype}, KV offload {args.kv_offload}, "
              f"selection keys {args.select_dtype}, {chunk_label(args.chunk_size, config)}, {args.decode_steps} "
              f"decode steps, {'CUDA graphs' if graphs else 'eager'}"
+             + (", fp8 weights" if getattr(args, "weight_dtype", "auto") == "fp8" else "")
              + (f", tensor parallel over {args.tensor_parallel_size} ({args.tp_selection} selection)"
                if getattr(args, "tensor_parallel_size", 1) > 1 else "")
              + (f", copy bandwidth {bandwidth / 1e9:,.0f} GB/s" if bandwidth else "")
@@ -578,7 +595,8 @@ def write_report(args: argparse.Namespace, config: dict, rows: list[dict], bandw
     engines = sorted({r["chunk_attention"] for r in rows if "chunk_attention" in r})
     title += f", the engine's prefill chunk attention by {' and '.join(engines)}" if engines else ""
     return save(Path(args.output), args.tag, title, device, {"config": args.config, "kv_offload": args.kv_offload,
-                                                             "copy_bandwidth": bandwidth, "matmul_rate": rate},
+                                                             "copy_bandwidth": bandwidth, "matmul_rate": rate,
+                                                             "weight_matmul_rate": getattr(args, "weight_rate", None)},
                 rows)
 
 
@@ -624,7 +642,7 @@ def merge(args: argparse.Namespace) -> int:
 
 def row_key(row: dict) -> tuple:
     """What makes two rows one measurement, the later replacing the earlier in a merge."""
-    return row["length"], row["policy"], row.get("kv"), row.get("chunk_attention")
+    return row["length"], row["policy"], row.get("kv"), row.get("chunk_attention"), row.get("weights", "auto")
 
 
 def check_hit_rate(args: argparse.Namespace) -> None:
@@ -647,11 +665,16 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise SystemExit(str(e)) from None
     check_hit_rate(args)
+    if args.weight_dtype == "fp8" and "transformers" in policies:
+        raise SystemExit("the transformers row runs the model's own 16-bit weights: leave it out with "
+                         "--weight-dtype fp8")
     lengths = [parse_length(x) for x in args.lengths.split(",")]  # a bad one refused before anything is measured
     device = resolve_device(args.device)
     bandwidth, rate = copy_bandwidth(device), matmul_rate(device)
+    args.weight_rate = matmul_rate(device, torch.float8_e4m3fn) if args.weight_dtype == "fp8" else None
     print(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (bytes read and written), bf16 matrix products "
-          f"{rate / 1e12:.3g} TFLOP/s on {device}", flush=True)
+          f"{rate / 1e12:.3g} TFLOP/s" + (f", fp8 {args.weight_rate / 1e12:.3g}" if args.weight_rate else "") +
+          f" on {device}", flush=True)
     rows = []
     for length in lengths:
         for row in run_length(config, length, policies, args, bandwidth, rate):
@@ -706,6 +729,9 @@ def add_parser(subparsers) -> None:
                    help="every row's prefill chunk (default: each policy's engine default, dense's 512)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"],
                    help="the engine's KV pool (auto: the model's dtype; dense keeps the model's dtype)")
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: every row's layer matrices in fp8 (the engine's --weight-dtype), the dense rows' too; "
+                        "their prefill floors at the fp8 product's measured rate")
     p.add_argument("--kv-offload", default="none", choices=["none", "values"],
                    help="values: V pool in pinned host memory, K on the GPU (what fits 1M tokens of Llama-3-8B)")
     p.add_argument("--select-dtype", default="auto", choices=["auto", "fp8"],

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -85,13 +86,13 @@ def layer_matrix_params(config: dict) -> int:
             + hidden * inter * 3)  # gate, up, down
 
 
-def weight_bytes(config: dict, dtype_bytes: int = 2) -> int:
+def weight_bytes(config: dict, dtype_bytes: int = 2, matrix_bytes: int | None = None) -> int:
     """Bytes of weights a decode token reads, for a Llama-family config (Hugging Face names): the attention and
-    MLP matrices and norms of every layer, the final norm and the output head. Biases (Qwen's q/k/v) are left
-    out: a few KB a layer."""
+    MLP matrices (``matrix_bytes`` an element: 1 with fp8 weights; None: dtype_bytes) and norms of every layer,
+    the final norm and the output head. Biases (Qwen's q/k/v) and fp8 scales are left out: a few KB a layer."""
     hidden = config["hidden_size"]
-    layer = layer_matrix_params(config) + hidden * 2  # and the two norms
-    return dtype_bytes * (config["num_hidden_layers"] * layer + hidden + config["vocab_size"] * hidden)
+    layer = layer_matrix_params(config) * (matrix_bytes or dtype_bytes) + hidden * 2 * dtype_bytes  # and the norms
+    return config["num_hidden_layers"] * layer + dtype_bytes * (hidden + config["vocab_size"] * hidden)
 
 
 def selects(settings: dict | None, cached: int, end: int) -> bool | None:
@@ -184,20 +185,26 @@ def prefill_flops(config: dict, settings: dict | None, length: int, chunk: int) 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192, repeats: int = 10,
                 batches: int = 5) -> float:
-    """FLOP/s of an n x n by n x n matrix product in ``dtype`` on the device, the best of ``batches`` batches of
-    ``repeats`` (the practical peak of its matrix units: a batch that shared the device with other work does not
-    lower it). On a CPU a product of at most 512 in fp32."""
+    """FLOP/s of an n x n by n x n matrix product in ``dtype`` (float8_e4m3fn: ``torch._scaled_mm``) on the device,
+    the best of ``batches`` batches of ``repeats`` (the practical peak of its matrix units: a batch that shared the
+    device with other work does not lower it). On a CPU a product of at most 512 in fp32."""
     if device.type != "cuda":
         n, dtype = min(n, 512), torch.float32
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    out = a @ b  # the first call's setup is not timed
+    if dtype == torch.float8_e4m3fn:  # fp8 weights' product: cuBLAS's, one scale an operand (``models/fp8.py``)
+        one = torch.ones(1, device=device)
+        product = partial(torch._scaled_mm, a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        product = partial(torch.mm, a, b, out=out)
+    product()  # the first call's setup is not timed
     best = float("inf")
     for _ in range(batches):
         sync(device)
         start = time.perf_counter()
         for _ in range(repeats):
-            torch.mm(a, b, out=out)
+            product()
         sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 * repeats / best
@@ -205,9 +212,10 @@ def matmul_rate(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: in
 
 def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: float, weight_bytes_each: int = 2,
                  kv_bytes: int = 2, select_bytes: int | None = None, hit_rate: float | None = None,
-                 batch: int = 1) -> dict | None:
+                 batch: int = 1, matrix_bytes_each: int | None = None) -> dict | None:
     """The decode step's floor at ``length`` tokens: {"weights", "scoring", "attention", "total"} in bytes and
-    {"floor_ms"}; None where ``attention_tokens`` has none. weight_bytes_each: bytes of a weight element;
+    {"floor_ms"}; None where ``attention_tokens`` has none. weight_bytes_each: bytes of a weight element
+    (matrix_bytes_each: of the layers' matrices, where they differ: fp8 weights);
     kv_bytes: of a K or V element in the pool;
     select_bytes: of a selection key (None: the K pool's); hit_rate: the share of layers whose Selection Cache
     reuses (they score nothing), None for none; batch: sequences of ``length`` tokens decoded together, whose step
@@ -219,7 +227,7 @@ def decode_floor(config: dict, settings: dict | None, length: int, bandwidth: fl
     row = config["num_key_value_heads"] * (config.get("head_dim") or
                                            config["hidden_size"] // config["num_attention_heads"])
     layers = config["num_hidden_layers"]
-    parts = {"weights": weight_bytes(config, weight_bytes_each),
+    parts = {"weights": weight_bytes(config, weight_bytes_each, matrix_bytes_each),
              "scoring": batch * round(layers * scored * row * (select_bytes or kv_bytes) * (1 - (hit_rate or 0))),
              "attention": batch * layers * attended * row * kv_bytes * 2}
     total = sum(parts.values())

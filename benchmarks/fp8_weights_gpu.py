@@ -1,0 +1,165 @@
+"""fp8 weights against bf16: the Llama-3-8B shape's matrix products, on a GPU.
+
+    python benchmarks/fp8_weights_gpu.py OUTDIR
+
+For each projection (qkv, o, gate_up, down, the LM head) and each token count M (1-16: decode steps; 32-64: large
+batches; 128-256: short prefill chunks; 2048: a prefill chunk) it times ``F.linear`` in bf16; ``torch._scaled_mm``
+on fp8 operands with a scale a row of each ("rowwise", the product alone); and the shipped path,
+``models.fp8.Fp8Linear``: up to 32 rows the Triton kernel ``kernels.fp8_product`` (the weight widened in registers,
+the rows as they are), beyond it the rows' quantization (``kernels.fp8_quant``) and the row-wise product. Up to 32
+rows it also sweeps the kernel's tiles (``CANDIDATES``, beside the shipped ``TILES``). Each runs 40 times in one CUDA
+graph over enough copies of the weight that none is read from L2; a time is the median over 20 replays, divided by
+40. Beside each: the floor of reading the weight once at the copy bandwidth measured here (bytes read and written
+over the time), and the TFLOP/s. The shipped path's output is checked against its reference first, and its error
+is against the bf16 product. Writes OUTDIR/fp8_weights.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenselect.kernels import fp8_product
+from tokenselect.kernels.fp8_quant import quantize_fp8_rows
+from tokenselect.models.fp8 import Fp8Linear, fp8_product_ref, quantizes
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+TOKENS = (1, 8, 16, 32, 64, 128, 256, 2048)
+CANDIDATES = {16: [(16, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4),
+                   (32, 128, 4, 6)],
+              32: [(16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (64, 128, 4, 4)]}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def graph_time(fn, copies: int, reps: int = 40) -> float:
+    """Median us of one fn(i) call, i cycling over the weight copies, 40 calls a graph replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i % copies)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i % copies)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def variants(x: torch.Tensor, linears: list, fp8: list, head: bool) -> dict:
+    """name -> (fn(i) over the i-th weight copy, bytes of a weight element)."""
+    rows = x.shape[0]
+    q, scale = quantize_fp8_rows(x)
+    out = {"bf16": (lambda i: F.linear(x, linears[i].weight), 2),
+           "fp8 rowwise, product": (lambda i: torch._scaled_mm(q, fp8[i].weight.t(), scale_a=scale,
+                                                               scale_b=fp8[i].weight_scale_row,
+                                                               out_dtype=torch.bfloat16), 1)}
+    if head:  # the head keeps the model's dtype
+        return out
+    out[f"Fp8Linear ({'rowwise' if quantizes(x) else 'fp8_weight_product'})"] = (lambda i: fp8[i](x), 1)
+    if rows <= fp8_product.MAX_ROWS:
+        block_m = min(m for m in fp8_product.TILES if m >= rows)
+        for tile in CANDIDATES[block_m]:
+            out[f"fp8_weight_product {tile}"] = (partial(tiled, tile, block_m, x, fp8), 1)
+    return out
+
+
+def tiled(tile: tuple, block_m: int, x: torch.Tensor, fp8: list, i: int) -> torch.Tensor:
+    """fp8_weight_product with ``tile`` for x's row tile."""
+    shipped = dict(fp8_product.TILES)
+    fp8_product.TILES[block_m] = tile
+    try:
+        return fp8_product.fp8_weight_product(x, fp8[i].weight, fp8[i].weight_scale)
+    finally:
+        fp8_product.TILES.update(shipped)
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        copies = max(1, math.ceil(400e6 / (n * k)))  # fp8 copies past L2 (400 MB); bf16 likewise
+        linears = []
+        for _ in range(copies):
+            linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            torch.nn.init.normal_(linear.weight, std=0.02)
+            linears.append(linear)
+        fp8 = [Fp8Linear(linear) for linear in linears]
+        for m in TOKENS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = F.linear(x, linears[0].weight).float()
+            got = fp8[0](x)
+            ref = (fp8_product_ref(x, fp8[0]) if quantizes(x) else
+                   fp8_product.fp8_weight_product_ref(x, fp8[0].weight, fp8[0].weight_scale))
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+            err = ((got.float() - want).norm() / want.norm()).item()
+            for variant, (fn, bytes_per) in variants(x, linears, fp8, name == "lm_head").items():
+                try:
+                    us = graph_time(fn, copies)
+                except RuntimeError as e:
+                    rows.append({"proj": name, "m": m, "variant": variant, "error": str(e).splitlines()[0]})
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
+                floor_us = n * k * bytes_per / bandwidth * 1e6  # the weight read once
+                rows.append({"proj": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(us, 2),
+                             "weight_floor_us": round(floor_us, 2), "floor_fraction": round(floor_us / us, 3),
+                             "tflops": round(2 * m * n * k / us / 1e6, 1),
+                             "rel_error_vs_bf16": round(err, 5) if variant.startswith("Fp8Linear") else None})
+                print(json.dumps(rows[-1]), flush=True)
+        del linears, fp8
+        torch.cuda.empty_cache()
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "fp8_weights.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                         "copy_bandwidth": bandwidth, "rows": rows}, indent=1))
+    lines = [f"# Matrix products in bf16 and fp8, {torch.cuda.get_device_name()} (copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s, torch {torch.__version__})", "",
+             "`python benchmarks/fp8_weights_gpu.py OUTDIR`. us a product (a CUDA graph of 40, weights past L2); "
+             "the floor reads the weight once.", "",
+             "| proj | M | variant | us | weight floor us | floor fraction | TFLOP/s | rel. error vs bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['proj']} | {r['m']} | {r['variant']} | error: {r['error']} | | | | |")
+        else:
+            error = "" if r["rel_error_vs_bf16"] is None else r["rel_error_vs_bf16"]
+            lines.append(f"| {r['proj']} | {r['m']} | {r['variant']} | {r['us']} | {r['weight_floor_us']} | "
+                         f"{r['floor_fraction']} | {r['tflops']} | {error} |")
+    (outdir / "fp8_weights.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("outdir", help="where fp8_weights.{json,md} are written")
+    main(parser.parse_args().outdir)
