@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# (benchmarks/: this script's folder)
+from scores_epilogue_gpu import graph_ms
+from tokenselect.bench.floors import copy_bandwidth
 from tokenselect.kernels import fp8_product
 from tokenselect.kernels.fp8_quant import quantize_fp8_rows
 from tokenselect.models.fp8 import Fp8Linear, fp8_product_ref, quantizes
@@ -35,44 +38,6 @@ TOKENS = (1, 8, 16, 32, 64, 128, 256, 2048)
 CANDIDATES = {16: [(16, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4),
                    (32, 128, 4, 6)],
               32: [(16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (64, 128, 4, 4)]}
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
-
-
-def graph_time(fn, copies: int, reps: int = 40) -> float:
-    """Median us of one fn(i) call, i cycling over the weight copies, 40 calls a graph replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i % copies)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def variants(x: torch.Tensor, linears: list, fp8: list, head: bool) -> dict:
@@ -105,7 +70,7 @@ def tiled(tile: tuple, block_m: int, x: torch.Tensor, fp8: list, i: int) -> torc
 
 def main(out: str) -> None:
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for name, (n, k) in SHAPES.items():
         copies = max(1, math.ceil(400e6 / (n * k)))  # fp8 copies past L2 (400 MB); bf16 likewise
@@ -125,7 +90,7 @@ def main(out: str) -> None:
             err = ((got.float() - want).norm() / want.norm()).item()
             for variant, (fn, bytes_per) in variants(x, linears, fp8, name == "lm_head").items():
                 try:
-                    us = graph_time(fn, copies)
+                    us = graph_ms(fn, [(i % copies,) for i in range(40)]) * 1e3
                 except RuntimeError as e:
                     rows.append({"proj": name, "m": m, "variant": variant, "error": str(e).splitlines()[0]})
                     print(json.dumps(rows[-1]), flush=True)

@@ -188,3 +188,20 @@ def test_batched_flash_decode_graph_gives_the_reference_logits():
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)
         tokens = want.argmax(-1)
     assert set(graphed.decode_graphs) == {3, 2, 1} and graphed.lengths == plain.lengths == [306, 205, 134]
+
+
+def test_bench_throughput_with_fp8_weights_runs_dense_and_the_engine_so(tmp_path, monkeypatch):
+    from tokenselect.models.fp8 import Fp8Linear
+
+    made, random = [], throughput.LLM.random
+
+    def recorded(*args, **kwargs):
+        made.append(random(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(throughput.LLM, "random", recorded)
+    result = run_command(tmp_path, monkeypatch, "--batch-sizes", "1", "--policies", "dense,full", "--weight-dtype",
+                         "fp8")
+    assert {r["policy"] for r in result["rows"] if "error" not in r} == {"dense", "full"}
+    assert len(made) == 2 and all(isinstance(llm.model.model.layers[0].mlp.down_proj, Fp8Linear) for llm in made)
+    assert "fp8 weights" in (tmp_path / "throughput_t.md").read_text()

@@ -184,7 +184,8 @@ def not_fitting(base: dict, batches: list[int], fit: int, per_request: int, budg
 def run_dense(config: dict, batches: list[int], args) -> Iterator[dict]:
     """The dense baseline's rows: those of the batch sizes that do not fit, then one per measured batch size."""
     llm = LLM.random(config, "full", device=args.device, kv_cache_tokens=16, chunk_size=args.chunk_size,
-                     kernels=args.kernels, cuda_graphs=args.cuda_graphs)  # its own pool unused: DenseRunner's cache
+                     kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+                     weight_dtype=args.weight_dtype)  # its own pool unused: DenseRunner's cache
     per_request = args.length + new_tokens(batches, args.decode_steps)
     budget = args.kv_cache_tokens or llm._default_pool_tokens("none")  # the engine's rule, KV of the model's dtype
     fit = budget // per_request
@@ -277,6 +278,7 @@ def run_all(config: dict, policies: list[str], batches: list[int], args) -> Iter
         llm = LLM.random(config, first, device=args.device, kv_dtype=args.kv_dtype,
                          select_dtype=args.select_dtype, kv_cache_tokens=pool_tokens(config, args, first),
                          chunk_size=args.chunk_size, kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+                         weight_dtype=args.weight_dtype,
                          prefix_cache=False)  # the warm-up's prompt is the first request's: it would be reused
         print(f"engine with a {llm.cache.n_slots}-slot KV pool built in {time.perf_counter() - start:.1f} s",
               flush=True)
@@ -357,7 +359,8 @@ def write_report(args, config: dict, policies: list[str], rows: list[dict], draw
     graphs = args.cuda_graphs if args.cuda_graphs is not None else device != "cpu"
     title = (f"{args.config}, {config['num_hidden_layers']} layers, {args.length} tokens a request, KV "
              f"{args.kv_dtype}, selection keys {args.select_dtype}, chunk {args.chunk_size}, {args.decode_steps} "
-             f"decode steps a batch size, {'CUDA graphs' if graphs else 'eager'}")
+             f"decode steps a batch size, {'CUDA graphs' if graphs else 'eager'}"
+             + (", fp8 weights" if args.weight_dtype == "fp8" else ""))
     budget = (f"the bytes of a {args.kv_cache_tokens}-token KV pool for every method; a copy of the keys for "
               f"selection is paid in tokens" if args.kv_cache_tokens else
               "the KV budget of the engine's default pool for every method")
@@ -420,6 +423,8 @@ def add_parser(subparsers) -> None:
                    help="every method's prefill chunk (the prompts' prefill, not what is timed)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"],
                    help="the engine's KV pool (dense keeps the model's dtype)")
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: every method's layer matrices in fp8 (the engine's --weight-dtype), dense's too")
     p.add_argument("--select-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: TokenSelect scores an fp8 copy of the keys (the engine's --select-dtype)")
     p.add_argument("--kv-cache-tokens", type=int,
