@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmark_scripts import load
 from tokenselect import LLM, SamplingParams
 from tokenselect.data import prose_text
 from tokenselect.kernels.fp8_product import MAX_ROWS, fp8_weight_product, fp8_weight_product_ref
@@ -16,6 +17,9 @@ from tokenselect.models.fp8 import PROJECTIONS, Fp8Linear, fp8_product_ref, quan
 from tokenselect.models.loader import chat_token_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# teacher-forced top-1 agreement and losses of two engines (benchmarks/fp8_weights_agreement.py, which wrote the
+# figures these tests pin: results/supporting/fp8_weights_agreement.md)
+next_token_agreement = load("fp8_weights_agreement").next_token_agreement
 E4M3 = torch.arange(256, dtype=torch.uint8).view(FP8).float()
 E4M3 = E4M3[~E4M3.isnan()].unique()  # every finite value, ascending (-448 ... 448, one zero)
 
@@ -142,14 +146,6 @@ def test_fp8_weights_reach_every_projection_and_nothing_else(shipped_pair):
     assert layer.weight.shape == ref.weight.shape and layer.weight.element_size() == 1
     back = layer.weight.float() * layer.weight_scale
     assert ((back - ref.weight).abs() <= ref.weight.abs() / 16 + layer.weight_scale * 2.0 ** -9).all()
-
-
-def next_token_agreement(plain: LLM, fp8: LLM, ids: list[int]) -> tuple[float, list[float]]:
-    """Teacher-forced over ``ids``: (the share of positions whose most likely next token is the same in both,
-    [each one's loss on the next tokens, nats])."""
-    a, b = plain.prompt_logits(ids), fp8.prompt_logits(ids)
-    loss = [torch.nn.functional.cross_entropy(x[:-1], torch.tensor(ids[1:])).item() for x in (a, b)]
-    return (a.argmax(-1) == b.argmax(-1)).float().mean().item(), loss
 
 
 def test_fp8_weights_keep_the_shipped_models_next_tokens_mostly(shipped_pair):

@@ -8,7 +8,8 @@ prefill chunk's) the rows are quantized too, with a scale a row (``quantize_fp8_
 two in fp8 (``torch._scaled_mm``, Hopper GPUs, accumulated in fp32). The embeddings, the norms and the output
 head keep the model's dtype: the head's rounding would reach every logit. e4m3 keeps 3 mantissa bits, so each weight
 moves by up to 1/16 of itself; on prose the next token agrees with the fp32 model's at 87% of positions for
-SmolLM2-135M, 91% for Qwen2.5-Coder-0.5B and 95% for the shipped model (``tests/test_fp8_weights.py``).
+SmolLM2-135M, 91% for Qwen2.5-Coder-0.5B and 95% for the shipped model
+(``benchmarks/results/supporting/fp8_weights_agreement.md``).
 """
 
 from __future__ import annotations
