@@ -6,8 +6,9 @@ For each projection (qkv, o, gate_up, down, the LM head) and each token count M 
 batches; 128-256: short prefill chunks; 2048: a prefill chunk) it times ``F.linear`` in bf16; ``torch._scaled_mm``
 on fp8 operands with a scale a row of each ("rowwise", the product alone); and the shipped path,
 ``models.fp8.Fp8Linear``: up to 32 rows the Triton kernel ``kernels.fp8_product`` (the weight widened in registers,
-the rows as they are), beyond it the rows' quantization (``kernels.fp8_quant``) and the row-wise product. Up to 32
-rows it also sweeps the kernel's tiles (``CANDIDATES``, beside the shipped ``TILES``). Each runs 40 times in one CUDA
+the rows as they are, K split into ``parts_for`` parts), beyond it the rows' quantization (``kernels.fp8_quant``) and
+the row-wise product. Up to 32 rows it also sweeps the kernel's tiles and splits of K (``CANDIDATES`` x ``PARTS``,
+beside the shipped ``TILES`` and ``parts_for``). Each runs 40 times in one CUDA
 graph over enough copies of the weight that none is read from L2; a time is the median over 20 replays, divided by
 40. Beside each: the floor of reading the weight once at the copy bandwidth measured here (bytes read and written
 over the time), and the TFLOP/s. The shipped path's output is checked against its reference first, and its error
@@ -35,9 +36,9 @@ from tokenselect.models.fp8 import Fp8Linear, fp8_product_ref, quantizes
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 2048)
-CANDIDATES = {16: [(16, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4),
-                   (32, 128, 4, 6)],
-              32: [(16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (64, 128, 4, 4)]}
+CANDIDATES = {16: [(32, 256, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 4)],
+              32: [(32, 256, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4)]}
+PARTS = (1, 2, 3, 4, 6, 8)
 
 
 def variants(x: torch.Tensor, linears: list, fp8: list, head: bool) -> dict:
@@ -54,21 +55,17 @@ def variants(x: torch.Tensor, linears: list, fp8: list, head: bool) -> dict:
     if rows <= fp8_product.MAX_ROWS:
         block_m = min(m for m in fp8_product.TILES if m >= rows)
         for tile in CANDIDATES[block_m]:
-            out[f"fp8_weight_product {tile}"] = (partial(tiled, tile, block_m, x, fp8), 1)
+            for parts in PARTS:
+                out[f"fp8_weight_product {tile} parts {parts}"] = (partial(tiled, tile, parts, x, fp8), 1)
     return out
 
 
-def tiled(tile: tuple, block_m: int, x: torch.Tensor, fp8: list, i: int) -> torch.Tensor:
-    """fp8_weight_product with ``tile`` for x's row tile."""
-    shipped = dict(fp8_product.TILES)
-    fp8_product.TILES[block_m] = tile
-    try:
-        return fp8_product.fp8_weight_product(x, fp8[i].weight, fp8[i].weight_scale)
-    finally:
-        fp8_product.TILES.update(shipped)
+def tiled(tile: tuple, parts: int, x: torch.Tensor, fp8: list, i: int) -> torch.Tensor:
+    """fp8_weight_product with ``tile`` and K in ``parts`` parts over the i-th weight copy."""
+    return fp8_product.fp8_weight_product(x, fp8[i].weight, fp8[i].weight_scale, tile=tile, parts=parts)
 
 
-def main(out: str) -> None:
+def main(out: str, tokens: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
@@ -80,7 +77,7 @@ def main(out: str) -> None:
             torch.nn.init.normal_(linear.weight, std=0.02)
             linears.append(linear)
         fp8 = [Fp8Linear(linear) for linear in linears]
-        for m in TOKENS:
+        for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, linears[0].weight).float()
             got = fp8[0](x)
@@ -127,4 +124,6 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("outdir", help="where fp8_weights.{json,md} are written")
-    main(parser.parse_args().outdir)
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts M, comma separated")
+    args = parser.parse_args()
+    main(args.outdir, tuple(int(m) for m in args.tokens.split(",")))

@@ -162,13 +162,17 @@ def main() -> None:
                                                           "scale_ptr": "*fp32", "K": i32},
                     {"BLOCK": mods["fp8_quant"].BLOCK}, num_warps=8)
         for block_m, (block_n, block_k, warps, stages) in fp8.TILES.items():
-            for bias in (False, True) if dt == "bf16" and block_m == 16 else (False,):
+            for bias, partial in ((False, False), (True, False), (False, True)) if block_m == 16 else ((False, False),):
                 compile_one("fp8_product", "_fp8_weight_product_kernel", {
                     "x_ptr": f"*{dt}", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": f"*{dt}",
-                    "out_ptr": f"*{dt}", "M": i32, "N": i32, "K": i32},
-                    {"HAS_BIAS": bias, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                     "IEEE": dt == "fp32"}, aligned=("x_ptr", "w_ptr", "out_ptr", "K"), num_warps=warps,
-                    num_stages=stages)
+                    "out_ptr": "*fp32" if partial else f"*{dt}", "M": i32, "N": i32, "K": i32, "K_PART": i32},
+                    {"HAS_BIAS": bias, "PARTIAL": partial, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                     "BLOCK_K": block_k, "IEEE": dt == "fp32"}, aligned=("x_ptr", "w_ptr", "out_ptr", "K", "K_PART"),
+                    num_warps=warps, num_stages=stages)
+        for bias in (False, True):
+            compile_one("fp8_product", "_sum_parts_kernel", {
+                "parts_ptr": "*fp32", "scale_ptr": "*fp32", "bias_ptr": f"*{dt}", "out_ptr": f"*{dt}", "MN": i32,
+                "N": i32}, {"PARTS": 4, "HAS_BIAS": bias, "BLOCK": fp8.SUM_BLOCK}, aligned=("parts_ptr", "out_ptr"))
     qm = mods["query_mean"]
     for dt, out in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
         compile_one("query_mean", "_query_mean_kernel", {

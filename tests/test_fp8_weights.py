@@ -10,7 +10,8 @@ import torch
 from benchmark_scripts import load
 from tokenselect import LLM, SamplingParams
 from tokenselect.data import prose_text
-from tokenselect.kernels.fp8_product import MAX_ROWS, fp8_weight_product, fp8_weight_product_ref
+from tokenselect.kernels import fp8_product
+from tokenselect.kernels.fp8_product import MAX_ROWS, fp8_weight_product, fp8_weight_product_ref, parts_for
 from tokenselect.kernels.fp8_quant import FP8, quantize_fp8_ref, quantize_fp8_rows
 from tokenselect.models import registry
 from tokenselect.models.fp8 import PROJECTIONS, Fp8Linear, fp8_product_ref, quantizes
@@ -87,6 +88,41 @@ def test_fp8_weight_product_matches_reference(rows, n, k, dtype):
     with pytest.raises(ValueError, match="at most 32 rows"):
         fp8_weight_product(torch.zeros(MAX_ROWS + 1, k, dtype=dtype, device=DEVICE), weight.to(DEVICE),
                            scale.to(DEVICE))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 7])
+@pytest.mark.parametrize("rows, n, k, bias", [(1, 48, 1024, True), (17, 40, 1000, False), (32, 64, 4097, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_weight_product_in_parts_of_k_matches_reference(parts, rows, n, k, bias, dtype):
+    """K split into parts, summed by the second kernel: parts that do not divide K, a last part shorter than a
+    BLOCK_K step, more parts asked for than K has steps (1000 columns are 4 steps of 256: 7 parts become 4); with and
+    without a bias. Against the reference within the output's rounding, and the same bits on a second call."""
+    gen = torch.Generator().manual_seed(parts * 1000 + rows)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
+    scale = torch.tensor([0.003])
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    args = [t if t is None else t.to(DEVICE) for t in (x, weight, scale, b)]
+    got = fp8_weight_product(*args, parts=parts)
+    want = fp8_weight_product_ref(x, weight, scale, b)
+    torch.testing.assert_close(got.cpu(), want, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else
+                                                 {"atol": 2e-2, "rtol": 8e-3}))
+    assert same(fp8_weight_product(*args, parts=parts), got)
+
+
+def test_parts_for_fills_the_gpu_without_splitting_past_its_steps():
+    """About PROGRAMS_PER_SM programs an SM, rounded down; never a part of fewer than MIN_PART_STEPS steps; one part
+    where the outputs alone fill the GPU. The Llama-3-8B shape on 132 SMs: qkv 2 parts, o 4, gate_up 1, down 4."""
+    per_sm, min_steps = fp8_product.PROGRAMS_PER_SM, fp8_product.MIN_PART_STEPS
+    assert (per_sm, min_steps) == (4, 2)
+    assert [parts_for(n, k, 32, 256, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == \
+        [2, 4, 1, 4]
+    assert parts_for(32 * 33, 256 * 8, 32, 256, 132) == 4  # 528 // 33 = 16 programs a tile, capped at 8 steps // 2
+    assert parts_for(32 * 176, 256 * 64, 32, 256, 132) == 3  # 528 // 176 = 3 exactly
+    assert parts_for(32 * 177, 256 * 64, 32, 256, 132) == 2  # one output tile more: rounded down
+    assert parts_for(32 * 600, 256 * 64, 32, 256, 132) == 1  # the outputs fill the GPU
+    assert parts_for(32, 256 * 3, 32, 256, 132) == 1  # three steps: no two parts of two
+    assert parts_for(32, 256 * 4, 32, 256, 132) == 2
 
 
 @pytest.mark.parametrize("rows", [1, MAX_ROWS, MAX_ROWS + 1, 100])
