@@ -13,8 +13,9 @@ from tokenselect.data import prose_text
 from tokenselect.kernels import fp8_product
 from tokenselect.kernels.fp8_product import MAX_ROWS, fp8_weight_product, fp8_weight_product_ref, parts_for
 from tokenselect.kernels.fp8_quant import FP8, quantize_fp8_ref, quantize_fp8_rows
-from tokenselect.models import registry
-from tokenselect.models.fp8 import PROJECTIONS, Fp8Linear, fp8_product_ref, quantizes
+from tokenselect.data import default_model_path
+from tokenselect.models import loader, registry
+from tokenselect.models.fp8 import PROJECTIONS, Fp8Linear, fp8_product_ref, quantizes, use_fp8_weights
 from tokenselect.models.loader import chat_token_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -194,6 +195,41 @@ def test_fp8_weights_keep_the_shipped_models_next_tokens_mostly(shipped_pair):
     assert loss[0] < loss[1] < loss[0] * 1.1
     out = fp8.generate([ids[:200]], SamplingParams(max_tokens=8, temperature=0))[0]
     assert len(out.token_ids) == 8
+
+
+def test_fp8_weights_are_quantized_as_the_checkpoint_is_read(monkeypatch, shipped_pair):
+    """Loading with fp8 weights quantizes each projection as soon as its last part (q, k and v for qkv_proj) has
+    been read, before the next tensor is: its 16-bit copy is never held beside the rest of the model's. The model
+    made so equals the 16-bit one converted afterwards (``use_fp8_weights``), every tensor of its state bit for bit.
+    """
+    events = []
+    read, quantize = loader._safetensors, loader.quantized_state
+
+    def reading(path):
+        for name, tensor in read(path):
+            events.append(("read", name))
+            yield name, tensor
+
+    def quantizing(name, weight):
+        events.append(("quantize", name))
+        return quantize(name, weight)
+
+    monkeypatch.setattr(loader, "_safetensors", reading)
+    monkeypatch.setattr(loader, "quantized_state", quantizing)
+    plain = shipped_pair[0].model
+    model = loader.Checkpoint(default_model_path()).load(torch.float32, torch.device("cpu"), fp8_weights=True)
+    made = [name for kind, name in events if kind == "quantize"]
+    assert len(made) == len(set(made)) == 4 * len(plain.model.layers)
+    read_at = {name: i for i, (kind, name) in enumerate(events) if kind == "read"}
+    for i, (kind, name) in enumerate(events):
+        if kind == "quantize":  # the event just before: the read of the projection's last part
+            assert max(read_at[part] for part, _ in loader.checkpoint_parts(model, name)) == i - 1, name
+    converted = loader.Checkpoint(default_model_path()).load(torch.float32, torch.device("cpu"))
+    use_fp8_weights(converted)
+    want, got = converted.state_dict(), model.state_dict()
+    assert want.keys() == got.keys()
+    assert all(same(got[k], want[k]) for k in want)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
 
 
 def test_a_bad_weight_dtype_is_a_clear_error():

@@ -156,7 +156,7 @@ class LLM:
         with self._stop_ranks_on_failure():
             self.tokenizer = checkpoint.tokenizer()
             self.dtype = resolve_dtype(dtype, self.device, self.config.dtype)
-            self.model = checkpoint.load(self.dtype, self.device, self.tp)
+            self.model = checkpoint.load(self.dtype, self.device, self.tp, fp8_weights=self._fp8_weights(settings))
             self._start(attention, dtype=dtype, device=device, **settings)
 
     @classmethod
@@ -173,8 +173,20 @@ class LLM:
         with llm._stop_ranks_on_failure():
             llm.dtype = resolve_dtype(dtype, llm.device)
             llm.model = random_model(llm.config, llm.dtype, llm.device, seed, llm.tp)
+            if llm._fp8_weights(settings):
+                use_fp8_weights(llm.model)
+                if llm.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the 16-bit weights' blocks, before the KV pool is sized by the free memory
             llm._start(attention, dtype=dtype, device=device, **settings)
         return llm
+
+    def _fp8_weights(self, settings: dict) -> bool:
+        """Whether the settings ask for fp8 weights (``weight_dtype``); if so, checked first that this device can
+        multiply them (before a model is loaded)."""
+        fp8 = split_settings(settings)[0].weight_dtype == "fp8"
+        if fp8:
+            check_fp8_products(self.device)
+        return fp8
 
     def _parallel(self, attention: str, settings: dict, build: tuple) -> "parallel.TensorParallel | None":
         """With ``tensor_parallel_size`` N > 1, this process's place among N ranks (``parallel.start``: rank 0
@@ -205,11 +217,6 @@ class LLM:
         """settings: the engine's (``EngineSettings``, which checks them) and the policy's."""
         s, policy_settings = split_settings(settings)
         self.settings = s
-        if s.weight_dtype == "fp8":
-            check_fp8_products(self.device)
-            use_fp8_weights(self.model)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the 16-bit weights' blocks, before the KV pool is sized by the free memory
         cfg = self.model.config  # a tensor-parallel rank's: its share of the heads (``parallel.local_config``)
         self.window = self.config.window
         rope = cfg.rope

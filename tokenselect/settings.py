@@ -184,8 +184,10 @@ class EngineSettings(Validated):
     weight_dtype: str = setting("auto", "the four projections of every layer: auto (in dtype), fp8 (e4m3 with one "
                                         "scale a matrix: half the weight bytes a decode step reads, whose rows are "
                                         "multiplied as they are, and the fp8 matrix rate over a prefill chunk, whose "
-                                        "rows are quantized with a scale a token; Hopper GPUs and CPUs; the "
-                                        "embeddings, norms and output head stay in dtype)", choices=("auto", "fp8"))
+                                        "rows are quantized with a scale a token; Hopper GPUs and CPUs; each "
+                                        "matrix quantized as the checkpoint is read, so a model whose 16-bit "
+                                        "weights would not fit loads; the embeddings, norms and output head stay "
+                                        "in dtype)", choices=("auto", "fp8"))
     device: str | None = setting(None, "cpu or cuda", none="cuda if available")
     kv_cache_tokens: int | None = setting(None, "size of the KV pool", unit="tokens", low=1, kind=int,
                                           none="what fits in the free memory")

@@ -41,10 +41,10 @@ class Fp8Linear(nn.Module):
         if out_features % 16 or in_features % 16:
             raise ValueError(f"fp8 weights need matrix sides that are multiples of 16 (cuBLAS's fp8 product); this "
                              f"model has a {out_features} x {in_features} projection")
-        weight, scale = quantize_fp8_ref(linear.weight)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("weight_scale_row", scale.expand(1, out_features).contiguous())  # the row-wise product's
+        state = quantized_state("weight", linear.weight)
+        self.weight = nn.Parameter(state["weight"], requires_grad=False)
+        self.register_buffer("weight_scale", state["weight_scale"])
+        self.register_buffer("weight_scale_row", state["weight_scale_row"])
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,16 @@ class RowParallelFp8Linear(Fp8Linear):
         return out
 
 
+def quantized_state(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An ``Fp8Linear``'s state made from its 16-bit weight [out, in] (name: the weight's, ``...proj.weight``): the
+    weight in e4m3, its scale [1] and that scale expanded to [1, out] (the contiguous row of scales cuBLAS's row-wise
+    product takes), keyed as in the module's state dict."""
+    prefix = name.removesuffix("weight")
+    q, scale = quantize_fp8_ref(weight)
+    return {name: q, f"{prefix}weight_scale": scale,
+            f"{prefix}weight_scale_row": scale.expand(1, weight.shape[0]).contiguous()}
+
+
 def fp8_product_ref(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     """What ``Fp8Linear`` computes over many rows, in plain fp32 arithmetic: x [n, in] quantized with a scale a row,
     its fp8 values multiplied by the weight's (each product exact in fp32) and summed in fp32, times the two scales,
@@ -87,7 +97,8 @@ def fp8_product_ref(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
 def use_fp8_weights(model: nn.Module) -> None:
     """Replace every projection of ``model`` (``PROJECTIONS``, by module name) by its ``Fp8Linear``, one at a time,
     each 16-bit weight freed as its fp8 copy is made. A tensor-parallel rank's row-parallel projections
-    (``parallel.RowParallelLinear``) become ``RowParallelFp8Linear``, keeping their all-reduce."""
+    (``parallel.RowParallelLinear``) become ``RowParallelFp8Linear``, keeping their all-reduce. On a model on the
+    meta device (``loader.build_model``'s, before it is filled) this makes the fp8 modules to be loaded into."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if name in PROJECTIONS and isinstance(child, nn.Linear):

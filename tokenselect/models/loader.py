@@ -13,6 +13,8 @@ from safetensors import safe_open
 from .. import parallel
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..kernels.fp8_quant import FP8
+from .fp8 import quantized_state, use_fp8_weights
 from .gguf import GGUFCheckpoint, is_gguf
 from .llama import FUSED, CausalLM
 
@@ -82,20 +84,25 @@ def _safetensors(path: Path):
 
 
 def build_model(cfg: ModelConfig, tensors, dtype: torch.dtype, device: torch.device, where: str,
-                tp=None) -> CausalLM:
+                tp=None, fp8_weights: bool = False) -> CausalLM:
     """Build the model for ``cfg`` and fill it from ``tensors``, (Hugging Face name, tensor) pairs read one
     at a time. A stacked projection is allocated once on the device and each of its parts copied into its
     rows as it arrives (``checkpoint_parts``), so loading holds no second copy of the weights.
     ``where`` names the checkpoint in errors. tp: a ``parallel.TensorParallel``: the rank's shard of the model,
-    each tensor cut to the rank's part as it is read (``parallel.shard_tensor``)."""
+    each tensor cut to the rank's part as it is read (``parallel.shard_tensor``). fp8_weights: the projections
+    as ``fp8.Fp8Linear``, each quantized as soon as its last part is read, so that a projection is held in ``dtype``
+    only while its parts arrive: a model loads whose 16-bit weights would not fit the device."""
     if tp is not None:
         tensors = ((name, parallel.shard_tensor(name, t, tp.rank, tp.world)) for name, t in tensors)
     with torch.device("meta"):
         model = CausalLM(cfg if tp is None else parallel.local_config(cfg, tp.world))
         if tp is not None:
             parallel.parallelize(model, tp, cfg.vocab_size)
+        if fp8_weights:
+            use_fp8_weights(model)
     expected = dict(model.named_parameters())
     parts = {name: (param, rows) for param in expected for name, rows in checkpoint_parts(model, param)}
+    unread = {param: len(checkpoint_parts(model, param)) for param in expected}  # parts not yet read
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     for name, tensor in tensors:
@@ -112,6 +119,9 @@ def build_model(cfg: ModelConfig, tensors, dtype: torch.dtype, device: torch.dev
                 state[param] = torch.empty(expected[param].shape, dtype=dtype, device=device)
             state[param][rows].copy_(tensor)
         seen.add(name)
+        unread[param] -= 1
+        if not unread[param] and expected[param].dtype == FP8:
+            state.update(quantized_state(param, state.pop(param)))
     if cfg.tie_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
         seen.add("lm_head.weight")
@@ -135,10 +145,11 @@ class Checkpoint:
         self.config = (ModelConfig.from_dict(self.gguf.config) if self.gguf is not None
                        else ModelConfig.from_folder(self.path))
 
-    def load(self, dtype: torch.dtype, device: torch.device, tp=None) -> CausalLM:
-        """The model (with ``tp``, a ``parallel.TensorParallel``: this rank's shard of it)."""
+    def load(self, dtype: torch.dtype, device: torch.device, tp=None, fp8_weights: bool = False) -> CausalLM:
+        """The model (with ``tp``, a ``parallel.TensorParallel``: this rank's shard of it; with ``fp8_weights``, its
+        projections in fp8, ``build_model``)."""
         tensors = self.gguf.tensors() if self.gguf is not None else _safetensors(self.path)
-        return build_model(self.config, tensors, dtype, device, str(self.path), tp)
+        return build_model(self.config, tensors, dtype, device, str(self.path), tp, fp8_weights)
 
     def tokenizer(self):
         return self.gguf.tokenizer() if self.gguf is not None else load_tokenizer(self.path)
