@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 # (benchmarks/: this script's folder)
+from fp8_weights_gpu import cell, write_report
 from scores_epilogue_gpu import graph_ms
 from tokenselect.bench.floors import copy_bandwidth
 from tokenselect.kernels import fp8_quant
@@ -60,21 +61,15 @@ def main(out: str, other: str | None) -> None:
                          "equals_reference": same})
             print(json.dumps(rows[-1]), flush=True)
         del xs
-    outdir = Path(out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "fp8_quant.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                       "copy_bandwidth": bandwidth, "rows": rows}, indent=1))
-    lines = [f"# A prefill chunk's rows quantized to fp8, {torch.cuda.get_device_name()} (copy bandwidth "
-             f"{bandwidth / 1e12:.2f} TB/s, torch {torch.__version__})", "",
-             f"`python benchmarks/fp8_quant_gpu.py OUTDIR{' --other ' + other if other else ''}`. us a call "
-             f"({ROWS} rows, a CUDA graph of {LAYERS} inputs past L2); the floor reads x and writes q once.", "",
-             "| input | width | version | us | floor us | floor fraction | equals the reference |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['input']} | {r['width']} | {r['version']} | {r['us']} | {r['floor_us']} | {r['floor_fraction']} | "
-              f"{'yes' if r['equals_reference'] else 'NO'} |" for r in rows]
-    (outdir / "fp8_quant.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    heading = [f"# A prefill chunk's rows quantized to fp8, {torch.cuda.get_device_name()} (copy bandwidth "
+               f"{bandwidth / 1e12:.2f} TB/s, torch {torch.__version__})", "",
+               f"`python benchmarks/fp8_quant_gpu.py OUTDIR{' --other ' + other if other else ''}`. us a call "
+               f"({ROWS} rows, a CUDA graph of {LAYERS} inputs past L2); the floor reads x and writes q once.", ""]
+    columns = {"input": cell("input"), "width": cell("width"), "version": cell("version"), "us": cell("us"),
+               "floor us": cell("floor_us"), "floor fraction": cell("floor_fraction"),
+               "equals the reference": lambda r: "yes" if r["equals_reference"] else "NO"}
+    write_report(out, "fp8_quant", {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "rows": rows},
+                 heading, columns)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -100,26 +100,34 @@ def main(out: str, tokens: tuple[int, ...]) -> None:
                 print(json.dumps(rows[-1]), flush=True)
         del linears, fp8
         torch.cuda.empty_cache()
-    outdir = Path(out)
+    heading = [f"# Matrix products in bf16 and fp8, {torch.cuda.get_device_name()} (copy bandwidth "
+               f"{bandwidth / 1e12:.2f} TB/s, torch {torch.__version__})", "",
+               "`python benchmarks/fp8_weights_gpu.py OUTDIR`. us a product (a CUDA graph of 40, weights past L2); "
+               "the floor reads the weight once.", ""]
+    columns = {"proj": cell("proj"), "M": cell("m"), "variant": cell("variant"),
+               "us": lambda r: f"error: {r['error']}" if "error" in r else r["us"],
+               "weight floor us": cell("weight_floor_us"), "floor fraction": cell("floor_fraction"),
+               "TFLOP/s": cell("tflops"), "rel. error vs bf16": cell("rel_error_vs_bf16")}
+    write_report(out, "fp8_weights", {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "rows": rows},
+                 heading, columns)
+
+
+def write_report(outdir: str | Path, stem: str, payload: dict, heading: list[str], columns: dict) -> None:
+    """OUTDIR/STEM.json (``payload``, whose "rows" the table shows) and OUTDIR/STEM.md: ``heading``'s lines, then a
+    table of a column for each entry of ``columns`` (its header -> a function of a row giving the cell); printed
+    too. (Also the other fp8 scripts' report.)"""
+    outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "fp8_weights.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                                         "copy_bandwidth": bandwidth, "rows": rows}, indent=1))
-    lines = [f"# Matrix products in bf16 and fp8, {torch.cuda.get_device_name()} (copy bandwidth "
-             f"{bandwidth / 1e12:.2f} TB/s, torch {torch.__version__})", "",
-             "`python benchmarks/fp8_weights_gpu.py OUTDIR`. us a product (a CUDA graph of 40, weights past L2); "
-             "the floor reads the weight once.", "",
-             "| proj | M | variant | us | weight floor us | floor fraction | TFLOP/s | rel. error vs bf16 |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['proj']} | {r['m']} | {r['variant']} | error: {r['error']} | | | | |")
-        else:
-            error = "" if r["rel_error_vs_bf16"] is None else r["rel_error_vs_bf16"]
-            lines.append(f"| {r['proj']} | {r['m']} | {r['variant']} | {r['us']} | {r['weight_floor_us']} | "
-                         f"{r['floor_fraction']} | {r['tflops']} | {error} |")
-    (outdir / "fp8_weights.md").write_text("\n".join(lines) + "\n")
+    (outdir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    lines = [*heading, "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(fn(r)) for fn in columns.values()) + " |" for r in payload["rows"]]
+    (outdir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
+
+def cell(key: str):
+    """A column of ``write_report``: the row's ``key``, blank where the row has none."""
+    return lambda r: "" if r.get(key) is None else r[key]
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
