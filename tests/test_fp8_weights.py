@@ -232,6 +232,27 @@ def test_fp8_weights_are_quantized_as_the_checkpoint_is_read(monkeypatch, shippe
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures the GPU allocator's peak")
+def test_loading_with_fp8_weights_never_holds_the_16_bit_model(checkpoint_factory):
+    """A model of 24 layers whose projections are nearly all its bytes, loaded in bf16 on a GPU with fp8 weights: the
+    allocator's peak stays within the fp8 model plus 16 bytes an element of its largest projection (staged in bf16,
+    the quantization's fp32 temporaries, a part's copy on its way in), and under 3/4 of the bf16 model's bytes, which
+    loading first and converting after would have held."""
+    path = checkpoint_factory("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=24,
+                              num_attention_heads=8, num_key_value_heads=2)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = loader.Checkpoint(path).load(torch.bfloat16, torch.device("cuda"), fp8_weights=True)
+    peak = torch.cuda.max_memory_allocated() - base
+    tensors = [*model.parameters(), *model.buffers()]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    largest = max(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+    bf16_model = 2 * sum(t.numel() for t in model.parameters())
+    assert held < peak <= held + 16 * largest, (peak, held, largest)
+    assert peak < 0.75 * bf16_model, (peak, bf16_model)
+
+
 def test_a_bad_weight_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="weight_dtype.*fp8"):
         LLM(None, "full", device="cpu", weight_dtype="int4")
