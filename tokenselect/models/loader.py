@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -102,7 +103,7 @@ def build_model(cfg: ModelConfig, tensors, dtype: torch.dtype, device: torch.dev
             use_fp8_weights(model)
     expected = dict(model.named_parameters())
     parts = {name: (param, rows) for param in expected for name, rows in checkpoint_parts(model, param)}
-    unread = {param: len(checkpoint_parts(model, param)) for param in expected}  # parts not yet read
+    unread = Counter(param for param, _ in parts.values())  # each parameter's parts not yet read
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     for name, tensor in tensors:
